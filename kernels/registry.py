@@ -1,0 +1,126 @@
+"""The explicit registry of benchmark cases.
+
+Each case declares, without importing MLX, its arms and the parameters it takes, so that the head
+can validate a sweep file before anything starts. `load_case(name)` imports the implementing
+module, which must expose `build(params, arms, rng) -> Workload` (timed kernel cases) or, for
+cases of another kind (`command`, `model`), whatever `workers.runner` dispatches to.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+ParamType = type[int] | type[float] | type[str] | type[bool]
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """What a case is called, which arms it has and which parameters it takes."""
+
+    name: str
+    module: str
+    kind: str  # "kernel": timed by workers.measure; "command", "model": their own runners
+    arms: tuple[str, ...]  # empty: the sweep names its arms freely (command cases)
+    params: dict[str, ParamType]
+    required: tuple[str, ...]
+    description: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+CASES: dict[str, CaseSpec] = {}
+
+
+def register(spec: CaseSpec) -> CaseSpec:
+    """Add a case to the registry (a name registered twice is a bug)."""
+    if spec.name in CASES:
+        raise ValueError(f"case {spec.name!r} registered twice")
+    CASES[spec.name] = spec
+    return spec
+
+
+register(
+    CaseSpec(
+        name="qmm",
+        module="kernels.qmm",
+        kind="kernel",
+        arms=("native", "affine", "dequant-gemm", "dense", "custom", "auto"),
+        params={"tokens": int, "n": int, "k": int, "dtype": str},
+        required=("tokens", "n", "k"),
+        defaults={"dtype": "float32"},
+        description="y = x @ W^T with W in NVFP4: decode GEMV (tokens=1) and prefill GEMM",
+    )
+)
+register(
+    CaseSpec(
+        name="moe-gather",
+        module="kernels.moe",
+        kind="kernel",
+        arms=(
+            "native-sorted",
+            "native-unsorted",
+            "affine-sorted",
+            "affine-unsorted",
+            "custom-sorted",
+            "auto-sorted",
+        ),
+        params={
+            "experts": int,
+            "top_k": int,
+            "tokens": int,
+            "hidden": int,
+            "expert_width": int,
+            "dtype": str,
+            "global_scale": bool,
+        },
+        required=("experts", "top_k", "tokens", "hidden", "expert_width"),
+        defaults={"dtype": "float32", "global_scale": True},
+        description="MoE prefill through mx.gather_qmm, sorted and unsorted, per-expert global scale",
+    )
+)
+
+
+def get_case(name: str) -> CaseSpec | None:
+    """The registered case of that name, or None."""
+    return CASES.get(name)
+
+
+def load_case(name: str) -> ModuleType:
+    """Import the module that implements a case."""
+    return importlib.import_module(CASES[name].module)
+
+
+@dataclass
+class ArmPath:
+    """One arm ready to time: `run(*inputs)` returns the output (lazy MLX array)."""
+
+    run: Callable[..., Any]
+    tolerance: float  # largest relative error against the NumPy reference this path may show
+    route: str  # what the arm really runs, e.g. "mx.quantized_matmul(nvfp4)"
+    build_seconds: float = 0.0
+
+
+@dataclass
+class Workload:
+    """One parameter point of a kernel case, built and ready to measure.
+
+    Attributes:
+        arms: the arm name -> its path, in the sweep's order.
+        make_inputs: fresh random inputs (MLX arrays) from a NumPy generator.
+        reference: the NumPy reference output (float64) for those inputs.
+        flops: floating-point operations of one call.
+        bytes_moved: the fewest bytes one call must move (weights, scales, input, output once).
+        tokens: tokens one call processes (for tok/s), 0 where that means nothing.
+        unsupported: arm -> reason, for arms this backend cannot run (recorded, not timed).
+    """
+
+    arms: dict[str, ArmPath]
+    make_inputs: Callable[[Any], tuple[Any, ...]]
+    reference: Callable[..., Any]
+    flops: float
+    bytes_moved: float
+    tokens: int
+    unsupported: dict[str, str] = field(default_factory=dict)

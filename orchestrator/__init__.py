@@ -1,0 +1,1 @@
+"""The head of orchestrate: CLI, specs, scheduling, the result store and analysis."""

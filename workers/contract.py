@@ -1,0 +1,258 @@
+"""The job/record contract between the head and the workers.
+
+A `JobSpec` goes to a worker as JSON; the worker answers with tidy rows (one measured value per
+row) in one versioned Arrow schema, `SCHEMA`. The schema version is written into every Parquet
+file's metadata (`orchestrate.schema_version`); a change to the columns bumps `SCHEMA_VERSION`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+ParamValue = int | float | str | bool
+
+# Parameters that get a typed column of their own; every parameter is also in the `params` map.
+TYPED_PARAMS: dict[str, pa.DataType] = {
+    "tokens": pa.int64(),
+    "n": pa.int64(),
+    "k": pa.int64(),
+    "dtype": pa.string(),
+    "experts": pa.int64(),
+    "top_k": pa.int64(),
+    "hidden": pa.int64(),
+    "expert_width": pa.int64(),
+    "prompt_tokens": pa.int64(),
+    "checkpoint": pa.string(),
+}
+
+STATUS_OK = "ok"
+STATUS_FAILED = "failed"
+STATUS_UNSUPPORTED = "unsupported"
+
+
+class LockSettings(BaseModel):
+    """How a job takes the host's guarded GPU lock (see `workers.gpulock`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = "/tmp/orchestrate-gpu.lock"
+    max_wait: float = Field(default=0.0, ge=0)  # seconds; 0 = no limit
+    idle_secs: float = Field(default=0.0, ge=0)  # quiet time required before a job starts
+    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
+    enabled: bool = True
+    kfd_proc: str = "/sys/class/kfd/kfd/proc"
+    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # percent of one core, CPU/Metal gate
+
+
+class JobSpec(BaseModel):
+    """One job: one case at one parameter point, all its arms, on one device kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    sweep: str
+    job_key: str
+    case: str  # the case kind: qmm, moe-gather, command, model, mlp, ...
+    case_name: str  # the case's name within the sweep (defaults to `case`)
+    params: dict[str, ParamValue]
+    arms: list[str]
+    arm_env: dict[str, dict[str, str]] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)  # case-specific settings
+    device: str
+    backend: str = "cpu"
+    host: str = "local"
+    repetitions: int = Field(ge=1)
+    warmup: int = Field(ge=0)
+    seed: int = 0
+    code_version: str = "unknown"
+    lock: LockSettings = Field(default_factory=LockSettings)
+    spool_dir: str | None = None
+
+
+class HostFingerprint(BaseModel):
+    """What a number was measured on. `fingerprint_id` hashes the stable fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hostname: str
+    os: str
+    machine: str
+    cpu: str
+    cpu_count: int
+    memory_bytes: int
+    gpu: str | None = None
+    gpu_driver: str | None = None
+    mlx_version: str
+    mlx_device: str  # MLX's default device, e.g. "Device(gpu, 0)"
+    backend: str  # cpu, cuda, metal, rocm: what MLX really runs on
+    blas: str | None = None
+    threads: int
+    fingerprint_id: str
+
+
+SCHEMA = pa.schema(
+    [
+        pa.field("schema_version", pa.int32(), nullable=False),
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("sweep", pa.string(), nullable=False),
+        pa.field("job_key", pa.string(), nullable=False),
+        pa.field("case", pa.string(), nullable=False),
+        pa.field("case_name", pa.string(), nullable=False),
+        pa.field("arm", pa.string(), nullable=False),
+        pa.field("device", pa.string(), nullable=False),
+        pa.field("backend", pa.string()),
+        pa.field("host", pa.string()),
+        *[pa.field(name, dtype) for name, dtype in TYPED_PARAMS.items()],
+        pa.field("params", pa.map_(pa.string(), pa.string())),
+        pa.field("metric", pa.string(), nullable=False),
+        pa.field("value", pa.float64()),
+        pa.field("unit", pa.string()),
+        pa.field("sample", pa.int32()),  # -1 for once-per-arm metrics (rel_error, peak memory)
+        pa.field("status", pa.string(), nullable=False),
+        pa.field("contended", pa.bool_()),
+        pa.field("error", pa.string()),
+        pa.field("started_at", pa.timestamp("us", tz="UTC")),
+        pa.field("lock_wait_s", pa.float64()),
+        pa.field("lock_attempts", pa.int32()),
+        pa.field("contention_samples", pa.int32()),
+        pa.field("foreign_pids", pa.list_(pa.int64())),
+        pa.field("env", pa.map_(pa.string(), pa.string())),
+        pa.field("mlx_version", pa.string()),
+        pa.field("code_version", pa.string()),
+        pa.field("route", pa.string()),  # which implementation an arm really took
+        pa.field("commit", pa.string()),  # external code's commit (command cases)
+        pa.field("flops", pa.float64()),
+        pa.field("bytes_moved", pa.float64()),
+        pa.field("peak_copy_gb_s", pa.float64()),
+        pa.field("peak_tflop_s", pa.float64()),
+        pa.field("hostname", pa.string()),
+        pa.field("os", pa.string()),
+        pa.field("cpu", pa.string()),
+        pa.field("cpu_count", pa.int32()),
+        pa.field("memory_bytes", pa.int64()),
+        pa.field("gpu", pa.string()),
+        pa.field("gpu_driver", pa.string()),
+        pa.field("mlx_device", pa.string()),
+        pa.field("blas", pa.string()),
+        pa.field("threads", pa.int32()),
+        pa.field("fingerprint_id", pa.string()),
+        pa.field("extra", pa.map_(pa.string(), pa.string())),
+    ],
+    metadata={"orchestrate.schema_version": str(SCHEMA_VERSION)},
+)
+
+META_SCHEMA_VERSION = b"orchestrate.schema_version"
+META_JOB_KEY = b"orchestrate.job_key"
+META_JOB_STATUS = b"orchestrate.job_status"
+
+
+class JobContext(BaseModel):
+    """Per-job facts copied into every row: lock outcome, route, commit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    started_at: dt.datetime
+    lock_wait_s: float = 0.0
+    lock_attempts: int = 1
+    contention_samples: int = 0
+    contended: bool = False
+    foreign_pids: list[int] = Field(default_factory=list)
+    commit: str | None = None
+
+
+class RowBuilder:
+    """Makes rows for one job: the common columns once, the measured value per call."""
+
+    def __init__(self, job: JobSpec, fingerprint: HostFingerprint, context: JobContext) -> None:
+        self.job = job
+        self.fingerprint = fingerprint
+        self.context = context
+        self.rows: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        arm: str,
+        metric: str,
+        value: float | None,
+        unit: str,
+        *,
+        sample: int = -1,
+        status: str = STATUS_OK,
+        error: str | None = None,
+        route: str | None = None,
+        flops: float | None = None,
+        bytes_moved: float | None = None,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        """Append one row: one measured value of one arm."""
+        job, fp, ctx = self.job, self.fingerprint, self.context
+        row: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": job.run_id,
+            "sweep": job.sweep,
+            "job_key": job.job_key,
+            "case": job.case,
+            "case_name": job.case_name,
+            "arm": arm,
+            "device": job.device,
+            "backend": fp.backend,
+            "host": job.host,
+            "params": [(k, str(v)) for k, v in sorted(job.params.items())],
+            "metric": metric,
+            "value": None if value is None else float(value),
+            "unit": unit,
+            "sample": sample,
+            "status": status,
+            "contended": ctx.contended,
+            "error": error,
+            "started_at": ctx.started_at,
+            "lock_wait_s": ctx.lock_wait_s,
+            "lock_attempts": ctx.lock_attempts,
+            "contention_samples": ctx.contention_samples,
+            "foreign_pids": list(ctx.foreign_pids),
+            "env": sorted(job.arm_env.get(arm, {}).items()),
+            "mlx_version": fp.mlx_version,
+            "code_version": job.code_version,
+            "route": route,
+            "commit": ctx.commit,
+            "flops": flops,
+            "bytes_moved": bytes_moved,
+            "peak_copy_gb_s": None,
+            "peak_tflop_s": None,
+            "hostname": fp.hostname,
+            "os": fp.os,
+            "cpu": fp.cpu,
+            "cpu_count": fp.cpu_count,
+            "memory_bytes": fp.memory_bytes,
+            "gpu": fp.gpu,
+            "gpu_driver": fp.gpu_driver,
+            "mlx_device": fp.mlx_device,
+            "blas": fp.blas,
+            "threads": fp.threads,
+            "fingerprint_id": fp.fingerprint_id,
+            "extra": sorted((extra or {}).items()),
+        }
+        for name in TYPED_PARAMS:
+            raw = job.params.get(name)
+            row[name] = raw
+        self.rows.append(row)
+
+    def table(self, job_status: str) -> pa.Table:
+        """All rows so far as one Arrow table in `SCHEMA`, the job status in its metadata."""
+        return rows_to_table(self.rows, job_key=self.job.job_key, job_status=job_status)
+
+
+def rows_to_table(rows: list[dict[str, Any]], *, job_key: str, job_status: str) -> pa.Table:
+    """Rows (dicts keyed by column) as an Arrow table in `SCHEMA` with the job's metadata."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    meta = dict(SCHEMA.metadata or {})
+    meta[META_JOB_KEY] = job_key.encode()
+    meta[META_JOB_STATUS] = job_status.encode()
+    return table.replace_schema_metadata(meta)
