@@ -32,8 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # GB as the seeds' tools print it is decimal (1e9); GiB/MiB are binary.
-_MEMORY_UNITS = {"B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2.0**10, "MIB": 2.0**20,
-                 "GIB": 2.0**30, "TIB": 2.0**40}
+_MEMORY_UNITS = {
+    "B": 1.0,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2.0**10,
+    "MIB": 2.0**20,
+    "GIB": 2.0**30,
+    "TIB": 2.0**40,
+}
 _TEXT_KEYS = ("text", "output", "generated_text")
 _NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
 
@@ -66,9 +75,16 @@ class ParsedOutput:
 
 def unit_for(metric: str) -> str:
     """The unit a metric's name implies (`decode_tok_s` -> `tok/s`), or "" when it says none."""
-    for suffix, unit in (("_tok_s", "tok/s"), ("_bytes", "bytes"), ("_seconds", "s"), ("_ms", "ms"),
-                         ("_gb_per_s", "GB/s"), ("_tflop_per_s", "TFLOP/s"), ("_tokens", "tokens"),
-                         ("_s", "s")):
+    for suffix, unit in (
+        ("_tok_s", "tok/s"),
+        ("_bytes", "bytes"),
+        ("_seconds", "s"),
+        ("_ms", "ms"),
+        ("_gb_per_s", "GB/s"),
+        ("_tflop_per_s", "TFLOP/s"),
+        ("_tokens", "tokens"),
+        ("_s", "s"),
+    ):
         if metric.endswith(suffix):
             return unit
     return ""
@@ -112,7 +128,7 @@ def parse_bench_decode(output: str) -> ParsedOutput:
         parsed.add("load_seconds", float(load.group(1)), "s")
         if load.group(2) is not None:
             parsed.add("load_peak_memory_bytes", _memory_bytes(load.group(2), load.group(3)), "bytes")
-    block = output[profile.end():]
+    block = output[profile.end() :]
     for m in _COUNT_RE.finditer(block):
         parsed.add(f"{m.group(1).lower()}_tokens", float(m.group(2)), "tokens")
     phases = 0
@@ -127,7 +143,7 @@ def parse_bench_decode(output: str) -> ParsedOutput:
     if peak is not None:
         parsed.add("peak_memory_bytes", _memory_bytes(peak.group(1), peak.group(2)), "bytes")
     text_start = output.find("\n", load.end()) + 1 if load is not None else 0
-    text = output[text_start:profile.start()].strip("\n")
+    text = output[text_start : profile.start()].strip("\n")
     parsed.text = text if text.strip() else None
     return parsed
 
@@ -171,7 +187,7 @@ def parse_json_lines(output: str, prefix: str | None = None) -> ParsedOutput:
         if prefix is not None:
             if not stripped.startswith(prefix):
                 continue
-            payload = stripped[len(prefix):].strip()
+            payload = stripped[len(prefix) :].strip()
         elif stripped.startswith("{"):
             payload = stripped
         else:
@@ -190,8 +206,9 @@ def parse_json_lines(output: str, prefix: str | None = None) -> ParsedOutput:
 # ------------------------------------------------------------------------------------------ regex
 
 
-def parse_regex(output: str, patterns: dict[str, str], units: dict[str, str] | None = None,
-                text: str | None = None) -> ParsedOutput:
+def parse_regex(
+    output: str, patterns: dict[str, str], units: dict[str, str] | None = None, text: str | None = None
+) -> ParsedOutput:
     """Parse with named regular expressions: one pattern per metric, every match one value.
 
     Args:
@@ -221,9 +238,9 @@ def parse_regex(output: str, patterns: dict[str, str], units: dict[str, str] | N
         if not found:
             raise OutputParseError(f"{metric}: pattern {pattern!r} matched nothing")
     if text is not None:
-        m = re.search(text, output, re.M)
-        if m is not None:
-            parsed.text = m.group(1 if m.re.groups else 0)
+        found_text = re.search(text, output, re.M)
+        if found_text is not None:
+            parsed.text = found_text.group(1 if found_text.re.groups else 0)
     return parsed
 
 
@@ -252,8 +269,12 @@ def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
                 raise ValueError(f"parse.patterns.{metric}: bad regular expression ({exc})") from None
         units = spec.get("units") or {}
         text = spec.get("text")
-        return lambda out: parse_regex(out, {str(k): str(v) for k, v in patterns.items()},
-                                       {str(k): str(v) for k, v in units.items()}, text)
+        return lambda out: parse_regex(
+            out,
+            {str(k): str(v) for k, v in patterns.items()},
+            {str(k): str(v) for k, v in units.items()},
+            text,
+        )
     raise ValueError(f"parse.kind: {kind!r} is not one of bench-decode, json-lines, prefixed-json, regex")
 
 

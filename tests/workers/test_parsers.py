@@ -104,7 +104,10 @@ def test_plain_json_lines_keep_every_value_in_order() -> None:
 def test_named_regexes() -> None:
     spec = {
         "kind": "regex",
-        "patterns": {"throughput_tok_s": r"(?P<value>[\d.]+) tokens/sec", "latency_ms": r"latency ([\d.]+) ms"},
+        "patterns": {
+            "throughput_tok_s": r"(?P<value>[\d.]+) tokens/sec",
+            "latency_ms": r"latency ([\d.]+) ms",
+        },
         "text": r"<out>(.*)</out>",
     }
     parsed = parser_for(spec)(fixture("regex_ok.txt"))
@@ -115,7 +118,7 @@ def test_named_regexes() -> None:
         ("latency_ms", 8.06, "ms"),
     ]
     assert parsed.text == "hello world"
-    with pytest.raises(OutputParseError, match="latency_ms: pattern .* matched nothing"):
+    with pytest.raises(OutputParseError, match=r"latency_ms: pattern .* matched nothing"):
         parse_regex("run 1: 5 tokens/sec\n", {"latency_ms": r"latency ([\d.]+) ms"})
     with pytest.raises(OutputParseError, match="not a number"):
         parse_regex("latency abc ms", {"latency_ms": r"latency (\w+) ms"})
@@ -126,9 +129,9 @@ def test_named_regexes() -> None:
 def test_bad_parse_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown parser 'csv'"):
         parser_for("csv")
-    with pytest.raises(ValueError, match="parse.patterns.x: bad regular expression"):
+    with pytest.raises(ValueError, match=r"parse\.patterns\.x: bad regular expression"):
         parser_for({"kind": "regex", "patterns": {"x": "("}})
-    with pytest.raises(ValueError, match="parse.prefix"):
+    with pytest.raises(ValueError, match=r"parse\.prefix"):
         parser_for({"kind": "prefixed-json"})
-    with pytest.raises(ValueError, match="parse.kind"):
+    with pytest.raises(ValueError, match=r"parse\.kind"):
         parser_for({"kind": "xml"})
