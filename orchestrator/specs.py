@@ -101,7 +101,9 @@ class CaseEntry(Strict):
         if spec.arms:
             for arm in arms:
                 if arm not in spec.arms:
-                    raise ValueError(f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})")
+                    raise ValueError(
+                        f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
+                    )
         for key, values in self.axes().items():
             if not values:
                 raise ValueError(f"params.{key}: empty axis")

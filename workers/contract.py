@@ -192,7 +192,7 @@ class RowBuilder:
         extra: dict[str, str] | None = None,
     ) -> None:
         """Append one row: one measured value of one arm."""
-        job, fp, ctx = self.job, self.fingerprint, self.context
+        job, fp = self.job, self.fingerprint
         row: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "run_id": job.run_id,
@@ -210,18 +210,11 @@ class RowBuilder:
             "unit": unit,
             "sample": sample,
             "status": status,
-            "contended": ctx.contended,
             "error": error,
-            "started_at": ctx.started_at,
-            "lock_wait_s": ctx.lock_wait_s,
-            "lock_attempts": ctx.lock_attempts,
-            "contention_samples": ctx.contention_samples,
-            "foreign_pids": list(ctx.foreign_pids),
             "env": sorted(job.arm_env.get(arm, {}).items()),
             "mlx_version": fp.mlx_version,
             "code_version": job.code_version,
             "route": route,
-            "commit": ctx.commit,
             "flops": flops,
             "bytes_moved": bytes_moved,
             "peak_copy_gb_s": None,
@@ -245,7 +238,20 @@ class RowBuilder:
         self.rows.append(row)
 
     def table(self, job_status: str) -> pa.Table:
-        """All rows so far as one Arrow table in `SCHEMA`, the job status in its metadata."""
+        """All rows so far as one Arrow table in `SCHEMA`, the job status in its metadata.
+
+        The job-level facts (lock wait, attempts, contention, commit) are taken from the context
+        now, at the end of the job, when they are known.
+        """
+        ctx = self.context
+        for row in self.rows:
+            row["contended"] = ctx.contended
+            row["started_at"] = ctx.started_at
+            row["lock_wait_s"] = ctx.lock_wait_s
+            row["lock_attempts"] = ctx.lock_attempts
+            row["contention_samples"] = ctx.contention_samples
+            row["foreign_pids"] = list(ctx.foreign_pids)
+            row["commit"] = ctx.commit
         return rows_to_table(self.rows, job_key=self.job.job_key, job_status=job_status)
 
 

@@ -1,0 +1,41 @@
+"""Terminal output: rich tables and live progress on a terminal, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.summary import ArmSummary, format_value
+
+
+def console() -> Console:
+    """The console for stdout; plain (no colour, no live display) when not a terminal."""
+    tty = sys.stdout.isatty()
+    return Console(
+        highlight=False, soft_wrap=not tty, force_terminal=None if tty else False, width=None if tty else 200
+    )
+
+
+def summary_table(lines: list[ArmSummary], baseline: str | None, title: str) -> Table:
+    """The `orchestrate results` table."""
+    table = Table(title=title, title_justify="left")
+    for name in ("device", "backend", "case", "params", "arm", "metric", "median", "IQR %", "n"):
+        table.add_column(name, justify="right" if name in ("median", "IQR %", "n") else "left")
+    table.add_column(f"vs {baseline}" if baseline else "vs baseline", justify="right")
+    for s in lines:
+        ratio = "" if s.vs_baseline is None else f"{s.vs_baseline:.3f}x"
+        table.add_row(
+            s.device,
+            s.backend,
+            s.case,
+            s.params,
+            s.arm,
+            s.metric,
+            format_value(s.median, s.unit),
+            f"{s.spread_pct:.1f}",
+            str(s.n),
+            ratio,
+        )
+    return table

@@ -1,0 +1,145 @@
+"""The Ray executor: one Ray task per job, scheduled by device kind.
+
+Each worker node carries the labels `device-kind`, `backend` and `host` and offers exactly one
+`gpu_slot`, so Ray runs one GPU job per host at a time and only on hosts of the job's kind. With
+an embedded inventory, Ray is started here (`ray.init(address="local", ...)`) with this machine's
+labels from `inventories/local.toml`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from orchestrator.errors import InfrastructureError
+from orchestrator.specs import InventorySpec
+from workers.contract import STATUS_FAILED, HostFingerprint, JobContext, JobSpec, RowBuilder
+
+OnDone = Callable[[JobSpec, pa.Table], None]
+
+
+def lost_job_table(job: JobSpec, error: str) -> pa.Table:
+    """Failed rows for a job whose host or worker was lost (no host fingerprint is known)."""
+    unknown = HostFingerprint(
+        hostname="unknown",
+        os="unknown",
+        machine="unknown",
+        cpu="unknown",
+        cpu_count=0,
+        memory_bytes=0,
+        mlx_version="unknown",
+        mlx_device="unknown",
+        backend=job.backend,
+        threads=0,
+        fingerprint_id="unknown",
+    )
+    rows = RowBuilder(job, unknown, JobContext(started_at=dt.datetime.now(dt.UTC)))
+    for arm in job.arms:
+        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+    return rows.table(STATUS_FAILED)
+
+
+class RayExecutor:
+    """Runs jobs as Ray tasks on the inventory's cluster (or an embedded local instance)."""
+
+    def __init__(self, inventory: InventorySpec, *, job_timeout: float | None = None) -> None:
+        self.inventory = inventory
+        self.job_timeout = job_timeout
+        self._started = False
+
+    def __enter__(self) -> RayExecutor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        """Start the embedded Ray instance, or connect to the inventory's head."""
+        import ray
+
+        if ray.is_initialized():
+            self._started = False
+            return
+        common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
+        try:
+            if self.inventory.embedded:
+                host = self.inventory.hosts[0]
+                ray.init(
+                    address="local",
+                    labels={"device-kind": host.device, "backend": host.backend, "host": host.name},
+                    resources={"gpu_slot": 1},
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    **common,
+                )
+            else:
+                head = self.inventory.head
+                ray.init(address=f"{head.address}:{head.ray_port}", **common)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise InfrastructureError(f"cannot start or reach Ray: {exc}") from None
+        self._started = True
+
+    def shutdown(self) -> None:
+        """Stop what `start` started (an embedded instance, or our connection to the head)."""
+        import ray
+
+        if self._started and ray.is_initialized():
+            ray.shutdown()
+        self._started = False
+
+    def live_kinds(self) -> set[str]:
+        """Device kinds with at least one live node offering a GPU slot."""
+        import ray
+
+        kinds: set[str] = set()
+        for node in ray.nodes():
+            if node.get("Alive") and node.get("Resources", {}).get("gpu_slot"):
+                kind = (node.get("Labels") or {}).get("device-kind")
+                if kind:
+                    kinds.add(kind)
+        return kinds
+
+    def check_kinds(self, kinds: Iterable[str]) -> None:
+        """Refuse, before anything runs, a sweep whose device kind has no live node."""
+        live = self.live_kinds()
+        missing = sorted(set(kinds) - live)
+        if missing:
+            have = ", ".join(sorted(live)) or "none"
+            raise InfrastructureError(
+                f"no live Ray node of device kind {missing[0]!r} (live kinds: {have}); "
+                "start its hosts with `orchestrate cluster up`"
+            )
+
+    def run(self, jobs: list[JobSpec], on_done: OnDone) -> None:
+        """Submit every job, call `on_done(job, rows)` as each finishes (in completion order)."""
+        import ray
+        from ray.exceptions import RayError
+
+        from workers.task import execute_job
+
+        remote = ray.remote(execute_job)
+        pending: dict[Any, JobSpec] = {}
+        for job in jobs:
+            ref = remote.options(
+                label_selector={"device-kind": job.device},
+                resources={"gpu_slot": 1},
+                num_cpus=0,
+                max_retries=3,  # a lost node: Ray retries on another live node of the same kind
+                name=f"{job.case_name}:{job.job_key}",
+            ).remote(job.model_dump_json(), self.job_timeout)
+            pending[ref] = job
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                job = pending.pop(ref)
+                try:
+                    table = ray.get(ref)
+                except RayError as exc:
+                    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    table = lost_job_table(job, f"{type(exc).__name__}: {reason}")
+                on_done(job, table)

@@ -1,0 +1,139 @@
+"""Sweep expansion: a sweep and an inventory become jobs keyed by a hash of their content.
+
+A job is one case at one point of its parameter axes, with all its arms, on one device kind.
+Its key hashes everything that changes what it measures (sweep, case, parameters, arms and their
+environment, case options, repetitions, warm-up, code version, device kind), so a stored job
+with the same key is the same measurement and resume may skip it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import itertools
+import json
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from orchestrator.specs import CaseEntry, InventorySpec, SweepSpec
+from workers.contract import JobSpec, LockSettings
+
+OPTION_FIELDS = ("repo", "ref", "build", "run", "parse", "timeout")
+
+
+def new_run_id(now: dt.datetime | None = None) -> str:
+    """A sortable, unique run id such as `20261130T104512Z-3fa9`."""
+    now = now or dt.datetime.now(dt.UTC)
+    return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
+
+
+def code_version() -> str:
+    """The commit of this checkout (with `-dirty` when it has uncommitted changes), or the version."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                "orchestrator",
+                "workers",
+                "kernels",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return f"{head}-dirty" if dirty else head
+    except (OSError, subprocess.CalledProcessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("orchestrate")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+def points(case: CaseEntry) -> list[dict[str, Any]]:
+    """The cartesian product of a case's parameter axes, in file order."""
+    axes = case.axes()
+    keys = list(axes)
+    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def job_key(content: dict[str, Any]) -> str:
+    """A stable hash of a job's content."""
+    blob = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _lock_for(inventory: InventorySpec, kind: str) -> LockSettings:
+    host = next(h for h in inventory.hosts if h.device == kind)
+    return LockSettings(path=host.lock, max_wait=host.max_wait, idle_secs=host.idle_secs)
+
+
+def expand(
+    sweep: SweepSpec,
+    inventory: InventorySpec,
+    kinds: list[str],
+    *,
+    run_id: str,
+    version: str,
+    spool_dir: str | None = None,
+) -> list[JobSpec]:
+    """Every job of the sweep on every device kind it runs on."""
+    jobs: list[JobSpec] = []
+    for case in sweep.cases:
+        case_kinds = case.devices or kinds
+        options = {f: getattr(case, f) for f in OPTION_FIELDS if getattr(case, f) is not None}
+        reps = case.repetitions or sweep.repetitions
+        warmup = case.warmup if case.warmup is not None else sweep.warmup
+        for kind in case_kinds:
+            backend = next(h.backend for h in inventory.hosts if h.device == kind)
+            for params in points(case):
+                content = {
+                    "sweep": sweep.name,
+                    "case": case.case,
+                    "case_name": case.label,
+                    "params": params,
+                    "arms": case.arm_names(),
+                    "arm_env": case.arm_env(),
+                    "options": options,
+                    "repetitions": reps,
+                    "warmup": warmup,
+                    "code_version": version,
+                    "device": kind,
+                }
+                key = job_key(content)
+                jobs.append(
+                    JobSpec(
+                        run_id=run_id,
+                        sweep=sweep.name,
+                        job_key=key,
+                        case=case.case,
+                        case_name=case.label,
+                        params=params,
+                        arms=case.arm_names(),
+                        arm_env=case.arm_env(),
+                        options=options,
+                        device=kind,
+                        backend=backend,
+                        repetitions=reps,
+                        warmup=warmup,
+                        # fresh inputs each run, reproducible from the recorded run id and key
+                        seed=(sweep.seed * 1_000_003 + int(key[:8], 16) + int(run_id.encode().hex()[-8:], 16)) % 2**32,
+                        code_version=version,
+                        lock=_lock_for(inventory, kind),
+                        spool_dir=spool_dir,
+                    )
+                )
+    return jobs

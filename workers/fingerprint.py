@@ -1,0 +1,124 @@
+"""The host fingerprint: what every number was measured on.
+
+Stated plainly in every row: OS, CPU or chip model, memory, GPU name and driver where known, the
+MLX version, MLX's default device and the backend it really runs on, the BLAS that MLX's CPU
+backend ships with, and the thread count the job ran with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+from workers.contract import HostFingerprint
+
+
+def _cpu_model() -> str:
+    if platform.system() == "Darwin":
+        out = _command(["sysctl", "-n", "machdep.cpu.brand_string"])
+        if out:
+            return out
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        out = _command(["sysctl", "-n", "hw.memsize"])
+        return int(out) if out and out.isdigit() else 0
+
+
+def _command(argv: list[str]) -> str | None:
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _nvidia_gpu() -> tuple[str | None, str | None]:
+    out = _command(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+    if not out:
+        return None, None
+    name, _, driver = out.splitlines()[0].partition(",")
+    return name.strip() or None, driver.strip() or None
+
+
+def _blas() -> str | None:
+    """The BLAS MLX's CPU backend links (the Linux wheel bundles netlib's reference BLAS)."""
+    try:
+        import mlx
+
+        for base in mlx.__path__:
+            libs = Path(base).parent / "mlx_cpu.libs"
+            if libs.is_dir():
+                names = sorted(p.name for p in libs.iterdir() if p.name.startswith(("libblas", "libopenblas")))
+                if names:
+                    return f"bundled {names[0]} (netlib reference BLAS)" if "libblas" in names[0] else names[0]
+    except ImportError:
+        return None
+    if platform.system() == "Darwin":
+        return "Accelerate"
+    return None
+
+
+def detect_backend() -> str:
+    """The backend MLX really runs on here: cuda, metal or cpu."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:
+        if mx.cuda.is_available():
+            return "cuda"
+        if mx.metal.is_available():
+            return "metal"
+        return "gpu"
+    return "cpu"
+
+
+def host_fingerprint() -> HostFingerprint:
+    """Fingerprint this host as MLX sees it now."""
+    import mlx.core as mx
+
+    backend = detect_backend()
+    gpu: str | None = None
+    driver: str | None = None
+    if backend == "cuda":
+        gpu, driver = _nvidia_gpu()
+    elif backend == "metal":
+        info = mx.metal.device_info()
+        gpu = str(info.get("device_name") or info.get("architecture") or "Apple GPU")
+        driver = f"macOS {platform.mac_ver()[0]}"
+    cpu = _cpu_model()
+    memory = _memory_bytes()
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, mx.__version__])
+    return HostFingerprint(
+        hostname=socket.gethostname(),
+        os=f"{platform.system()} {platform.release()}",
+        machine=platform.machine(),
+        cpu=cpu,
+        cpu_count=os.cpu_count() or 1,
+        memory_bytes=memory,
+        gpu=gpu,
+        gpu_driver=driver,
+        mlx_version=mx.__version__,
+        mlx_device=str(mx.default_device()),
+        backend=backend,
+        blas=_blas() if backend == "cpu" else None,
+        threads=threads,
+        fingerprint_id=hashlib.sha256(stable.encode()).hexdigest()[:16],
+    )

@@ -1,0 +1,111 @@
+"""Run one job on this host: take the GPU lock, fingerprint, build, measure, return rows.
+
+A job never raises for a problem of its own: a case that fails, a lock that stays busy or an
+exception inside a kernel becomes rows with status `failed` and the error, so the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from kernels import registry
+from workers.contract import (
+    STATUS_FAILED,
+    STATUS_OK,
+    HostFingerprint,
+    JobContext,
+    JobSpec,
+    RowBuilder,
+)
+from workers.fingerprint import host_fingerprint
+from workers.measure import measure_workload
+
+Dispatch = Callable[[JobSpec, RowBuilder, JobContext], str]
+
+
+def job_rng(job: JobSpec) -> np.random.Generator:
+    """Fresh random inputs per job and run, reproducible from the recorded seed."""
+    return np.random.default_rng(job.seed)
+
+
+def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+    module = registry.load_case(job.case)
+    params = {**registry.CASES[job.case].defaults, **job.params}
+    rng = job_rng(job)
+    workload = module.build(params, list(job.arms), rng)
+    return measure_workload(job, workload, rows, rng)
+
+
+def _dispatcher(job: JobSpec) -> Dispatch:
+    spec = registry.get_case(job.case)
+    if spec is None:
+        raise ValueError(f"unknown case {job.case!r}")
+    if spec.kind == "kernel":
+        return _run_kernel_case
+    module = importlib.import_module(spec.module)
+    fn: Dispatch = getattr(module, f"run_{spec.kind}_job")
+    return fn
+
+
+def _failed_rows(rows: RowBuilder, job: JobSpec, error: str) -> None:
+    rows.rows.clear()
+    for arm in job.arms:
+        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+
+
+def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
+    """Run `job` under the host's GPU lock and return its rows (never raises for job errors)."""
+    fp = fingerprint or host_fingerprint()
+    context = JobContext(started_at=dt.datetime.now(dt.UTC))
+    rows = RowBuilder(job, fp, context)
+    status = STATUS_FAILED
+    try:
+        dispatch = _dispatcher(job)
+        status = _run_guarded(job, fp.backend, dispatch, rows, context)
+    except Exception as exc:
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        _failed_rows(rows, job, last)
+        status = STATUS_FAILED
+    if not rows.rows:
+        _failed_rows(rows, job, "the case produced no rows")
+        status = STATUS_FAILED
+    return rows.table(status)
+
+
+# GPU LOCK: the guarded lock around the whole job (build and measurement), with the idle gate
+# before and the contention monitor during it; a contended measurement is repeated.
+def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
+    if not job.lock.enabled:
+        return dispatch(job, rows, context)
+    from workers.gpulock import GpuLock
+    from workers.probes import ContentionMonitor, probe_for, wait_idle
+
+    settings = job.lock
+    status = STATUS_OK
+    with GpuLock(
+        settings.path, max_wait=settings.max_wait, mode="job", cmd=f"{job.sweep}/{job.case_name}/{job.job_key}"
+    ) as lock:
+        context.lock_wait_s = lock.wait_s
+        probe = probe_for(backend, settings)
+        wait_idle(probe, settings.idle_secs, max_wait=settings.max_wait)
+        for attempt in range(1, settings.max_attempts + 1):
+            rows.rows.clear()
+            monitor = ContentionMonitor(probe, interval=1.0)
+            monitor.start()
+            try:
+                status = dispatch(job, rows, context)
+            finally:
+                report = monitor.stop()
+            context.lock_attempts = attempt
+            context.contention_samples = report.samples
+            context.contended = report.contended
+            context.foreign_pids = list(report.foreign_pids)
+            if not report.contended:
+                break
+    return status

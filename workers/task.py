@@ -1,0 +1,80 @@
+"""The body of one Ray task: run a job in a fresh worker process and return its rows.
+
+The job runs as `python -m workers run JOB.json --out FILE.parquet` in a subprocess, so that a
+crash inside a kernel cannot take the Ray worker down, each job starts cold, and the thread
+count is set explicitly (Ray would pin OMP_NUM_THREADS to the task's `num_cpus`). The Parquet
+file it writes is the host's spool: it stays on the host's disk until the head has stored it,
+and `orchestrate collect` can fetch it from there.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from workers.contract import STATUS_FAILED, JobContext, JobSpec, RowBuilder
+
+DEFAULT_SPOOL = "~/.orchestrate/spool"
+
+
+def spool_dir(job: JobSpec) -> Path:
+    """Where this host keeps the job's files: the job's spool dir, or the host default."""
+    raw = os.environ.get("ORCHESTRATE_SPOOL") or job.spool_dir or DEFAULT_SPOOL
+    path = Path(raw).expanduser() / job.sweep / job.run_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def localise(job: JobSpec) -> JobSpec:
+    """Apply this host's own settings, set when its Ray node was started (lock path, name)."""
+    update: dict[str, Any] = {}
+    if os.environ.get("ORCHESTRATE_HOST"):
+        update["host"] = os.environ["ORCHESTRATE_HOST"]
+    if os.environ.get("ORCHESTRATE_LOCK_PATH"):
+        update["lock"] = job.lock.model_copy(update={"path": os.environ["ORCHESTRATE_LOCK_PATH"]})
+    return job.model_copy(update=update) if update else job
+
+
+def execute_job(job_json: str, timeout: float | None = None) -> pa.Table:
+    """Run one job (JSON of a `JobSpec`) in a subprocess and return its rows as an Arrow table."""
+    job = localise(JobSpec.model_validate_json(job_json))
+    spool = spool_dir(job)
+    job_file = spool / f"{job.job_key}.json"
+    out = spool / f"part-{job.run_id}-{job.job_key}.parquet"
+    job_file.write_text(job.model_dump_json())
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "workers", "run", str(job_file), "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        detail = proc.stderr.strip().splitlines()[-1:] if proc.returncode else []
+        error = f"worker exited {proc.returncode}: {' '.join(detail)}" if proc.returncode else None
+    except subprocess.TimeoutExpired:
+        error = f"worker timed out after {timeout} s"
+    if error is None and out.exists():
+        return pq.read_table(out)
+    return failed_table(job, error or "worker wrote no rows")
+
+
+def failed_table(job: JobSpec, error: str) -> pa.Table:
+    """Rows for a job whose worker died: one failed row per arm, with the reason."""
+    from workers.fingerprint import host_fingerprint
+
+    rows = RowBuilder(job, host_fingerprint(), JobContext(started_at=dt.datetime.now(dt.UTC)))
+    for arm in job.arms:
+        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+    return rows.table(STATUS_FAILED)
