@@ -1,0 +1,312 @@
+"""Whole decoders for the `model` case: generated NVFP4 checkpoints and the two ways to run them.
+
+A `DecoderConfig` describes a Llama- or Gemma-style decoder built from mlx-lm's own model classes
+(`mlx_lm.models.llama`, `mlx_lm.models.gemma3_text`: the Gemma GeGLU MLP). `write_checkpoint`
+generates its weights locally from a seed and saves a real checkpoint in mlx-lm's layout
+(`model.safetensors` + `config.json`), quantized as a ModelOpt export is: every linear layer of the
+decoder blocks in NVFP4 with its per-tensor global scale, embeddings and norms left in the model
+dtype. The global scale is stored as `<layer>.global_scale` in MLX's convention (about the
+tensor's absolute maximum; the layer decodes `raw * global_scale / 2688`, see MLX-NOTES.md), and
+`config.json` says so under `"orchestrate"`. Plain `mlx_lm.load` refuses such a checkpoint
+(unknown `global_scale` parameters) rather than running it with the scales silently dropped.
+
+`load_decoder(path, arm)` loads a checkpoint as an engine would for one arm:
+
+* `native`: NVFP4 stays NVFP4; each layer runs `mx.quantized_matmul(mode="nvfp4")` and then its
+  tensor-scale multiply (mlx-lm's `QuantizedLinear` takes no global scale: the "sidecar" route).
+* `affine`: the fallback an engine takes where native NVFP4 is slow: each NVFP4 layer is
+  dequantized (global scale included) and repacked at load time to affine 4-bit, group 64. The
+  repack is part of the load, as it is in the engine, so it shows in load time and peak memory.
+
+Any mlx-lm checkpoint directory (e.g. an `-nvfp4` conversion) loads through `mlx_lm` as it is;
+`native` then needs NVFP4 layers in it and says so with `ArmUnsupported` when there are none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
+
+ARMS = ("native", "affine")
+MODEL_TYPES = {"llama": "llama", "gemma": "gemma3_text"}
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+AFFINE_GROUP_SIZE = 64
+AFFINE_BITS = 4
+CHECKPOINT_FORMAT = 1  # bump when the generated layout changes (invalidates cached checkpoints)
+
+
+class ArmUnsupported(Exception):
+    """This arm cannot run on this checkpoint (the reason is the message)."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The shape of a generated decoder. `kv_heads`/`head_dim` of 0 mean heads/2 and hidden/heads."""
+
+    architecture: str = "gemma"
+    hidden: int = 256
+    intermediate: int = 1024
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 0
+    head_dim: int = 0
+    vocab: int = 1024
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in MODEL_TYPES:
+            raise ValueError(f"architecture {self.architecture!r}: expected one of {sorted(MODEL_TYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        for name, value in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            if value <= 0 or value % AFFINE_GROUP_SIZE:
+                raise ValueError(f"{name} {value}: must be a positive multiple of {AFFINE_GROUP_SIZE}")
+        if self.heads <= 0 or self.layers <= 0 or self.vocab <= 0:
+            raise ValueError("heads, layers and vocab must be positive")
+        if (self.heads * self.resolved_head_dim) % AFFINE_GROUP_SIZE:
+            raise ValueError(f"heads x head_dim must be a multiple of {AFFINE_GROUP_SIZE}")
+        if self.heads % self.resolved_kv_heads:
+            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.resolved_kv_heads}")
+
+    @property
+    def resolved_kv_heads(self) -> int:
+        return self.kv_heads or max(1, self.heads // 2)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def mlx_lm_config(self) -> dict[str, Any]:
+        """The model's `config.json` as mlx-lm reads it (without the quantization keys)."""
+        common: dict[str, Any] = {
+            "model_type": MODEL_TYPES[self.architecture],
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.resolved_kv_heads,
+            "head_dim": self.resolved_head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 131072,
+            "torch_dtype": self.dtype,
+        }
+        if self.architecture == "gemma":
+            # Gemma 3 layout: 5 sliding-window layers per global one (fewer in a model of fewer than
+            # 6 layers: mlx-lm needs the pattern's global layer to exist), GeGLU MLP, tied embeddings.
+            common |= {
+                "query_pre_attn_scalar": self.resolved_head_dim,
+                "sliding_window": 1024,
+                "sliding_window_pattern": min(6, self.layers),
+                "rope_theta": 1_000_000.0,
+            }
+        else:
+            common |= {"rope_theta": 500_000.0, "tie_word_embeddings": False}
+        return common
+
+    def cache_key(self, seed: int) -> str:
+        """A short hash naming the checkpoint of this config and seed."""
+        blob = json.dumps({"config": asdict(self), "seed": seed, "format": CHECKPOINT_FORMAT}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model, module.ModelArgs
+
+
+def _is_block_linear(path: str, module: nn.Module) -> bool:
+    # ModelOpt NVFP4 exports quantize the decoder blocks' linears; embeddings and lm_head stay dense.
+    return isinstance(module, nn.Linear) and ".layers." in f".{path}"
+
+
+def write_checkpoint(config: DecoderConfig, seed: int, dest: Path) -> Path:
+    """Generate a decoder's weights from `seed` and save them as an NVFP4 checkpoint at `dest`.
+
+    Written into a temporary directory beside `dest` and renamed into place, so a reader never
+    sees half a checkpoint; when `dest` already exists it is returned untouched.
+
+    Returns:
+        `dest`.
+    """
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        mx.random.seed(seed)
+        cfg = config.mlx_lm_config()
+        model_class, args_class = _model_classes(cfg)
+        model = model_class(args_class.from_dict(cfg))
+        dtype = DTYPES[config.dtype]
+        weights: dict[str, mx.array] = {}
+        blocks = {p for p, m in model.named_modules() if _is_block_linear(p, m)}
+        params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+        for name, value in params:
+            layer = name.rsplit(".", 1)[0]
+            if layer in blocks and name.endswith(".weight"):
+                w = value.astype(mx.float32)
+                gs = mx.max(mx.abs(w))
+                packed, scales, *_ = mx.quantize(w, mode="nvfp4", global_scale=gs)
+                weights[f"{layer}.weight"], weights[f"{layer}.scales"] = packed, scales
+                weights[f"{layer}.global_scale"] = gs
+                mx.eval(packed, scales, gs)  # one layer at a time keeps the peak small
+            else:
+                weights[name] = value.astype(dtype)
+                mx.eval(weights[name])
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        quantization = {"group_size": 16, "bits": 4, "mode": "nvfp4"}
+        cfg |= {
+            "quantization": quantization,
+            "quantization_config": quantization,
+            "orchestrate": {
+                "generator": "kernels.model",
+                "format": CHECKPOINT_FORMAT,
+                "seed": seed,
+                "global_scale": "mlx",  # <layer>.global_scale, decoded as raw * gs / 2688
+            },
+        }
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+class TensorScaledLinear(nn.Module):
+    """An NVFP4 linear layer whose per-tensor global scale is one multiply after the product."""
+
+    def __init__(self, inner: nn.QuantizedLinear, global_scale: mx.array) -> None:
+        super().__init__()
+        self.inner = inner
+        self.decode_scale = (global_scale.astype(mx.float32) / MLX_GLOBAL_SCALE_DIVISOR).reshape(())
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x) * self.decode_scale.astype(x.dtype)
+
+
+@dataclass
+class LoadedDecoder:
+    """A model ready to run one arm, and what it really runs."""
+
+    model: nn.Module
+    config: dict[str, Any]
+    route: str
+    vocab: int
+
+
+def _load_generated(path: Path, config: dict[str, Any]) -> nn.Module:
+    weights: dict[str, mx.array] = {}
+    for shard in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(shard)))  # type: ignore[arg-type]
+    suffix = ".global_scale"
+    tensor_scales = {k[: -len(suffix)]: weights.pop(k) for k in list(weights) if k.endswith(suffix)}
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    weights = model.sanitize(weights)
+    quant = config["quantization"]
+    nn.quantize(
+        model,
+        group_size=quant["group_size"],
+        bits=quant["bits"],
+        mode=quant["mode"],
+        class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+    )
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    modules = dict(model.named_modules())
+    missing = sorted(set(tensor_scales) - set(modules))
+    if missing:
+        raise ValueError(f"{path}: global scales for unknown layers {missing[:3]}")
+    scaled = [(p, TensorScaledLinear(modules[p], gs)) for p, gs in tensor_scales.items()]
+    model.update_modules(tree_unflatten(scaled))
+    return model
+
+
+def _nvfp4_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    out: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if path.endswith(".inner"):
+            continue  # the QuantizedLinear inside a TensorScaledLinear
+        if isinstance(module, TensorScaledLinear) or (
+            isinstance(module, nn.QuantizedLinear) and module.mode == "nvfp4"
+        ):
+            out.append((path, module))
+    return out
+
+
+def _repack_affine(model: nn.Module, layers: list[tuple[str, nn.Module]], dtype: mx.Dtype) -> None:
+    for path, module in layers:
+        inner = module.inner if isinstance(module, TensorScaledLinear) else module
+        w = mx.dequantize(inner.weight, inner.scales, group_size=16, bits=4, mode="nvfp4")
+        if isinstance(module, TensorScaledLinear):
+            w = w * module.decode_scale
+        out_dims, in_dims = w.shape
+        dense = nn.Linear(in_dims, out_dims, bias="bias" in inner)
+        dense.weight = w.astype(dtype)
+        if "bias" in inner:
+            dense.bias = inner.bias
+        affine = nn.QuantizedLinear.from_linear(dense, AFFINE_GROUP_SIZE, AFFINE_BITS, mode="affine")
+        mx.eval(affine.parameters())
+        model.update_modules(tree_unflatten([(path, affine)]))
+
+
+def _model_dtype(model: nn.Module) -> mx.Dtype:
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for _, value in params:
+        if mx.issubdtype(value.dtype, mx.floating) and value.ndim == 2:
+            return value.dtype
+    return mx.float32
+
+
+def load_decoder(path: Path, arm: str) -> LoadedDecoder:
+    """Load a checkpoint for one arm (see the module docstring) and evaluate its weights.
+
+    Raises:
+        ArmUnsupported: `native` on a checkpoint without NVFP4 layers.
+        ValueError: an unknown arm or a malformed checkpoint.
+    """
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
+    config = json.loads((path / "config.json").read_text())
+    if "orchestrate" in config:
+        model = _load_generated(path, config)
+    else:
+        from mlx_lm.utils import load_model  # a real mlx-lm checkpoint, loaded as mlx-lm does
+
+        model, config = load_model(path, lazy=True)
+    layers = _nvfp4_layers(model)
+    scaled = sum(isinstance(m, TensorScaledLinear) for _, m in layers)
+    if arm == "native":
+        if not layers:
+            raise ArmUnsupported(f"{path} has no NVFP4 layers (quantization: {config.get('quantization')})")
+        route = f"nvfp4 quantized_matmul x{len(layers)}" + (
+            f", tensor-scale multiply after the product x{scaled}" if scaled else ""
+        )
+    elif layers:
+        _repack_affine(model, layers, _model_dtype(model))
+        route = f"affine {AFFINE_BITS}-bit g{AFFINE_GROUP_SIZE}, repacked from NVFP4 at load x{len(layers)}"
+    else:
+        route = f"as stored (quantization: {config.get('quantization')})"
+    mx.eval(model.parameters())
+    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
+    return LoadedDecoder(model=model, config=config, route=route, vocab=vocab)
