@@ -12,7 +12,10 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ParamType = type[int] | type[float] | type[str] | type[bool]
 
@@ -110,7 +113,9 @@ class Workload:
     Attributes:
         arms: the arm name -> its path, in the sweep's order.
         make_inputs: fresh random inputs (MLX arrays) from a NumPy generator.
-        reference: the NumPy reference output (float64) for those inputs.
+        reference: called as `reference(arm, *inputs)`, the NumPy reference output (float64
+            array) for those inputs, computed with the weights that arm really holds (its
+            quantization is the arm's choice; the reference checks the arm's arithmetic).
         flops: floating-point operations of one call.
         bytes_moved: the fewest bytes one call must move (weights, scales, input, output once).
         tokens: tokens one call processes (for tok/s), 0 where that means nothing.
@@ -119,7 +124,7 @@ class Workload:
 
     arms: dict[str, ArmPath]
     make_inputs: Callable[[Any], tuple[Any, ...]]
-    reference: Callable[..., Any]
+    reference: Callable[..., np.ndarray]  # (arm, *inputs) -> float64 array
     flops: float
     bytes_moved: float
     tokens: int

@@ -1,0 +1,243 @@
+"""Case `qmm`: y = x @ W^T with W in NVFP4, the MLP projection of a prefill (tokens > 1) or decode.
+
+x is [tokens, k] in the case's dtype; W is [n, k], drawn once from the job's generator and
+quantized to NVFP4 by the NumPy reference (`kernels.nvfp4`) with no global scale
+(`mx.quantized_matmul` takes none; a tensor scale is one more multiply after it). Every arm is
+built from the reference's own codes and scales, so every arm computes the same product up to
+its own rounding:
+
+* `native`: `mx.quantized_matmul(mode="nvfp4")` on the packed codes and E4M3 scales.
+* `affine`: the NVFP4-dequantized weights re-quantized to affine 4-bit, group 64 (the fallback an
+  engine without NVFP4 uses), `mx.quantized_matmul(mode="affine")`.
+* `dequant-gemm`: `mx.dequantize` to the dtype, then one matmul, both inside the timed call.
+* `dense`: the NVFP4-dequantized weights held in the dtype, one matmul: the upper bound.
+* `custom`, `auto`: a hand-written kernel and its dispatcher (issue 7), unsupported until then.
+
+Each arm's reference is the float64 NumPy product of x with the weights that arm really holds
+(the NVFP4 reference dequantization for native and dequant-gemm, the affine dequantization for
+affine, the dense weights for dense), so the relative error measures the kernel's arithmetic
+alone. `tolerance` states how much of it each path and dtype may show, and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+
+from kernels import nvfp4
+from kernels.registry import ArmPath, Workload
+
+AFFINE_GROUP = 64
+AFFINE_BITS = 4
+PENDING_ISSUE_7 = "not implemented yet: the custom NVFP4 kernel and its dispatcher arrive with issue 7"
+
+MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
+
+
+def mlx_backend() -> str:
+    """What MLX's default device really runs on: "cpu", "cuda" or "metal"."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    return "cuda" if mx.cuda.is_available() else "metal"
+
+
+def tolerance(path: str, dtype: str, k: int, backend: str) -> float:
+    """The largest relative error (Frobenius, against the float64 product) a path may show.
+
+    Two terms, each an error model with a margin of about 2 over what was measured (float32,
+    float16 and bfloat16 at k = 256..4096 on MLX's CPU backend):
+
+    * rounding, 4 u: the output rounded to the dtype (RMS u/sqrt(3)) and the weights' scales
+      rounded in the kernel. u is the dtype's unit roundoff (float32 2^-24, float16 2^-11,
+      bfloat16 2^-9), except float32 on CUDA, where products may run on TF32 tensor cores
+      (10-bit mantissa, u = 2^-11).
+    * accumulation, c u_acc sqrt(k/16): a sum of k/16 group partials rounded at every step grows
+      like sqrt(k). u_acc is the dtype's u where the sum is kept in the dtype: float32 always,
+      and MLX's CPU quantized matmuls (`fp_qmm_t`, `_qmm_t` accumulate in T, so bfloat16 at
+      k=4096 reaches 2e-2 native, 8e-2 affine); GPU kernels and BLAS accumulate in float32.
+      c = 4 for affine (its bias term makes partial sums larger: 2.5x native's error), 2 otherwise.
+
+    A wrong global scale, layout or expert gives a relative error near 1, far above all of these.
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    rounding_u = 2.0**-11 if dtype == "float32" and backend == "cuda" else u
+    quantized = path not in ("dense", "dequant-gemm")
+    in_dtype = dtype == "float32" or (backend == "cpu" and quantized)
+    acc_u = u if in_dtype else UNIT_ROUNDOFF["float32"]
+    c = 4.0 if path.startswith("affine") else 2.0
+    return 4.0 * rounding_u + c * acc_u * math.sqrt(k / nvfp4.GROUP_SIZE)
+
+
+def unpack_affine(packed: npt.ArrayLike, bits: int = AFFINE_BITS) -> npt.NDArray[np.uint8]:
+    """Unpack MLX's affine uint32 words (low bits first) into one integer level per uint8."""
+    p = np.asarray(packed, dtype=np.uint32)
+    per_word = 32 // bits
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    levels = (p[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return levels.reshape(*p.shape[:-1], p.shape[-1] * per_word).astype(np.uint8)
+
+
+def affine_weights(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GROUP) -> np.ndarray:
+    """The float64 weights an affine-quantized matrix holds: scale * level + bias, per group."""
+    levels = unpack_affine(np.array(packed)).astype(np.float64)
+    s = np.array(scales.astype(mx.float32), dtype=np.float64)
+    b = np.array(biases.astype(mx.float32), dtype=np.float64)
+    grouped = levels.reshape(*s.shape, group) * s[..., None] + b[..., None]
+    return grouped.reshape(levels.shape)
+
+
+def to_float64(a: Any) -> np.ndarray:
+    """An MLX array (any float dtype) as a float64 NumPy array, exactly."""
+    return np.array(a.astype(mx.float32), dtype=np.float64)
+
+
+class ProductReference:
+    """float64 x @ W^T per arm, remembering the last product per weight matrix.
+
+    Arms that hold the same weights (native, dequant-gemm, and dense when the dtype represents the
+    NVFP4 values exactly) share one matrix, so one product serves them all: at the seeds' shapes
+    a float64 product takes seconds.
+    """
+
+    def __init__(self, weights: dict[str, np.ndarray]) -> None:
+        self._weights: dict[str, np.ndarray] = {}
+        for arm, w in weights.items():
+            same = next((v for v in self._weights.values() if v.shape == w.shape and np.array_equal(v, w)), None)
+            self._weights[arm] = same if same is not None else w
+        self._last: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def __call__(self, arm: str, x: Any) -> np.ndarray:
+        w = self._weights[arm]
+        cached = self._last.get(id(w))
+        if cached is not None and cached[0] is x:
+            return cached[1]
+        y = to_float64(x) @ w.T
+        self._last[id(w)] = (x, y)
+        return y
+
+
+def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], float]:
+    t0 = time.perf_counter()
+    arrays = make()
+    mx.eval(*arrays)
+    return arrays, time.perf_counter() - t0
+
+
+def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
+    """Build the `qmm` workload at one parameter point.
+
+    Args:
+        params: tokens (M), n (N), k (K), dtype ("float32", "bfloat16" or "float16").
+        arms: the arms to build, in the sweep's order.
+        rng: the job's generator (weights now, inputs in `make_inputs`).
+
+    Returns:
+        The workload: arms, inputs, the float64 reference, FLOPs and minimum bytes.
+    """
+    m, n, k = int(params["tokens"]), int(params["n"]), int(params["k"])
+    dtype_name = str(params.get("dtype", "float32"))
+    if dtype_name not in MLX_DTYPES:
+        raise ValueError(f"qmm: dtype {dtype_name!r} is not one of {sorted(MLX_DTYPES)}")
+    if m < 1 or n < 1 or k < 1 or k % nvfp4.GROUP_SIZE:
+        raise ValueError(f"qmm: need tokens, n, k >= 1 and k divisible by {nvfp4.GROUP_SIZE} (k={k})")
+    dtype = MLX_DTYPES[dtype_name]
+    backend = mlx_backend()
+
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    codes, scales = nvfp4.quantize(w)
+    del w
+    w_nvfp4 = nvfp4.dequantize(codes, scales)  # float64, exact
+    packed = nvfp4.pack_codes(codes)
+    (wq, wscales), native_build = _timed_build(lambda: (mx.array(packed), mx.array(scales)))
+    del codes
+
+    paths: dict[str, ArmPath] = {}
+    weights: dict[str, np.ndarray] = {}
+    unsupported: dict[str, str] = {}
+    for arm in arms:
+        if arm == "native":
+            paths[arm] = ArmPath(
+                run=lambda x: mx.quantized_matmul(x, wq, wscales, transpose=True, mode="nvfp4"),
+                tolerance=tolerance("native", dtype_name, k, backend),
+                route="mx.quantized_matmul(nvfp4)",
+                build_seconds=native_build,
+            )
+            weights[arm] = w_nvfp4
+        elif arm == "dequant-gemm":
+            paths[arm] = ArmPath(
+                run=lambda x: x @ mx.dequantize(wq, wscales, mode="nvfp4", dtype=x.dtype).T,
+                tolerance=tolerance("dequant-gemm", dtype_name, k, backend),
+                route="mx.dequantize(nvfp4)+matmul",
+                build_seconds=native_build,
+            )
+            weights[arm] = w_nvfp4
+        elif arm == "affine":
+            if k % AFFINE_GROUP:
+                unsupported[arm] = f"affine group {AFFINE_GROUP} needs k divisible by {AFFINE_GROUP} (k={k})"
+                continue
+            (aq, ascales, abiases), seconds = _timed_build(
+                lambda: tuple(
+                    mx.quantize(mx.array(w_nvfp4, dtype=dtype), group_size=AFFINE_GROUP, bits=AFFINE_BITS)
+                )
+            )
+            paths[arm] = ArmPath(
+                run=lambda x, aq=aq, s=ascales, b=abiases: mx.quantized_matmul(
+                    x, aq, s, b, transpose=True, group_size=AFFINE_GROUP, bits=AFFINE_BITS, mode="affine"
+                ),
+                tolerance=tolerance("affine", dtype_name, k, backend),
+                route=f"mx.quantized_matmul(affine,g{AFFINE_GROUP},b{AFFINE_BITS})",
+                build_seconds=seconds,
+            )
+            weights[arm] = affine_weights(aq, ascales, abiases)
+        elif arm == "dense":
+            (wd,), seconds = _timed_build(lambda: (mx.array(w_nvfp4, dtype=dtype),))
+            paths[arm] = ArmPath(
+                run=lambda x, wd=wd: x @ wd.T,
+                tolerance=tolerance("dense", dtype_name, k, backend),
+                route="matmul(dense)",
+                build_seconds=seconds,
+            )
+            weights[arm] = to_float64(wd)
+        elif arm in ("custom", "auto"):
+            unsupported[arm] = PENDING_ISSUE_7
+        else:
+            raise ValueError(f"qmm: unknown arm {arm!r}")
+
+    reference = ProductReference(weights)
+
+    def make_inputs(gen: np.random.Generator) -> tuple[Any, ...]:
+        x = gen.standard_normal((m, k), dtype=np.float32)
+        return (mx.array(x).astype(dtype),)
+
+    return Workload(
+        arms=paths,
+        make_inputs=make_inputs,
+        reference=reference,
+        flops=qmm_flops(m, n, k),
+        bytes_moved=qmm_bytes(m, n, k, dtype.size),
+        tokens=m,
+        unsupported=unsupported,
+    )
+
+
+def qmm_flops(m: int, n: int, k: int) -> float:
+    """Floating-point operations of one y = x @ W^T: a multiply and an add per (m, n, k)."""
+    return 2.0 * m * n * k
+
+
+def qmm_bytes(m: int, n: int, k: int, itemsize: int) -> float:
+    """The fewest bytes one native NVFP4 call must move, each operand once.
+
+    Packed weights (half a byte per weight) + E4M3 scales (one byte per 16 weights) + x and y in
+    the dtype. Every arm is measured against this same count (the NVFP4 path's minimum), so GB/s
+    compares arms on one scale (a dense arm really moves 2-8x the weight bytes, but is credited
+    with the NVFP4 count: its GB/s says how close it gets to what NVFP4 needs, not to the roofline).
+    """
+    return n * k / 2 + n * k / nvfp4.GROUP_SIZE + m * k * itemsize + m * n * itemsize
