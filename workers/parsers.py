@@ -78,12 +78,12 @@ def unit_for(metric: str) -> str:
     for suffix, unit in (
         ("_tok_s", "tok/s"),
         ("_bytes", "bytes"),
-        ("_seconds", "s"),
+        ("_seconds", "seconds"),
         ("_ms", "ms"),
         ("_gb_per_s", "GB/s"),
         ("_tflop_per_s", "TFLOP/s"),
         ("_tokens", "tokens"),
-        ("_s", "s"),
+        ("_s", "seconds"),
     ):
         if metric.endswith(suffix):
             return unit
@@ -125,7 +125,7 @@ def parse_bench_decode(output: str) -> ParsedOutput:
     parsed = ParsedOutput()
     load = _LOAD_RE.search(output, 0, profile.start())
     if load is not None:
-        parsed.add("load_seconds", float(load.group(1)), "s")
+        parsed.add("load_seconds", float(load.group(1)), "seconds")
         if load.group(2) is not None:
             parsed.add("load_peak_memory_bytes", _memory_bytes(load.group(2), load.group(3)), "bytes")
     block = output[profile.end() :]
@@ -134,7 +134,7 @@ def parse_bench_decode(output: str) -> ParsedOutput:
     phases = 0
     for m in _PHASE_RE.finditer(block):
         phase = m.group(1).lower()
-        parsed.add(f"{phase}_seconds", float(m.group(2)) / 1000.0, "s")
+        parsed.add(f"{phase}_seconds", float(m.group(2)) / 1000.0, "seconds")
         parsed.add(f"{phase}_tok_s", float(m.group(3)), "tok/s")
         phases += 1
     if phases == 0:

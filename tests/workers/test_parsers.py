@@ -22,14 +22,14 @@ def values(parsed: object) -> dict[str, tuple[float, str]]:
 def test_bench_decode_block() -> None:
     parsed = parse_bench_decode(fixture("bench_decode_ok.txt"))
     got = values(parsed)
-    assert got["load_seconds"] == (82.6, "s")
+    assert got["load_seconds"] == (82.6, "seconds")
     assert got["load_peak_memory_bytes"] == (pytest.approx(37.17e9), "bytes")
     assert got["prompt_tokens"] == (512.0, "tokens")
     assert got["generated_tokens"] == (128.0, "tokens")
     assert got["prefill_tok_s"] == (118.15, "tok/s")
-    assert got["prefill_seconds"] == (pytest.approx(4.3335), "s")
+    assert got["prefill_seconds"] == (pytest.approx(4.3335), "seconds")
     assert got["decode_tok_s"] == (13.14, "tok/s")
-    assert got["decode_seconds"] == (pytest.approx(9.7412), "s")
+    assert got["decode_seconds"] == (pytest.approx(9.7412), "seconds")
     assert got["peak_memory_bytes"] == (pytest.approx(37.17e9), "bytes")
     assert parsed.text == (
         "The capital of France is Paris. It is known for the Eiffel Tower,\nthe Louvre, and its cafés."
@@ -62,7 +62,7 @@ def test_prefixed_json_lines() -> None:
     parsed = parser_for("engine-bench")(fixture("engine_bench_ok.txt"))
     got = values(parsed)
     assert got == {
-        "load_seconds": (12.5, "s"),
+        "load_seconds": (12.5, "seconds"),
         "prefill_tok_s": (121.77, "tok/s"),
         "decode_tok_s": (4.92, "tok/s"),
         "peak_memory_bytes": (40440000000.0, "bytes"),

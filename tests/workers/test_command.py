@@ -1,0 +1,165 @@
+"""Command cases against a real git repository made by the test, with a real shell benchmark."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from workers.command import run_command_job, template_fields
+from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
+
+# The script prints its speed (from speed.txt, scaled by $SPEED_SCALE) as an engine-bench line,
+# appends its arm to a log so the test sees the order, and prints its generated text.
+BENCH = """#!/usr/bin/env bash
+set -eu
+echo "$1" >> "$ORDER_LOG"
+speed=$(awk -v s="$(cat speed.txt)" -v f="${SPEED_SCALE:-1}" 'BEGIN { print s * f }')
+echo "loading"
+echo "[engine-bench] {\\"decode_tok_s\\": $speed, \\"prompt_tokens\\": $2, \\"text\\": \\"greedy $(cat speed.txt)\\"}"
+"""
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@e", "HOME": str(repo.parent), "PATH": "/usr/bin:/bin"}  # fmt: skip
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def commit_speed(repo: Path, speed: float, message: str) -> str:
+    (repo / "speed.txt").write_text(f"{speed}\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def bench_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "engine"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "bench.sh").write_text(BENCH)
+    (repo / "bench.sh").chmod(0o755)
+    return repo
+
+
+FINGERPRINT = HostFingerprint(  # a fixed fingerprint: this test is about the command runner
+    hostname="test-host", os="Linux", machine="x86_64", cpu="test cpu", cpu_count=2, memory_bytes=2**34,
+    mlx_version="0.32.4", mlx_device="Device(cpu, 0)", backend="cpu", threads=2, fingerprint_id="fp-test",
+)  # fmt: skip
+
+
+def make_job(repo: Path, tmp_path: Path, **options: Any) -> JobSpec:
+    opts: dict[str, Any] = {
+        "repo": str(repo),
+        "ref": "main",
+        "build": f"echo {{commit}} >> {tmp_path / 'builds.log'}",
+        "run": "./bench.sh {arm} {prompt_tokens}",
+        "parse": "engine-bench",
+        "timeout": 20,
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    opts.update(options)
+    return JobSpec(
+        run_id="r1", sweep="nightly", job_key="k1", case="command", case_name="bench", params={"prompt_tokens": 512},
+        arms=["native", "affine"], arm_env={"affine": {"SPEED_SCALE": "0.5"}}, options=opts, device="cpu",
+        repetitions=2, warmup=1,
+    )  # fmt: skip
+
+
+def run(job: JobSpec) -> tuple[str, list[dict[str, Any]]]:
+    context = JobContext(started_at=dt.datetime.now(dt.UTC))
+    rows = RowBuilder(job, FINGERPRINT, context)
+    status = run_command_job(job, rows, context)
+    table: pa.Table = rows.table(status)
+    return status, table.to_pylist()
+
+
+@pytest.fixture(autouse=True)
+def order_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    log = tmp_path / "order.log"
+    monkeypatch.setenv("ORDER_LOG", str(log))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return log
+
+
+def test_runs_each_arm_with_its_env_abba_and_records_commit(bench_repo: Path, tmp_path: Path, order_log: Path) -> None:
+    commit = commit_speed(bench_repo, 100.0, "first")
+    status, rows = run(make_job(bench_repo, tmp_path))
+    assert status == "ok"
+    assert {r["commit"] for r in rows} == {commit}
+    decode = {(r["arm"], r["sample"]): r["value"] for r in rows if r["metric"] == "decode_tok_s"}
+    assert decode == {("native", 0): 100.0, ("native", 1): 100.0, ("affine", 0): 50.0, ("affine", 1): 50.0}
+    assert {r["unit"] for r in rows if r["metric"] == "decode_tok_s"} == {"tok/s"}
+    # warm-up round, then ABBA: native affine | affine native | native affine
+    assert order_log.read_text().split() == ["native", "affine", "affine", "native", "native", "affine"]
+    build = [r for r in rows if r["metric"] == "build_seconds"]
+    assert len(build) == 2 and all(r["value"] >= 0 and dict(r["extra"])["build_cache"] == "miss" for r in build)
+    digest = hashlib.sha256(b"greedy 100.0").hexdigest()
+    measured = [r for r in rows if r["metric"] == "decode_tok_s"]
+    assert {dict(r["extra"])["output_sha256"] for r in measured} == {digest}
+    assert all(r["status"] == "ok" and r["error"] is None for r in rows)
+    assert dict(next(r for r in rows if r["arm"] == "affine")["env"]) == {"SPEED_SCALE": "0.5"}
+
+
+def test_build_cache_hits_on_second_run_of_a_commit_and_ref_is_resolved_afresh(
+    bench_repo: Path, tmp_path: Path
+) -> None:
+    first = commit_speed(bench_repo, 100.0, "first")
+    job = make_job(bench_repo, tmp_path, build=f"sleep 0.2; echo {{commit}} >> {tmp_path / 'builds.log'}")
+    run(job)
+    status, rows = run(job)
+    assert status == "ok"
+    assert (tmp_path / "builds.log").read_text().split() == [first]  # built once
+    build = [r for r in rows if r["metric"] == "build_seconds"]
+    assert {dict(r["extra"])["build_cache"] for r in build} == {"hit"}
+    assert all(r["value"] >= 0.2 for r in build)  # the original build time, recorded
+    second = commit_speed(bench_repo, 80.0, "slower")
+    status, rows = run(job)
+    assert {r["commit"] for r in rows} == {second}
+    assert {r["value"] for r in rows if r["metric"] == "decode_tok_s" and r["arm"] == "native"} == {80.0}
+    assert (tmp_path / "builds.log").read_text().split() == [first, second]
+
+
+@pytest.mark.parametrize(
+    ("run_cmd", "timeout", "expected"),
+    [
+        ("echo boom >&2; exit 3", 20, "exited with 3; stderr: boom"),
+        ("echo started >&2; sleep 30", 0.5, "timed out after 0.5 s; stderr: started"),
+        ("echo '[engine-bench] {{garbled'; echo warn >&2", 20, "output did not parse (line 1: not valid JSON"),
+        ("true", 20, "output did not parse (empty output)"),
+        ("./bench.sh {arm} {missing}", 20, "run: template field {missing} is not a parameter"),
+        ("echo ${HOME}", 20, "run: template field {HOME} is not a parameter"),
+        ("echo {unclosed", 20, "run: malformed template"),
+    ],
+)
+def test_failures_become_failed_rows(bench_repo: Path, tmp_path: Path, run_cmd: str, timeout: float,
+                                     expected: str) -> None:  # fmt: skip
+    commit_speed(bench_repo, 100.0, "first")
+    status, rows = run(make_job(bench_repo, tmp_path, run=run_cmd, timeout=timeout))
+    assert status == "failed"
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert {r["arm"] for r in failed} == {"native", "affine"}
+    assert all(expected in r["error"] for r in failed), failed[0]["error"]
+    if timeout < 1:
+        assert all(r["value"] < 5 for r in failed)  # killed, not waited for
+
+
+def test_unknown_ref_and_failed_build_are_failed_rows(bench_repo: Path, tmp_path: Path) -> None:
+    commit_speed(bench_repo, 100.0, "first")
+    status, rows = run(make_job(bench_repo, tmp_path, ref="no-such-branch"))
+    assert status == "failed"
+    assert {r["error"] for r in rows} == {f"ref 'no-such-branch' not found in {bench_repo.resolve()}"}
+    status, rows = run(make_job(bench_repo, tmp_path, build="echo compile error >&2; exit 1"))
+    assert status == "failed"
+    assert all("build exited with 1; stderr: compile error" in r["error"] for r in rows)
+    assert {r["metric"] for r in rows} == {"build_seconds"}
+
+
+def test_template_fields() -> None:
+    assert template_fields("./b {checkpoint} --p {prompt_tokens} {arm}") == {"checkpoint", "prompt_tokens", "arm"}

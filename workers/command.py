@@ -1,0 +1,315 @@
+"""Command cases: an external benchmark built at a git commit, run per arm, its output parsed.
+
+`workers.runner` calls `run_command_job` under the host's GPU lock, so build and runs are one lock
+window. The job's `options` carry the case's `repo`, `ref`, `build`, `run`, `parse` and `timeout`;
+`arm_env` the environment overrides per arm. Steps:
+
+1. Mirror `repo` (a git URL or a local path) into the host's cache and fetch it, so `ref` is
+   resolved afresh on every job; the commit goes into every row's `commit` column.
+2. Check the commit out once per (host, commit, build command) and run `build` there, once: a
+   marker beside the checkout records the build time, so a second job of that commit is a cache
+   hit (`extra["build_cache"] = "hit"`) that still reports the original `build_seconds`.
+3. Run the `run` template (`{param}` from the job's parameters, plus `{arm}`, `{backend}`,
+   `{device}`, `{host}`, `{commit}`; values are shell-quoted) for warm-up + repetitions rounds,
+   arms interleaved ABBA, each with its arm's env and the case's timeout; parse each output.
+
+A non-zero exit, a timeout, output that does not parse, a failed build or an unknown ref becomes a
+failed row carrying the tail of stderr, never an exception. The sha256 of the generated text (where
+the parser finds it) is `extra["output_sha256"]`, so byte-identical greedy output is a query.
+
+The cache lives in `$ORCHESTRATE_CACHE_DIR` or `~/.cache/orchestrate` (`options.cache_dir` wins).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import string
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.contract import STATUS_FAILED, STATUS_OK, JobContext, JobSpec, RowBuilder
+from workers.parsers import OutputParseError, parser_for
+
+DEFAULT_TIMEOUT = 3600.0
+TAIL_CHARS = 1500
+BUILTIN_FIELDS = frozenset({"arm", "backend", "device", "host", "commit"})
+
+
+class CommandCaseError(Exception):
+    """A step of a command case that failed: the message is what the failed rows say."""
+
+
+@dataclass(frozen=True)
+class CommandCase:
+    """A command case's settings, as the head put them into `JobSpec.options`."""
+
+    repo: str
+    ref: str
+    run: str
+    build: str | None = None
+    parse: str | dict[str, Any] | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    base_dir: str | None = None  # where a relative local `repo` path starts
+    cache_dir: str | None = None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> CommandCase:
+        """Read the settings; a missing `repo` or `run` is a `CommandCaseError`."""
+        for key in ("repo", "run"):
+            if not options.get(key):
+                raise CommandCaseError(f"command case: options.{key} is missing")
+        return cls(
+            repo=str(options["repo"]),
+            ref=str(options.get("ref") or "HEAD"),
+            run=str(options["run"]),
+            build=options.get("build") or None,
+            parse=options.get("parse"),
+            timeout=float(options.get("timeout") or DEFAULT_TIMEOUT),
+            base_dir=options.get("base_dir"),
+            cache_dir=options.get("cache_dir"),
+        )
+
+
+def template_fields(template: str) -> set[str]:
+    """The `{field}` names a run or build template uses (the head checks them against params).
+
+    Literal braces (a shell's `${VAR}`) are doubled: `$${{VAR}}`.
+
+    Raises:
+        ValueError: a malformed template (an unmatched brace).
+    """
+    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def render(template: str, values: dict[str, Any], what: str) -> str:
+    """Fill a template with shell-quoted values; an unknown field is a `CommandCaseError`."""
+    try:
+        missing = template_fields(template) - set(values)
+    except ValueError as exc:
+        raise CommandCaseError(f"{what}: malformed template ({exc}; write literal braces twice)") from None
+    if missing:
+        raise CommandCaseError(f"{what}: template field {{{sorted(missing)[0]}}} is not a parameter")
+    return template.format_map({k: shlex.quote(str(v)) for k, v in values.items()})
+
+
+def cache_root(case: CommandCase) -> Path:
+    """Where this host keeps mirrors and builds."""
+    if case.cache_dir:
+        return Path(case.cache_dir).expanduser()
+    env = os.environ.get("ORCHESTRATE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "orchestrate"
+
+
+def _tail(text: str) -> str:
+    text = text.strip()
+    return text[-TAIL_CHARS:] if len(text) > TAIL_CHARS else text
+
+
+def _with_stderr(message: str, stderr: str) -> str:
+    tail = _tail(stderr)
+    return f"{message}; stderr: {tail}" if tail else message
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Serialise jobs of one host on a mirror or a build directory (independent of the GPU lock)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise CommandCaseError(f"git {args[0]} failed: {_tail(proc.stderr) or proc.returncode}")
+    return proc.stdout.strip()
+
+
+def _repo_location(case: CommandCase) -> str:
+    if re.match(r"^[a-z+]+://|^[\w.-]+@[\w.-]+:", case.repo):
+        return case.repo  # a URL or scp-like address
+    path = Path(case.repo).expanduser()
+    if not path.is_absolute():
+        path = Path(case.base_dir or os.getcwd()) / path
+    return str(path.resolve())
+
+
+def resolve_commit(case: CommandCase) -> tuple[Path, str]:
+    """Mirror (or fetch) the repo into the cache and resolve `ref` to a full commit id.
+
+    Returns:
+        The mirror's path and the commit.
+
+    Raises:
+        CommandCaseError: the repo cannot be cloned or fetched, or it has no such ref.
+    """
+    location = _repo_location(case)
+    slug = re.sub(r"[^A-Za-z0-9._-]", "_", location.rstrip("/").split("/")[-1] or "repo")
+    mirror = cache_root(case) / "repos" / f"{slug}-{hashlib.sha256(location.encode()).hexdigest()[:12]}.git"
+    with _file_lock(mirror.with_suffix(".lock")):
+        if (mirror / "HEAD").exists():
+            _git("--git-dir", str(mirror), "fetch", "--prune", "--quiet", "origin")
+        else:
+            _git("clone", "--mirror", "--quiet", location, str(mirror))
+    try:
+        commit = _git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
+    except CommandCaseError:
+        raise CommandCaseError(f"ref {case.ref!r} not found in {location}") from None
+    return mirror, commit
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """A checkout of one commit, built: where, how long the build took, whether it was cached."""
+
+    path: Path
+    seconds: float
+    cache_hit: bool
+
+
+def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str, Any]) -> BuildResult:
+    """Check out `commit` and run the build command there, once per host, commit and command.
+
+    Raises:
+        CommandCaseError: the checkout or the build failed or timed out (with stderr's tail).
+    """
+    command = render(case.build, values, "build") if case.build else ""
+    key = hashlib.sha256(command.encode()).hexdigest()[:10]
+    path = mirror.parent.parent / "builds" / mirror.stem / f"{commit[:16]}-{key}"
+    marker = path.with_name(path.name + ".build.json")
+    with _file_lock(path.with_name(path.name + ".lock")):
+        if marker.exists():
+            record = json.loads(marker.read_text())
+            return BuildResult(path, float(record["build_seconds"]), cache_hit=True)
+        if not (path / ".git").exists():
+            _git("clone", "--quiet", "--no-checkout", str(mirror), str(path))
+        _git("checkout", "--quiet", "--detach", "--force", commit, cwd=path)
+        seconds = 0.0
+        if command:
+            outcome = _run_shell(command, path, dict(os.environ), case.timeout)
+            seconds = outcome.seconds
+            path.with_name(path.name + ".build.log").write_text(outcome.stdout + outcome.stderr)
+            if outcome.failure:
+                raise CommandCaseError(f"build {outcome.failure}")
+        marker.write_text(json.dumps({"commit": commit, "build": command, "build_seconds": seconds}))
+        return BuildResult(path, seconds, cache_hit=False)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """One run of a shell command."""
+
+    stdout: str
+    stderr: str
+    seconds: float
+    failure: str | None  # None: exit 0 within the timeout; else why, with stderr's tail
+
+
+def _run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> RunOutcome:
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: the benchmark's children too
+        out, err = proc.communicate()
+        seconds = time.monotonic() - start
+        return RunOutcome(out, err, seconds, _with_stderr(f"timed out after {timeout:g} s", err))
+    seconds = time.monotonic() - start
+    failure = None if proc.returncode == 0 else _with_stderr(f"exited with {proc.returncode}", err)
+    return RunOutcome(out, err, seconds, failure)
+
+
+def _arm_order(arms: list[str], rounds: int) -> Iterator[tuple[int, str]]:
+    """ABBA: even rounds in the sweep's order, odd rounds reversed."""
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else list(reversed(arms)):
+            yield r, arm
+
+
+def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+    """Build the case's repo at its ref and run its command per arm; rows go into `rows`.
+
+    Args:
+        job: the job; `options` holds repo/ref/build/run/parse/timeout, `arm_env` the env per arm.
+        rows: where the rows go.
+        context: the job's context; its `commit` is set to the resolved commit.
+
+    Returns:
+        "ok" when every arm ran and parsed, else "failed".
+    """
+    base: dict[str, Any] = {"backend": job.backend, "device": job.device, "host": job.host}
+    try:
+        case = CommandCase.from_options(job.options)
+        parse = parser_for(case.parse)
+        mirror, commit = resolve_commit(case)
+        context.commit = commit
+        build = build_commit(case, mirror, commit, {**base, "commit": commit})
+    except (CommandCaseError, ValueError) as exc:
+        for arm in job.arms:
+            rows.add(arm, "build_seconds", None, "seconds", status=STATUS_FAILED, error=str(exc))
+        return STATUS_FAILED
+
+    common = {"repo": case.repo, "ref": case.ref, "build_cache": "hit" if build.cache_hit else "miss"}
+    for arm in job.arms:
+        rows.add(arm, "build_seconds", build.seconds, "seconds", extra=common)
+    values = {**{k: v for k, v in job.params.items()}, **base, "commit": commit}
+    failed: set[str] = set()
+    samples: Counter[tuple[str, str]] = Counter()
+    for round_, arm in _arm_order(job.arms, job.warmup + job.repetitions):
+        if arm in failed:
+            continue
+        warm = round_ < job.warmup
+        try:
+            command = render(case.run, {**values, "arm": arm}, "run")
+        except CommandCaseError as exc:
+            rows.add(arm, "wall_seconds", None, "seconds", status=STATUS_FAILED, error=str(exc), extra=common)
+            failed.add(arm)
+            continue
+        env = {**os.environ, **job.arm_env.get(arm, {})}
+        outcome = _run_shell(command, build.path, env, case.timeout)
+        error = outcome.failure
+        parsed = None
+        if error is None:
+            try:
+                parsed = parse(outcome.stdout)
+            except OutputParseError as exc:
+                error = _with_stderr(f"output did not parse ({exc})", outcome.stderr)
+        phase = "warm-up" if warm else "run"
+        if error is not None or parsed is None:
+            rows.add(arm, "wall_seconds", outcome.seconds, "seconds", status=STATUS_FAILED,
+                     error=f"{phase} {round_}: {error}", extra=common)  # fmt: skip
+            failed.add(arm)
+            continue
+        if warm:
+            continue
+        extra = dict(common)
+        if parsed.text is not None:
+            extra["output_sha256"] = hashlib.sha256(parsed.text.encode()).hexdigest()
+            extra["output_chars"] = str(len(parsed.text))
+        route = f"command@{commit[:12]}"
+        for metric, value, unit in [("wall_seconds", outcome.seconds, "seconds")] + [
+            (m.metric, m.value, m.unit) for m in parsed.measurements
+        ]:
+            rows.add(arm, metric, value, unit, sample=samples[(arm, metric)], route=route, extra=extra)
+            samples[(arm, metric)] += 1
+    return STATUS_FAILED if failed else STATUS_OK
