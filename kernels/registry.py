@@ -84,6 +84,17 @@ register(
         description="MoE prefill through mx.gather_qmm, sorted and unsorted, per-expert global scale",
     )
 )
+register(
+    CaseSpec(
+        name="command",
+        module="workers.command",
+        kind="command",
+        arms=(),
+        params={},
+        required=(),
+        description="an external benchmark built at a git commit and run per arm (repo/ref/build/run/parse)",
+    )
+)
 
 
 def get_case(name: str) -> CaseSpec | None:
