@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kernels import registry
 from orchestrator.errors import InputError
+from workers.command import check_case_settings
 
 ParamValue = int | float | str | bool
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -116,6 +117,9 @@ class CaseEntry(Strict):
         for key in spec.required:
             if key not in self.params:
                 raise ValueError(f"params.{key}: required by case {self.case!r}")
+        if spec.kind == "command":
+            settings = {f: getattr(self, f) for f in ("repo", "ref", "build", "run", "parse")}
+            check_case_settings(settings, set(self.params))
         return self
 
 

@@ -104,6 +104,33 @@ def render(template: str, values: dict[str, Any], what: str) -> str:
     return template.format_map({k: shlex.quote(str(v)) for k, v in values.items()})
 
 
+def check_case_settings(options: dict[str, Any], params: set[str]) -> None:
+    """Check a command case's settings before anything runs (the head calls this on the sweep).
+
+    Args:
+        options: repo/ref/build/run/parse/timeout as the sweep file gives them.
+        params: the case's parameter names.
+
+    Raises:
+        ValueError: `field: what is wrong`, e.g. `run: template field {x} is not a parameter`.
+    """
+    for key in ("repo", "run"):
+        if not options.get(key):
+            raise ValueError(f"{key}: a command case needs `{key}`")
+    parser_for(options.get("parse"))
+    allowed = {"run": params | BUILTIN_FIELDS, "build": BUILTIN_FIELDS - {"arm"}}
+    for key, names in allowed.items():
+        template = options.get(key)
+        if not template:
+            continue
+        try:
+            unknown = template_fields(str(template)) - names
+        except ValueError as exc:
+            raise ValueError(f"{key}: malformed template ({exc}; write literal braces twice)") from None
+        if unknown:
+            raise ValueError(f"{key}: template field {{{sorted(unknown)[0]}}} is not a parameter")
+
+
 def cache_root(case: CommandCase) -> Path:
     """Where this host keeps mirrors and builds."""
     if case.cache_dir:

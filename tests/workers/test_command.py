@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -163,3 +164,31 @@ def test_unknown_ref_and_failed_build_are_failed_rows(bench_repo: Path, tmp_path
 
 def test_template_fields() -> None:
     assert template_fields("./b {checkpoint} --p {prompt_tokens} {arm}") == {"checkpoint", "prompt_tokens", "arm"}
+
+
+def test_sweep_validation_checks_command_settings() -> None:
+    from pydantic import ValidationError
+
+    from orchestrator.specs import SweepSpec
+
+    def sweep(**case: Any) -> SweepSpec:
+        entry = {
+            "case": "command",
+            "name": "bench",
+            "arms": {"native": {}, "affine": {"env": {"X": "1"}}},
+            "repo": "../engine",
+            "run": "./b {prompt_tokens}",
+            "params": {"prompt_tokens": [512, 1024]},
+        }
+        return SweepSpec.model_validate({"name": "s", "cases": [{**entry, **case}]})
+
+    assert sweep().cases[0].arm_env() == {"affine": {"X": "1"}}
+    for case, message in [
+        ({"run": None}, "run: a command case needs `run`"),
+        ({"repo": None}, "repo: a command case needs `repo`"),
+        ({"run": "./b {checkpoint}"}, "run: template field {checkpoint} is not a parameter"),
+        ({"build": "cargo build --features {prompt_tokens}"}, "build: template field {prompt_tokens}"),
+        ({"parse": "csv"}, "unknown parser 'csv'"),
+    ]:
+        with pytest.raises(ValidationError, match=re.escape(message)):
+            sweep(**case)
