@@ -187,6 +187,8 @@ class HeadSpec(Strict):
     ray_port: int = Field(default=6379, ge=1, le=65535)
     dashboard_port: int = Field(default=8265, ge=1, le=65535)
     node_ip: str | None = None  # the address worker nodes reach the head on
+    workdir: str = "~/.orchestrate/head"  # where `cluster up` keeps the head's pid, log and Ray temp dir
+    dashboard: bool = True  # start Ray's dashboard with the head (`cluster up`)
 
     @field_validator("address", "node_ip")
     @classmethod
@@ -209,6 +211,7 @@ class HostDefaults(Strict):
     idle_secs: float = Field(default=0.0, ge=0)
     connect_timeout: float = Field(default=10.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
+    num_cpus: int | None = Field(default=None, ge=1)
 
 
 class HostSpec(Strict):
@@ -231,6 +234,8 @@ class HostSpec(Strict):
     connect_timeout: float = Field(default=10.0, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
+    node_ip: str | None = None  # the address the head reaches this host's Ray node on (default: Ray's guess)
+    num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
 
     @field_validator("proxy_jump", mode="before")
     @classmethod
@@ -253,10 +258,26 @@ class HostSpec(Strict):
             raise ValueError(f"backend {v!r} is not one of cpu, cuda, metal, rocm")
         return v
 
-    @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock")
+    @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock", "node_ip")
     @classmethod
     def _safe(cls, v: str | None) -> str | None:
         return _check_safe(v, "value")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            _check_name(key, "label")
+            _check_name(value, f"value of label {key}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise ValueError(f"environment variable name {key!r} is not valid")
+        return v
 
     @field_validator("proxy_jump")
     @classmethod
