@@ -27,7 +27,7 @@ uint32, element 0 in the lowest 4 bits), so an arm can be built from the referen
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -47,15 +47,16 @@ FloatArray = npt.NDArray[np.floating]
 Codes = npt.NDArray[np.uint8]
 Rounding = Literal["nearest-even", "mlx-cpu"]
 Precision = Literal["float32", "bfloat16", "float16"]
+GlobalScale = float | np.floating[Any]
 
 
-def global_scale_from_modelopt(weight_scale_2: float | FloatArray) -> FloatArray:
+def global_scale_from_modelopt(weight_scale_2: GlobalScale) -> np.float32:
     """MLX's `global_scale` from a ModelOpt checkpoint's `weight_scale_2` (its decode scale).
 
     ModelOpt decodes `raw * weight_scale_2`; MLX decodes `raw * global_scale / 2688`, so
     `global_scale = 2688 * weight_scale_2`.
     """
-    return np.asarray(weight_scale_2, dtype=np.float32) * np.float32(MLX_GLOBAL_SCALE_DIVISOR)
+    return np.float32(np.float32(weight_scale_2) * np.float32(MLX_GLOBAL_SCALE_DIVISOR))
 
 
 def natural_global_scale(w: FloatArray) -> np.float32:
@@ -154,7 +155,7 @@ def round_to_precision(x: FloatArray, precision: Precision) -> npt.NDArray[np.fl
 
 def quantize(
     w: npt.ArrayLike,
-    global_scale: float | None = None,
+    global_scale: GlobalScale | None = None,
     rounding: Rounding = "nearest-even",
     precision: Precision = "float32",
 ) -> tuple[Codes, Codes]:
@@ -193,7 +194,7 @@ def quantize(
 def dequantize(
     codes: npt.ArrayLike,
     scales: npt.ArrayLike,
-    global_scale: float | None = None,
+    global_scale: GlobalScale | None = None,
     dtype: npt.DTypeLike = np.float64,
 ) -> FloatArray:
     """Decode NVFP4: `E2M1[code] * E4M3[scale]` (times `global_scale / 2688` when given).
