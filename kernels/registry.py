@@ -95,6 +95,53 @@ register(
         description="an external benchmark built at a git commit and run per arm (repo/ref/build/run/parse)",
     )
 )
+register(
+    CaseSpec(
+        name="model",
+        module="workers.model_runner",
+        kind="model",
+        arms=("native", "affine"),
+        params={
+            "prompt_tokens": int,
+            "decode_tokens": int,
+            "architecture": str,
+            "hidden": int,
+            "intermediate": int,
+            "layers": int,
+            "heads": int,
+            "kv_heads": int,
+            "vocab": int,
+            "dtype": str,
+            "checkpoint": str,
+        },
+        required=("prompt_tokens",),
+        defaults={
+            "decode_tokens": 32,
+            "architecture": "gemma",
+            "hidden": 256,
+            "intermediate": 1024,
+            "layers": 2,
+            "heads": 4,
+            "kv_heads": 0,
+            "vocab": 1024,
+            "dtype": "float32",
+            "checkpoint": "",
+        },
+        description="whole decoder: cold load, prefill and decode tok/s, peak memory, greedy digest",
+    )
+)
+register(
+    CaseSpec(
+        name="mlp",
+        module="kernels.mlp",
+        kind="kernel",
+        arms=("fused", "op-at-a-time", "eager"),
+        params={"tokens": int, "hidden": int, "intermediate": int, "dtype": str},
+        required=("tokens", "hidden", "intermediate"),
+        defaults={"dtype": "float32"},
+        description="Gemma GeGLU MLP block in NVFP4 with tensor global scales: fused, op-at-a-time, eager",
+    )
+)
 
 
 def get_case(name: str) -> CaseSpec | None:

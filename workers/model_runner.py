@@ -1,0 +1,290 @@
+"""The `model` case: whole-decoder load time, prefill and decode tok/s, peak memory, greedy digest.
+
+`run_model_job` (called by `workers.runner` for cases of kind "model") measures every sample in a
+fresh Python process (`python -m workers.model_runner sample ...`), so `load_seconds` is a cold
+load from disk into a process with no MLX state (the OS page cache is not dropped: a first sample
+may read from disk, the later ones from memory; the sample index is in every row). In the process:
+load the checkpoint for the arm (`kernels.model.load_decoder`), `warmup` untimed passes, then one
+timed prefill of `prompt_tokens` tokens (chunks of `PREFILL_STEP`, as mlx-lm's generate does),
+`decode_tokens` greedy steps timed one token at a time, the peak memory since the process began,
+and a digest of the greedy token ids. Arms are interleaved ABBA across repetitions.
+
+The prompt is `prompt_tokens` random token ids from the job's seed, the same for every arm and
+sample. The digest must be the same in every sample of an arm (same weights, same greedy
+tokens); an arm whose digest changes between samples is failed.
+
+The `checkpoint` parameter names a local mlx-lm model directory, used as it is; when it is absent
+every row says `unsupported` and why. Without it, the decoder described by the parameters is
+generated once per (config, seed) into a cache directory: `$ORCHESTRATE_MODEL_CACHE`, else
+`<spool_dir>/models`, else `<tmp>/orchestrate-models`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kernels import registry
+from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
+
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
+RESULT_MARK = "ORCHESTRATE-MODEL-SAMPLE "
+DEFAULT_TIMEOUT_S = 3600.0
+METRICS = (
+    ("load_seconds", "seconds"),
+    ("prefill_tok_s", "tok/s"),
+    ("decode_tok_s", "tok/s"),
+    ("peak_memory_bytes", "bytes"),
+)
+CONFIG_FIELDS = ("architecture", "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "dtype")
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """Why a sample or a job has no numbers: a failure, or an arm/checkpoint this host cannot run."""
+
+    message: str
+    unsupported: bool = False
+
+
+@dataclass
+class Sample:
+    """What one fresh process measured for one arm."""
+
+    load_seconds: float
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_memory_bytes: float
+    greedy_digest: str
+    route: str
+    device: str
+
+
+def greedy_digest(token_ids: list[int]) -> str:
+    """A short, stable digest of a greedy token sequence."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+def measure_sample(
+    checkpoint: Path, arm: str, prompt_tokens: int, decode_tokens: int, warmup: int, seed: int
+) -> Sample:
+    """Load, warm up, prefill and decode once in this process (meant to be a fresh one)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kernels.model import load_decoder
+
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    loaded = load_decoder(checkpoint, arm)
+    mx.synchronize()
+    load_seconds = time.perf_counter() - t0
+    model = loaded.model
+    prompt = mx.array(np.random.default_rng(seed).integers(0, loaded.vocab, prompt_tokens), dtype=mx.int32)
+
+    def prefill(cache: list[Any]) -> mx.array:
+        for start in range(0, prompt_tokens, PREFILL_STEP):
+            logits = model(prompt[None, start : start + PREFILL_STEP], cache=cache)
+            if start + PREFILL_STEP < prompt_tokens:
+                mx.eval([c.state for c in cache])
+        token = mx.argmax(logits[0, -1])
+        mx.eval(token)
+        return token
+
+    def decode(token: mx.array, cache: list[Any], steps: int) -> list[int]:
+        tokens = [token]
+        for _ in range(steps):
+            token = mx.argmax(model(token.reshape(1, 1), cache=cache)[0, -1])
+            mx.eval(token)  # one token at a time, as a chat user waits for it
+            tokens.append(token)
+        return np.array(mx.stack(tokens)).astype(np.int64).tolist()
+
+    for _ in range(warmup):
+        cache = make_prompt_cache(model)
+        decode(prefill(cache), cache, min(decode_tokens, 4))
+    cache = make_prompt_cache(model)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    first = prefill(cache)
+    mx.synchronize()
+    prefill_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ids = decode(first, cache, decode_tokens)
+    mx.synchronize()
+    decode_seconds = time.perf_counter() - t0
+    return Sample(
+        load_seconds=load_seconds,
+        prefill_tok_s=prompt_tokens / prefill_seconds,
+        decode_tok_s=decode_tokens / decode_seconds if decode_tokens else 0.0,
+        peak_memory_bytes=float(mx.get_peak_memory()),
+        greedy_digest=greedy_digest(ids),
+        route=loaded.route,
+        device=str(mx.default_device()),
+    )
+
+
+# ------------------------------------------------------------------------------ the parent side
+
+
+def model_cache_root(job: JobSpec) -> Path:
+    """Where generated checkpoints live on this host (see the module docstring)."""
+    env = os.environ.get("ORCHESTRATE_MODEL_CACHE")
+    if env:
+        return Path(env)
+    if job.spool_dir:
+        return Path(job.spool_dir) / "models"
+    return Path(tempfile.gettempdir()) / "orchestrate-models"
+
+
+def _child(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "workers.model_runner", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+
+
+def _child_error(proc: subprocess.CompletedProcess[str]) -> str:
+    tail = (proc.stderr or proc.stdout or "").strip().splitlines()
+    return f"exit {proc.returncode}: {tail[-1] if tail else 'no output'}"
+
+
+def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | SampleError:
+    """The checkpoint directory to load: the named one, or the generated one (written if needed)."""
+    named = str(params.get("checkpoint") or "")
+    if named:
+        path = Path(named).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            msg = f"checkpoint {named!r} not found on this host (no {path}/config.json)"
+            return SampleError(msg, unsupported=True)
+        return path
+    from kernels.model import DecoderConfig
+
+    config = DecoderConfig(**{k: params[k] for k in CONFIG_FIELDS if k in params})
+    dest = model_cache_root(job) / f"{config.architecture}-{config.cache_key(job.seed)}"
+    if (dest / "config.json").is_file():
+        return dest
+    spec = json.dumps({"config": asdict(config), "seed": job.seed, "dest": str(dest)})
+    proc = _child(["write", spec], {}, timeout)
+    if proc.returncode != 0:
+        return SampleError(f"generating the checkpoint failed: {_child_error(proc)}")
+    return dest
+
+
+def _sample(job: JobSpec, path: Path, arm: str, params: dict[str, Any], timeout: float) -> Sample | SampleError:
+    """One sample in a fresh process."""
+    spec = {
+        "checkpoint": str(path),
+        "arm": arm,
+        "prompt_tokens": int(params["prompt_tokens"]),
+        "decode_tokens": int(params["decode_tokens"]),
+        "warmup": job.warmup,
+        "seed": job.seed,
+    }
+    try:
+        proc = _child(["sample", json.dumps(spec)], job.arm_env.get(arm, {}), timeout)
+    except subprocess.TimeoutExpired:
+        return SampleError(f"sample timed out after {timeout:.0f} s")
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            out = json.loads(line[len(RESULT_MARK) :])
+            return SampleError(out["unsupported"], unsupported=True) if "unsupported" in out else Sample(**out)
+    return SampleError(_child_error(proc))
+
+
+def _outcome_rows(rows: RowBuilder, arm: str, sample: int, error: str, status: str) -> None:
+    for metric, unit in METRICS:
+        rows.add(arm, metric, None, unit, sample=sample, status=status, error=error)
+
+
+def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+    """Measure every arm of a `model` job, one row per metric per sample; returns the job status."""
+    params = {**registry.CASES["model"].defaults, **job.params}
+    timeout = float(job.options.get("timeout", DEFAULT_TIMEOUT_S))
+    path = _checkpoint(job, params, timeout)
+    if isinstance(path, SampleError):
+        status = STATUS_UNSUPPORTED if path.unsupported else STATUS_FAILED
+        for arm in job.arms:
+            _outcome_rows(rows, arm, -1, path.message, status)
+        return status
+    results: dict[str, list[tuple[int, Sample | SampleError]]] = {arm: [] for arm in job.arms}
+    skip: set[str] = set()
+    for rep in range(job.repetitions):
+        order = list(job.arms) if rep % 2 == 0 else list(reversed(job.arms))
+        for arm in order:
+            if arm not in skip:
+                outcome = _sample(job, path, arm, params, timeout)
+                results[arm].append((rep, outcome))
+                if isinstance(outcome, SampleError):
+                    skip.add(arm)  # an arm that failed or is unsupported once is not retried
+    statuses = [_arm_rows(rows, arm, results[arm], str(path)) for arm in job.arms]
+    if STATUS_FAILED in statuses:
+        return STATUS_FAILED
+    return STATUS_OK if STATUS_OK in statuses else STATUS_UNSUPPORTED
+
+
+def _arm_rows(rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError]], checkpoint: str) -> str:
+    samples = [(rep, s) for rep, s in outcomes if isinstance(s, Sample)]
+    errors = [(rep, s) for rep, s in outcomes if isinstance(s, SampleError)]
+    if errors and errors[0][1].unsupported and not samples:
+        _outcome_rows(rows, arm, -1, errors[0][1].message, STATUS_UNSUPPORTED)
+        return STATUS_UNSUPPORTED
+    digests = sorted({s.greedy_digest for _, s in samples})
+    error = errors[0][1].message if errors else None
+    if len(digests) > 1:
+        error = f"greedy output changed between samples of one arm (digests {', '.join(digests)})"
+    status = STATUS_FAILED if error else STATUS_OK
+    for rep, s in samples:
+        extra = {"greedy_digest": s.greedy_digest, "checkpoint": checkpoint, "mlx_device": s.device}
+        for metric, unit in METRICS:
+            value = getattr(s, metric)
+            rows.add(arm, metric, value, unit, sample=rep, status=status, error=error, route=s.route, extra=extra)
+    if errors:
+        _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, STATUS_FAILED)
+    return status
+
+
+# --------------------------------------------------------------------------- the child process
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workers.model_runner write|sample SPEC_JSON`: the fresh-process side."""
+    parser = argparse.ArgumentParser(prog="python -m workers.model_runner")
+    parser.add_argument("verb", choices=("write", "sample"))
+    parser.add_argument("spec", help="the request, as JSON")
+    args = parser.parse_args(argv)
+    spec = json.loads(args.spec)
+    if args.verb == "write":
+        from kernels.model import DecoderConfig, write_checkpoint
+
+        write_checkpoint(DecoderConfig(**spec["config"]), int(spec["seed"]), Path(spec["dest"]))
+        return 0
+    from kernels.model import ArmUnsupported
+
+    try:
+        sample = measure_sample(
+            Path(spec["checkpoint"]),
+            spec["arm"],
+            spec["prompt_tokens"],
+            spec["decode_tokens"],
+            spec["warmup"],
+            spec["seed"],
+        )
+    except ArmUnsupported as exc:
+        print(RESULT_MARK + json.dumps({"unsupported": str(exc)}), flush=True)
+        return 0
+    print(RESULT_MARK + json.dumps(asdict(sample)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
