@@ -1,0 +1,189 @@
+"""`orchestrate lock status|hold`: the host's guarded GPU lock from a shell.
+
+`status` prints `free`, `held` (pid, mode, since, command) or `stale` (a holder file whose process
+is gone); it exits 0 when the lock is free and 1 when something holds it, like the shell guard's
+`--status`. `hold -- CMD ...` runs any command under the lock, like `rocm_gpu_guard.sh --hold`:
+it exits with the command's code (128+N when a signal N killed it), 75 when `--max-wait` ran
+out, 127/126 when the command cannot be started, and 130/143 on SIGINT/SIGTERM after ending the
+command's whole process group. The command runs in a process group of its own, without the lock's
+descriptor, with `ROCM_GPU_GUARD_LOCK_HELD` set so guards and holds inside it nest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from types import FrameType
+
+import typer
+
+from orchestrator.errors import InputError, LockTimeoutError
+from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError, LockStatus, lock_status
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACE_S = 5.0  # how long the command's group gets to exit after a forwarded signal before SIGKILL
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _say(message: str) -> None:
+    print(f"orchestrate: {message}", file=sys.stderr, flush=True)
+
+
+def _kill_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _give_terminal(pgid: int) -> int | None:
+    """Make the command's group the terminal's foreground (as a shell does), if we are in front."""
+    try:
+        fd = sys.stdin.fileno()
+        if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
+            return None
+        os.tcsetpgrp(fd, pgid)
+    except (OSError, ValueError):
+        return None
+    _kill_group(pgid, signal.SIGCONT)  # in case it read the terminal before it was its own
+    return fd
+
+
+def _take_terminal_back(fd: int | None) -> None:
+    if fd is None:
+        return
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, os.getpgrp())
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def _wait_child(child: subprocess.Popen[bytes], signals: list[int], grace: float) -> int:
+    """Wait for the command; after a forwarded signal give its group `grace` seconds, then SIGKILL."""
+    deadline: float | None = None
+    while True:
+        try:
+            return child.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        if signals and deadline is None:
+            deadline = time.monotonic() + grace
+        if deadline is not None and time.monotonic() > deadline:
+            _kill_group(child.pid, signal.SIGKILL)
+
+
+def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
+    """Run `argv` under `lock` and return the exit code `orchestrate lock hold` exits with.
+
+    Args:
+        argv: The command and its arguments.
+        lock: A lock not yet acquired; it is taken here and released when the command's group is gone.
+        grace: Seconds between forwarding SIGINT/SIGTERM/SIGHUP to the command's group and SIGKILL.
+
+    Raises:
+        LockTimeoutError: `max_wait` ran out (exit 75).
+        InputError: The lock path cannot be used.
+    """
+    signals: list[int] = []
+    child: subprocess.Popen[bytes] | None = None
+    waiting = True
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+        if child is not None:
+            _kill_group(child.pid, signum)
+        elif waiting:
+            raise _Interrupted(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
+    try:
+        try:
+            lock.acquire()
+        except _Interrupted as stop:
+            lock.release()
+            _say(f"caught {signal.Signals(stop.signum).name} while waiting for GPU lock {lock.path}")
+            return 128 + stop.signum
+        except LockBusyError as exc:
+            raise LockTimeoutError(str(exc)) from exc
+        except LockPathError as exc:
+            raise InputError(str(exc)) from exc
+        try:
+            waiting = False
+            if signals:
+                return 128 + signals[0]
+            if lock.nested:
+                _say(f"GPU lock {lock.path} held by an outer holder (pid {os.environ.get('ROCM_GPU_GUARD_LOCK_HELD')})")
+            try:
+                child = subprocess.Popen(argv, env=lock.child_env(), process_group=0)
+            except FileNotFoundError:
+                _say(f"lock hold: {argv[0]}: command not found")
+                return 127
+            except PermissionError:
+                _say(f"lock hold: {argv[0]}: permission denied")
+                return 126
+            if signals:  # arrived while the child was being started
+                _kill_group(child.pid, signals[0])
+            terminal = _give_terminal(child.pid)
+            try:
+                code = _wait_child(child, signals, grace)
+            finally:
+                _take_terminal_back(terminal)
+            if signals:
+                _kill_group(child.pid, signal.SIGKILL)  # whatever of its group is left
+                _say(f"caught {signal.Signals(signals[0]).name}; ended the command's process group")
+                return 128 + signals[0]
+            return code if code >= 0 else 128 - code
+        finally:
+            lock.release()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _announce_wait(status: LockStatus) -> None:
+    _say(f"waiting for GPU lock {status.path}: {status.describe()}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `orchestrate lock status|hold`."""
+    lock_app = typer.Typer(help="The host's guarded GPU lock (one GPU job at a time).", no_args_is_help=True)
+
+    @lock_app.command("status")
+    def status(
+        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar="ORCHESTRATE_LOCK_PATH", help="Lock file."),
+        as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON object."),
+    ) -> None:
+        """Say whether the lock is free, held (by whom, since when, doing what) or stale; exit 1 if busy."""
+        try:
+            state = lock_status(lock)
+        except LockPathError as exc:
+            raise InputError(str(exc)) from exc
+        print(json.dumps(asdict(state)) if as_json else state.describe())
+        raise typer.Exit(1 if state.busy else 0)
+
+    @lock_app.command("hold")
+    def hold(
+        command: list[str] = typer.Argument(..., help="The command to run under the lock (after --)."),
+        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar="ORCHESTRATE_LOCK_PATH", help="Lock file."),
+        max_wait: float = typer.Option(0.0, "--max-wait", min=0, help="Seconds to wait for the lock; 0: no limit."),
+    ) -> None:
+        """Run CMD under the lock; exit with its code, 75 if the wait ran out, 130/143 on SIGINT/SIGTERM."""
+        gpu_lock = GpuLock(
+            lock, max_wait=max_wait, mode="hold", cmd=shlex.join(command), on_wait=_announce_wait, export_env=False
+        )
+        raise typer.Exit(run_held(command, gpu_lock))
+
+    app.add_typer(lock_app, name="lock")
