@@ -25,6 +25,7 @@ app = typer.Typer(
 COMMAND_MODULES = [
     "orchestrator.commands.run",
     "orchestrator.commands.results",
+    "orchestrator.commands.lock",
 ]
 
 for _name in COMMAND_MODULES:
