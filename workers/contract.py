@@ -151,6 +151,7 @@ SCHEMA = pa.schema(
 META_SCHEMA_VERSION = b"orchestrate.schema_version"
 META_JOB_KEY = b"orchestrate.job_key"
 META_JOB_STATUS = b"orchestrate.job_status"
+META_JOB_SECONDS = b"orchestrate.job_seconds"  # the worker's wall time for the whole job
 
 
 class JobContext(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib
+import time
 import traceback
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ import pyarrow as pa
 
 from kernels import registry
 from workers.contract import (
+    META_JOB_SECONDS,
     STATUS_FAILED,
     STATUS_OK,
     HostFingerprint,
@@ -61,6 +63,7 @@ def _failed_rows(rows: RowBuilder, job: JobSpec, error: str) -> None:
 
 def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
     """Run `job` under the host's GPU lock and return its rows (never raises for job errors)."""
+    t0 = time.perf_counter()
     fp = fingerprint or host_fingerprint()
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
     rows = RowBuilder(job, fp, context)
@@ -75,7 +78,9 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     if not rows.rows:
         _failed_rows(rows, job, "the case produced no rows")
         status = STATUS_FAILED
-    return rows.table(status)
+    table = rows.table(status)
+    meta = {**(table.schema.metadata or {}), META_JOB_SECONDS: f"{time.perf_counter() - t0:.6f}".encode()}
+    return table.replace_schema_metadata(meta)
 
 
 # GPU LOCK: the guarded lock around the whole job (build and measurement), with the idle gate

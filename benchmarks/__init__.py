@@ -1,0 +1,1 @@
+"""Benchmarks of orchestrate itself and of its kernels (see BENCHMARKS.md for the commands)."""

@@ -1,0 +1,43 @@
+"""Shared fixtures: every test runs with its state pointed at a temp dir (llm's habit).
+
+HOME, Ray's token file, the results root and the workers' spool all live under the test's
+temp dir, so no test ever touches the user's ~/.ray, ./results or ~/.orchestrate.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def isolated_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point HOME, Ray's auth token, results and spool at a per-test temp dir."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(home / ".ray" / "auth_token"))
+    monkeypatch.setenv("ORCHESTRATE_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("ORCHESTRATE_SPOOL", str(tmp_path / "spool"))
+    return tmp_path
+
+
+@pytest.fixture
+def orchestrate_bin() -> str:
+    """The installed `orchestrate` console script of this environment."""
+    path = BIN / "orchestrate"
+    assert path.exists(), f"{path} missing: install the project (make test does)"
+    return str(path)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess: the test's (already isolated) plus `extra`."""
+    env = dict(os.environ)
+    env.update(extra)
+    return env

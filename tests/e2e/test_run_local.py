@@ -1,0 +1,82 @@
+"""`orchestrate run` end to end on this machine: embedded Ray, the smoke sweep, real Parquet.
+
+The dataset is then read by DuckDB and Polars in a separate Python process that imports nothing
+of this package, and must give the row count `orchestrate results` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import child_env
+
+pytestmark = pytest.mark.slow
+
+INTEROP = r"""
+import json, sys
+import duckdb, polars as pl
+root = sys.argv[1]
+glob = root + "/**/*.parquet"
+n_duck, n_ok, n_dev = duckdb.sql(
+    f"select count(*), count(*) filter (where status = 'ok'), count(distinct device) "
+    f"from read_parquet('{glob}', hive_partitioning = true)"
+).fetchall()[0]
+df = pl.read_parquet(glob, hive_partitioning=True)
+err = df.filter((pl.col("metric") == "rel_error") & (pl.col("arm") == "native"))
+print(json.dumps({
+    "duckdb": n_duck, "ok": n_ok, "devices": n_dev, "polars": df.height,
+    "dates": sorted(str(d) for d in df["date"].unique().to_list()),
+    "native_rel_error_max": err["value"].max(),
+    "backends": sorted(df["backend"].unique().to_list()),
+    "cases": sorted(df["case"].unique().to_list()),
+}))
+"""
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = child_env()
+    env.pop("ORCHESTRATE_RESULTS", None)  # the default: ./results under cwd
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    first = _run([orchestrate_bin, "run"], work)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "3 jobs ran (0 failed)" in first.stdout
+    assert "vs affine" in first.stdout  # the comparison table
+    fragments = sorted((work / "results").rglob("part-*.parquet"))
+    assert len(fragments) == 3
+    assert all("sweep=smoke" in str(f) and "device=cpu" in str(f) for f in fragments)
+
+    again = _run([orchestrate_bin, "run"], work)
+    assert again.returncode == 0, again.stderr
+    assert "Nothing to do: all 3 jobs of sweep 'smoke' are complete" in again.stdout
+    assert sorted((work / "results").rglob("part-*.parquet")) == fragments
+
+    res = _run([orchestrate_bin, "results", "--sweep", "smoke"], work)
+    assert res.returncode == 0, res.stderr
+    reported = int(re.search(r"^rows: (\d+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
+
+    interop = subprocess.run(
+        [sys.executable, "-c", INTEROP, str(work / "results")], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,  # not the repo: nothing of this package is importable by accident
+    )  # fmt: skip
+    assert interop.returncode == 0, interop.stderr
+    got = json.loads(interop.stdout)
+    assert got["duckdb"] == got["polars"] == reported
+    assert got["ok"] == reported  # every row of the smoke sweep passed
+    assert got["devices"] == 1 and got["backends"] == ["cpu"]  # a CPU run says so
+    assert got["cases"] == ["moe-gather", "qmm"]
+    assert got["native_rel_error_max"] < 1e-4  # float32 NVFP4 vs the NumPy reference
+
+    q = _run([orchestrate_bin, "query", "select count(*) as n from results", "--format", "csv"], work)
+    assert q.returncode == 0, q.stderr
+    assert q.stdout.strip().splitlines() == ["n", str(reported)]

@@ -1,0 +1,95 @@
+"""Sweep expansion and job keys; the Parquet store's atomic writes, resume keys and broken files."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from orchestrator.plan import expand, job_key, points
+from orchestrator.specs import InventorySpec, SweepSpec
+from orchestrator.store import ResultStore
+from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
+
+INV = InventorySpec.model_validate({"hosts": [{"name": "a", "device": "cpu"}, {"name": "b", "device": "m1-ultra"}]})
+
+
+def _sweep(**over: object) -> SweepSpec:
+    data: dict[str, object] = {
+        "name": "s",
+        "cases": [{"case": "qmm", "arms": ["native", "affine"], "params": {"tokens": [1, 8, 64], "n": 32, "k": [64, 128]}}],
+    }
+    data.update(over)
+    return SweepSpec.model_validate(data)
+
+
+def test_points_are_the_cartesian_product_in_order() -> None:
+    pts = points(_sweep().cases[0])
+    assert len(pts) == 6
+    assert pts[0] == {"tokens": 1, "n": 32, "k": 64}
+    assert pts[-1] == {"tokens": 64, "n": 32, "k": 128}
+
+
+def test_expand_every_kind_and_stable_keys() -> None:
+    a = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r1", version="v1")
+    b = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r2", version="v1")
+    assert len(a) == 12
+    assert {j.device for j in a} == {"cpu", "m1-ultra"}
+    assert [j.job_key for j in a] == [j.job_key for j in b]  # the run id is not content
+    assert len({j.job_key for j in a}) == 12
+    assert a[0].seed != b[0].seed  # fresh random inputs per run
+    c = expand(_sweep(), INV, ["cpu"], run_id="r1", version="v2")
+    assert c[0].job_key != a[0].job_key  # new code, new measurement
+    d = expand(_sweep(repetitions=3), INV, ["cpu"], run_id="r1", version="v1")
+    assert d[0].job_key != a[0].job_key
+
+
+def test_job_key_ignores_dict_order() -> None:
+    assert job_key({"a": 1, "b": [1, 2]}) == job_key({"b": [1, 2], "a": 1})
+
+
+def _table(job_key: str, status: str, n: int = 3) -> object:
+    job = JobSpec(
+        run_id="r1", sweep="s", job_key=job_key, case="qmm", case_name="qmm", params={"tokens": 1, "n": 32, "k": 64},
+        arms=["native"], device="cpu", repetitions=n, warmup=0,
+    )  # fmt: skip
+    fp = HostFingerprint(
+        hostname="h", os="Linux", machine="x86_64", cpu="c", cpu_count=2, memory_bytes=1, mlx_version="0",
+        mlx_device="cpu", backend="cpu", threads=2, fingerprint_id="f",
+    )  # fmt: skip
+    rows = RowBuilder(job, fp, JobContext(started_at=dt.datetime(2026, 11, 30, tzinfo=dt.UTC)))
+    for i in range(n):
+        rows.add("native", "seconds", 0.001 * (i + 1), "seconds", sample=i)
+    return rows.table(status)
+
+
+def test_store_write_read_resume_and_broken_fragment(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "results")
+    day = dt.date(2026, 11, 30)
+    p1 = store.write(_table("k1", STATUS_OK), sweep="s", date=day, device="cpu", run_id="r1", job_key="k1")  # type: ignore[arg-type]
+    store.write(_table("k2", STATUS_FAILED), sweep="s", date=day, device="cpu", run_id="r1", job_key="k2")  # type: ignore[arg-type]
+    assert p1 == tmp_path / "results/sweep=s/date=2026-11-30/device=cpu/part-r1-k1.parquet"
+    assert not list(p1.parent.glob(".*.tmp"))  # no temp file left behind
+    assert store.complete_job_keys() == {"k1"}  # a failed job runs again on resume
+    broken = p1.parent / "part-r9-bad.parquet"
+    broken.write_bytes(b"PAR1 this is not parquet")
+    table = store.read(sweep="s")
+    assert table.num_rows == 6
+    assert [b[0] for b in store.broken] == [broken]
+    # DuckDB over the files the store lists sees the same rows and the hive partitions
+    files = [str(p) for p in store.fragment_files()]
+    n, dates = duckdb.sql(
+        f"select count(*), count(distinct date) from read_parquet({files}, hive_partitioning=true)"
+    ).fetchall()[0]
+    assert (n, dates) == (6, 1)
+
+
+def test_unwritable_store_is_an_input_error(tmp_path: Path) -> None:
+    from orchestrator.errors import InputError
+
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    with pytest.raises(InputError, match="not writable"):
+        ResultStore(blocker / "r").ensure_writable()
