@@ -1,0 +1,236 @@
+"""The seeds' comparison table for any sweep: per point and device, each arm beside the baseline.
+
+`compare_results(table, by="arm", baseline="affine")` answers: one row per case, parameter point
+and device (or arm, when devices are compared); for each metric the sides' medians with their
+bootstrap intervals and, for every side but the baseline, the ratio of medians to the baseline
+with its interval and verdict. `by` can also be `run_id`, `code_version` or `device`, to compare
+two runs, two commits or two machines on the same points.
+
+`cross_device(table)` is the fair view across machines: achieved bandwidth and FLOP rate beside
+their fraction of each device's own measured peak (`peak_copy_gb_s`, `peak_tflop_s`, stamped on
+the rows by the worker from `workers.peaks`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from orchestrator import stats
+from orchestrator.errors import InputError
+from orchestrator.stats import Comparison, Point, Summary
+
+# The seeds' order: prefill, decode, memory, load; then the kernel metrics.
+METRIC_ORDER = (
+    "prefill_tok_s",
+    "decode_tok_s",
+    "peak_memory_bytes",
+    "load_seconds",
+    "seconds",
+    "gb_per_s",
+    "tflop_per_s",
+    "rel_error",
+)
+SIDE_COLUMNS = {"arm": "arm", "run": "run_id", "commit": "code_version", "device": "device"}
+# Parameters that read as a prompt length, preferred on the x axis and as the first column.
+LENGTH_PARAMS = ("prompt_tokens", "tokens")
+
+
+@dataclass
+class CompareRow:
+    """One point of one case on one device (or arm): every side's metrics against the baseline."""
+
+    case_name: str
+    point: Point
+    dims: dict[str, str]
+    values: dict[tuple[str, str], Summary] = field(default_factory=dict)  # (metric, side)
+    comparisons: dict[tuple[str, str], Comparison] = field(default_factory=dict)
+
+
+@dataclass
+class CompareResult:
+    """The whole comparison, ready to render in any format."""
+
+    by: str
+    baseline: str
+    sides: list[str]
+    metrics: list[str]
+    rows: list[CompareRow]
+    varying: dict[str, list[str]]  # case -> the parameters that change across its points
+
+    def row_params(self, row: CompareRow) -> dict[str, str]:
+        """The parameters of a row that vary within its case (what tells its rows apart)."""
+        shown = self.varying.get(row.case_name) or []
+        return {k: v for k, v in row.point if k in shown}
+
+
+def _sort_value(text: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(text), "")
+    except ValueError:
+        return (1, 0.0, text)
+
+
+def point_sort_key(point: Point) -> tuple[tuple[str, tuple[int, float, str]], ...]:
+    """Points ordered numerically (512 before 1024), length parameters first."""
+    ordered = sorted(point, key=lambda kv: (kv[0] not in LENGTH_PARAMS, kv[0]))
+    return tuple((k, _sort_value(v)) for k, v in ordered)
+
+
+def varying_params(points: Iterable[Point]) -> list[str]:
+    """The parameter names whose value is not the same at every point (a length first)."""
+    seen: dict[str, set[str]] = {}
+    for point in points:
+        for k, v in point:
+            seen.setdefault(k, set()).add(v)
+    names = [k for k, vals in seen.items() if len(vals) > 1]
+    if not names:
+        names = [k for k in LENGTH_PARAMS if k in seen][:1]
+    return sorted(names, key=lambda k: (k not in LENGTH_PARAMS, k))
+
+
+def default_baseline(sides: list[str], preferred: str | None) -> str:
+    """The sweep's baseline when present, else `affine`, else the first side."""
+    for candidate in (preferred, "affine"):
+        if candidate and candidate in sides:
+            return candidate
+    return sides[0]
+
+
+def compare_results(
+    table: pa.Table,
+    *,
+    by: str = "arm",
+    baseline: str | None = None,
+    threshold: float = stats.THRESHOLD,
+    resamples: int = stats.RESAMPLES,
+) -> CompareResult:
+    """Build the comparison table from stored rows.
+
+    Args:
+        table: rows in `workers.contract.SCHEMA` (only clean samples count).
+        by: what the sides are: `arm`, `run`, `commit` or `device`.
+        baseline: the side the others are compared with (default: `affine` or the first side).
+        threshold: the smallest relative change a verdict calls a difference.
+        resamples: bootstrap resamples.
+
+    Returns:
+        The comparison, one row per case, point and remaining dimension.
+
+    Raises:
+        InputError: `by` is unknown, there are no clean rows, or the baseline is not a side.
+    """
+    if by not in SIDE_COLUMNS:
+        raise InputError(f"--by {by!r} is not one of {', '.join(SIDE_COLUMNS)}")
+    side_col = SIDE_COLUMNS[by]
+    row_dims = [d for d in ("device", "arm") if d != side_col]
+    rows = stats.clean_rows(table)
+    if rows.num_rows == 0:
+        raise InputError("no clean result rows to compare (status ok, not contended)")
+    cols = {c: rows[c].to_pylist() for c in {"case_name", "params", "metric", "value", side_col, *row_dims}}
+    samples: dict[tuple[str, Point, tuple[str, ...], str, str], list[float]] = {}
+    sides_seen: list[str] = []
+    for i in range(rows.num_rows):
+        side = str(cols[side_col][i])
+        if side not in sides_seen:
+            sides_seen.append(side)
+        key = (
+            cols["case_name"][i],
+            stats.point_of(cols["params"][i]),
+            tuple(str(cols[d][i]) for d in row_dims),
+            cols["metric"][i],
+            side,
+        )
+        samples.setdefault(key, []).append(float(cols["value"][i]))
+    sides = sides_seen if by != "arm" else sorted(sides_seen)
+    base = default_baseline(sides, baseline)
+    if baseline is not None and baseline not in sides:
+        raise InputError(f"baseline {baseline!r} has no clean rows (sides: {', '.join(sides)})")
+    sides = [base] + [s for s in sides if s != base]
+    metrics_seen = {k[3] for k in samples}
+    metrics = [m for m in METRIC_ORDER if m in metrics_seen] + sorted(metrics_seen - set(METRIC_ORDER))
+
+    by_row: dict[tuple[str, Point, tuple[str, ...]], CompareRow] = {}
+    for (case_name, point, dims, metric, side), values in samples.items():
+        rkey = (case_name, point, dims)
+        row = by_row.get(rkey)
+        if row is None:
+            row = by_row[rkey] = CompareRow(case_name, point, dict(zip(row_dims, dims, strict=True)))
+        row.values[(metric, side)] = stats.summarize(
+            values, seed=stats.seed_for(rkey, metric, side), resamples=resamples
+        )
+        if side != base and (case_name, point, dims, metric, base) in samples:
+            row.comparisons[(metric, side)] = stats.compare_samples(
+                values,
+                samples[(case_name, point, dims, metric, base)],
+                metric=metric,
+                threshold=threshold,
+                seed=stats.seed_for(rkey, metric, side, base),
+                resamples=resamples,
+            )
+    ordered = sorted(by_row.values(), key=lambda r: (r.case_name, tuple(r.dims.values()), point_sort_key(r.point)))
+    varying = {
+        case: varying_params(r.point for r in ordered if r.case_name == case)
+        for case in dict.fromkeys(r.case_name for r in ordered)
+    }
+    return CompareResult(by, base, sides, metrics, ordered, varying)
+
+
+# ---------------------------------------------------------------------------------- cross-device
+
+PEAK_COLUMNS = {"gb_per_s": "peak_copy_gb_s", "tflop_per_s": "peak_tflop_s"}
+
+
+def device_peaks(table: pa.Table) -> dict[str, dict[str, float]]:
+    """Each device's measured peaks (`peak_copy_gb_s`, `peak_tflop_s`) from its rows."""
+    out: dict[str, dict[str, float]] = {}
+    devices = table["device"].to_pylist()
+    for col in PEAK_COLUMNS.values():
+        values = table[col].to_pylist()
+        per: dict[str, list[float]] = {}
+        for dev, v in zip(devices, values, strict=True):
+            if v is not None and math.isfinite(v) and v > 0:
+                per.setdefault(dev, []).append(v)
+        for dev, vals in per.items():
+            out.setdefault(dev, {})[col] = max(vals)
+    return out
+
+
+@dataclass
+class DeviceCell:
+    """One device's median of a metric and its share of that device's own peak."""
+
+    summary: Summary
+    peak: float | None
+    fraction: float | None
+
+
+@dataclass
+class CrossDeviceRow:
+    """One case, point and arm across every device."""
+
+    case_name: str
+    point: Point
+    arm: str
+    metric: str
+    cells: dict[str, DeviceCell]
+
+
+def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[CrossDeviceRow]:
+    """Bandwidth and FLOP rate per device beside their fraction of that device's measured peak."""
+    peaks = device_peaks(table)
+    groups = stats.sample_groups(table)
+    rows: dict[tuple[str, Point, str, str], CrossDeviceRow] = {}
+    for key, values in groups.items():
+        if key.metric not in PEAK_COLUMNS:
+            continue
+        summary = stats.summarize(values, seed=stats.seed_for(key), resamples=resamples)
+        peak = peaks.get(key.device, {}).get(PEAK_COLUMNS[key.metric])
+        fraction = summary.median / peak if peak else None
+        rkey = (key.case_name, key.point, key.arm, key.metric)
+        row = rows.setdefault(rkey, CrossDeviceRow(key.case_name, key.point, key.arm, key.metric, {}))
+        row.cells[key.device] = DeviceCell(summary, peak, fraction)
+    return sorted(rows.values(), key=lambda r: (r.case_name, r.metric, r.arm, point_sort_key(r.point)))

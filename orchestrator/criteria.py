@@ -1,0 +1,264 @@
+"""Acceptance criteria: a sweep's `[[criteria]]` judged on confidence intervals.
+
+A criterion compares one arm with the baseline arm on one metric at every point of the sweep
+that its `case` and `where` select, on every device: the ratio of medians `arm / baseline` with
+its bootstrap interval. At one point, with `min_ratio` m: PASS when the whole interval is >= m,
+FAIL when it is wholly below m, AMBIGUOUS when it straddles m (and about how many more samples
+would settle it); `max_ratio` mirrors that. A criterion PASSes when every point passes, FAILs
+when one point fails, and is AMBIGUOUS otherwise -- including when points are missing (a job
+that never ran, failed, or was contended): those are named, never passed over.
+
+`exit_code_for` maps the verdicts onto `orchestrate`'s exit codes: 0 all pass, 1 one fails, 4
+none fails but one is ambiguous.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import pyarrow as pa
+
+from orchestrator import stats
+from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
+from orchestrator.plan import points as case_points
+from orchestrator.specs import Criterion, SweepSpec
+from orchestrator.stats import Point, Ratio
+from orchestrator.where import Condition, parse_where
+
+
+class Outcome(StrEnum):
+    """A criterion's (or one point's) result."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    AMBIGUOUS = "AMBIGUOUS"
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """The ratio at one point on one device and what it says."""
+
+    device: str
+    case_name: str
+    point: Point
+    ratio: Ratio
+    outcome: Outcome
+    more_samples: int | None = None
+
+
+@dataclass(frozen=True)
+class MissingPoint:
+    """A point the criterion needs but the data cannot judge, and why."""
+
+    device: str
+    case_name: str
+    point: Point
+    reason: str
+
+
+@dataclass
+class CriterionVerdict:
+    """One criterion's verdict with every point behind it."""
+
+    criterion: Criterion
+    baseline: str
+    outcome: Outcome
+    points: list[PointResult] = field(default_factory=list)
+    missing: list[MissingPoint] = field(default_factory=list)
+
+    def worst(self) -> PointResult | None:
+        """The point closest to failing (lowest interval for min_ratio, highest for max_ratio)."""
+        if not self.points:
+            return None
+        if self.criterion.min_ratio is not None:
+            return min(self.points, key=lambda p: p.ratio.ci_low)
+        return max(self.points, key=lambda p: p.ratio.ci_high)
+
+
+Verdict = CriterionVerdict
+
+
+def judge_ratio(ratio: Ratio, criterion: Criterion) -> tuple[Outcome, int | None]:
+    """PASS, FAIL or AMBIGUOUS for one ratio against the criterion's bounds."""
+    lo, hi = ratio.ci_low, ratio.ci_high
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return Outcome.AMBIGUOUS, None
+    outcomes: list[tuple[Outcome, int | None]] = []
+    if criterion.min_ratio is not None:
+        m = criterion.min_ratio
+        if lo >= m:
+            outcomes.append((Outcome.PASS, None))
+        elif hi < m:
+            outcomes.append((Outcome.FAIL, None))
+        else:
+            outcomes.append((Outcome.AMBIGUOUS, stats.more_samples_needed(ratio, m)))
+    if criterion.max_ratio is not None:
+        m = criterion.max_ratio
+        if hi <= m:
+            outcomes.append((Outcome.PASS, None))
+        elif lo > m:
+            outcomes.append((Outcome.FAIL, None))
+        else:
+            outcomes.append((Outcome.AMBIGUOUS, stats.more_samples_needed(ratio, m)))
+    for wanted in (Outcome.FAIL, Outcome.AMBIGUOUS):
+        for outcome, more in outcomes:
+            if outcome is wanted:
+                return outcome, more
+    return Outcome.PASS, None
+
+
+def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> list[tuple[str, list[str], Point]]:
+    """(case label, case devices, point) for every point the criterion applies to.
+
+    Raises:
+        InputError: no case of the sweep has both arms, or `where` names no parameter of any case.
+    """
+    condition: Condition = parse_where(criterion.where or "", what=f"criteria {criterion.name!r}: where")
+    out: list[tuple[str, list[str], Point]] = []
+    applicable = 0
+    for entry in sweep.cases:
+        if criterion.case is not None and criterion.case not in (entry.label, entry.case):
+            continue
+        arms = entry.arm_names()
+        if criterion.arm not in arms or baseline not in arms:
+            continue
+        if not condition.names() <= set(entry.axes()):
+            continue
+        applicable += 1
+        for params in case_points(entry):
+            point = stats.point_of({k: str(v) for k, v in params.items()})
+            if condition.matches(dict(point)):
+                out.append((entry.label, list(entry.devices or sweep.devices), point))
+    if applicable == 0:
+        raise InputError(
+            f"criteria {criterion.name!r}: no case of sweep {sweep.name!r} has arms {criterion.arm!r} and "
+            f"{baseline!r}" + (f" and the parameters of where {criterion.where!r}" if criterion.where else "")
+        )
+    return out
+
+
+def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, metric: str) -> str:
+    """Why a point has no clean samples of `arm` or `baseline` (failed, contended, absent)."""
+    reasons = []
+    for side in (arm, baseline):
+        rows = [r for r in table_rows if r["arm"] == side]
+        if not rows:
+            reasons.append(f"no {side} rows")
+            continue
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad:
+            reasons.append(f"{side} {bad[0]['status']}: {bad[0]['error'] or 'no error recorded'}")
+        elif any(r["contended"] for r in rows):
+            reasons.append(f"{side} contended")
+        elif not any(r["metric"] == metric for r in rows):
+            reasons.append(f"no {side} {metric}")
+    return "; ".join(reasons) or "no clean samples"
+
+
+def evaluate_criterion(
+    table: pa.Table, sweep: SweepSpec, criterion: Criterion, *, resamples: int = stats.RESAMPLES
+) -> CriterionVerdict:
+    """Judge one criterion on stored rows of the sweep (see the module docstring)."""
+    baseline = criterion.baseline or sweep.baseline
+    if baseline is None:
+        raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
+    expected = expected_points(sweep, criterion, baseline)
+    groups = stats.sample_groups(table)
+    seen_devices = sorted(set(table["device"].to_pylist())) if table.num_rows else []
+    # Every row (clean or not) of each (device, case, point): to tell a missing point from one
+    # that does not measure this metric (decode_tok_s only exists at tokens=1).
+    slim = table.select(["device", "case_name", "params", "arm", "metric", "status", "contended", "error"])
+    by_point: dict[tuple[str, str, Point], list[dict[str, object]]] = {}
+    for row in slim.to_pylist():
+        key = (str(row["device"]), str(row["case_name"]), stats.point_of(row["params"]))
+        by_point.setdefault(key, []).append(row)
+    verdict = CriterionVerdict(criterion, baseline, Outcome.PASS)
+    for case_name, devices, point in expected:
+        for device in devices or seen_devices or ["(any device)"]:
+            rows_here = by_point.get((device, case_name, point), [])
+            key_a = stats.GroupKey(device, case_name, point, criterion.arm, criterion.metric)
+            key_b = stats.GroupKey(device, case_name, point, baseline, criterion.metric)
+            a, b = groups.get(key_a), groups.get(key_b)
+            if a and b:
+                ratio = stats.ratio_of_medians(a, b, seed=stats.seed_for(key_a, baseline), resamples=resamples)
+                outcome, more = judge_ratio(ratio, criterion)
+                verdict.points.append(PointResult(device, case_name, point, ratio, outcome, more))
+                continue
+            measured_elsewhere = rows_here and all(r["status"] == "ok" for r in rows_here)
+            if measured_elsewhere and not any(r["metric"] == criterion.metric for r in rows_here):
+                continue  # the point ran cleanly and simply does not measure this metric
+            reason = _why_missing(rows_here, criterion.arm, baseline, criterion.metric) if rows_here else "not run"
+            verdict.missing.append(MissingPoint(device, case_name, point, reason))
+    outcomes = {p.outcome for p in verdict.points}
+    if Outcome.FAIL in outcomes:
+        verdict.outcome = Outcome.FAIL
+    elif Outcome.AMBIGUOUS in outcomes or verdict.missing or not verdict.points:
+        verdict.outcome = Outcome.AMBIGUOUS
+    return verdict
+
+
+def evaluate_criteria(table: pa.Table, sweep: SweepSpec, *, resamples: int = stats.RESAMPLES) -> list[CriterionVerdict]:
+    """Judge every criterion of `sweep` on its stored rows (pass the rows of this sweep only)."""
+    return [evaluate_criterion(table, sweep, c, resamples=resamples) for c in sweep.criteria]
+
+
+def exit_code_for(verdicts: list[CriterionVerdict]) -> int:
+    """0 when all pass (or there are none), 1 when one fails, 4 when none fails but one is ambiguous."""
+    outcomes = {v.outcome for v in verdicts}
+    if Outcome.FAIL in outcomes:
+        return EXIT_CRITERION_FAILED
+    if Outcome.AMBIGUOUS in outcomes:
+        return EXIT_AMBIGUOUS
+    return EXIT_OK
+
+
+def point_label(device: str, case_name: str, point: Point) -> str:
+    """`cpu qmm tokens=4096 n=256` for messages."""
+    return " ".join([device, case_name, *(f"{k}={v}" for k, v in point)])
+
+
+def bound_text(c: Criterion) -> str:
+    """`native/affine prefill_tok_s >= 0.97` for a criterion."""
+    parts = []
+    if c.min_ratio is not None:
+        parts.append(f">= {c.min_ratio:g}")
+    if c.max_ratio is not None:
+        parts.append(f"<= {c.max_ratio:g}")
+    return " and ".join(parts)
+
+
+def describe(v: CriterionVerdict) -> list[str]:
+    """Human lines for one verdict: the headline, then ambiguous, failing and missing points."""
+    c = v.criterion
+    head = f"{v.outcome.value:<9} {c.name}: {c.metric} {c.arm}/{v.baseline} {bound_text(c)}"
+    worst = v.worst()
+    if worst is not None:
+        r = worst.ratio
+        head += (
+            f"; {len(v.points)} points, worst {r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] at "
+            f"{point_label(worst.device, worst.case_name, worst.point)}"
+        )
+    lines = [head]
+    for p in v.points:
+        if p.outcome is Outcome.PASS:
+            continue
+        r = p.ratio
+        note = f" (about {p.more_samples} more samples per arm would settle it)" if p.more_samples else ""
+        lines.append(
+            f"    {p.outcome.value:<9} {point_label(p.device, p.case_name, p.point)}: "
+            f"{r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}], n={r.n_a}/{r.n_b}{note}"
+        )
+    for m in v.missing:
+        lines.append(f"    MISSING   {point_label(m.device, m.case_name, m.point)}: {m.reason}")
+    if not v.points and not v.missing:
+        lines.append("    no point of the sweep matches this criterion")
+    return lines
+
+
+def render_verdicts(verdicts: list[CriterionVerdict]) -> str:
+    """All verdicts as text, one block per criterion."""
+    if not verdicts:
+        return "No acceptance criteria in this sweep."
+    return "\n".join(line for v in verdicts for line in describe(v))
