@@ -130,6 +130,15 @@ def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], 
     return arrays, time.perf_counter() - t0
 
 
+def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """W [n, k]: standard normal draws from `rng`, quantized by the reference (no global scale).
+
+    Returns:
+        (codes uint8 [n, k], E4M3 scale bits uint8 [n, k/16]).
+    """
+    return nvfp4.quantize(rng.standard_normal((n, k), dtype=np.float32))
+
+
 def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
     """Build the `qmm` workload at one parameter point.
 
@@ -150,9 +159,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     dtype = MLX_DTYPES[dtype_name]
     backend = mlx_backend()
 
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    codes, scales = nvfp4.quantize(w)
-    del w
+    codes, scales = nvfp4_weights(n, k, rng)
     w_nvfp4 = nvfp4.dequantize(codes, scales)  # float64, exact
     packed = nvfp4.pack_codes(codes)
     (wq, wscales), native_build = _timed_build(lambda: (mx.array(packed), mx.array(scales)))
