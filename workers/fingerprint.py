@@ -94,6 +94,7 @@ def host_fingerprint() -> HostFingerprint:
     import mlx.core as mx
 
     backend = detect_backend()
+    mlx_version = str(getattr(mx, "__version__", "unknown"))
     gpu: str | None = None
     driver: str | None = None
     if backend == "cuda":
@@ -105,7 +106,7 @@ def host_fingerprint() -> HostFingerprint:
     cpu = _cpu_model()
     memory = _memory_bytes()
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, mx.__version__])
+    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, mlx_version])
     return HostFingerprint(
         hostname=socket.gethostname(),
         os=f"{platform.system()} {platform.release()}",
@@ -115,7 +116,7 @@ def host_fingerprint() -> HostFingerprint:
         memory_bytes=memory,
         gpu=gpu,
         gpu_driver=driver,
-        mlx_version=mx.__version__,
+        mlx_version=mlx_version,
         mlx_device=str(mx.default_device()),
         backend=backend,
         blas=_blas() if backend == "cpu" else None,

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from orchestrator.console import console, summary_table
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
@@ -32,7 +32,7 @@ class ProgressView:
         self.total = 0
         self.finished = 0
         self.bar: Progress | None = None
-        self.task = None
+        self.task: TaskID | None = None
 
     def __call__(self, event: str, job: JobSpec, outcome: JobOutcome | None) -> None:
         label = f"{job.device} {job.case_name} " + " ".join(f"{k}={v}" for k, v in job.params.items())
