@@ -1,0 +1,204 @@
+"""The `mlp` case: the Gemma GeGLU MLP block in NVFP4, three ways to run its activation path.
+
+    y = down( gelu_tanh(gate(x)) * up(x) )
+
+Gate, up ([intermediate, hidden]) and down ([hidden, intermediate]) are NVFP4 weights, each with
+its own per-tensor global scale in MLX's convention (a layer decodes `raw * global_scale / 2688`,
+see `kernels.nvfp4`). `mx.quantized_matmul` takes no global scale, so each projection's product
+needs one more multiply by `global_scale / 2688`; the arms are the first seed's activation paths:
+
+* `fused`: the whole block under `mx.compile`, the three global scales folded into the compiled
+  graph as constants: the gate's scale joins the GeLU's input, the up and down scales (the down
+  projection is linear) become one multiply of the output;
+* `op-at-a-time`: each projection, then its own scale multiply, eagerly; only the GeGLU
+  activation (`gelu_tanh(g) * u`) is compiled;
+* `eager`: the same graph as `op-at-a-time` with nothing compiled.
+
+The weights are the NumPy reference's own codes and scales (`kernels.nvfp4`), packed in MLX's
+layout, so every arm and the float64 reference hold bit-identical weights; the reference checks
+the arms' arithmetic, including where the global scales enter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import nvfp4, qmm
+from kernels.registry import ArmPath, Workload
+
+ARMS = ("fused", "op-at-a-time", "eager")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+GELU_C = math.sqrt(2.0 / math.pi)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One NVFP4 projection: MLX-packed codes, E4M3 scale bits and its MLX-convention global scale."""
+
+    packed: mx.array  # uint32 [out, in/8]
+    scales: mx.array  # uint8 [out, in/16]
+    global_scale: float
+    codes: np.ndarray  # uint8 [out, in]: the same weights for the reference
+    scale_bits: np.ndarray  # uint8 [out, in/16]
+
+    @property
+    def decode_scale(self) -> float:
+        """What one product is multiplied by: `global_scale / 2688`."""
+        return self.global_scale / nvfp4.MLX_GLOBAL_SCALE_DIVISOR
+
+    def dense(self) -> np.ndarray:
+        """The weights in float64, global scale included."""
+        return nvfp4.dequantize(self.codes, self.scale_bits, self.global_scale)
+
+    def product(self, x: mx.array) -> mx.array:
+        """`x @ raw^T` without the global scale (the native NVFP4 quantized matmul)."""
+        return mx.quantized_matmul(x, self.packed, self.scales, transpose=True, group_size=16, bits=4, mode="nvfp4")
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """The block's three projections."""
+
+    gate: Projection
+    up: Projection
+    down: Projection
+
+
+def make_projection(w: np.ndarray, global_scale: float | None = None) -> Projection:
+    """Quantize float weights [out, in] to NVFP4 with the reference; the global scale defaults to amax."""
+    gs = float(nvfp4.natural_global_scale(w) if global_scale is None else global_scale)
+    codes, scale_bits = nvfp4.quantize(w, gs)
+    return Projection(
+        packed=mx.array(nvfp4.pack_codes(codes)),
+        scales=mx.array(scale_bits),
+        global_scale=gs,
+        codes=codes,
+        scale_bits=scale_bits,
+    )
+
+
+def make_weights(hidden: int, intermediate: int, rng: np.random.Generator) -> MlpWeights:
+    """Random weights at a Linear layer's usual scale (uniform in ±1/sqrt(fan_in))."""
+
+    def draw(out_dims: int, in_dims: int) -> np.ndarray:
+        bound = 1.0 / math.sqrt(in_dims)
+        return rng.uniform(-bound, bound, size=(out_dims, in_dims)).astype(np.float32)
+
+    return MlpWeights(
+        gate=make_projection(draw(intermediate, hidden)),
+        up=make_projection(draw(intermediate, hidden)),
+        down=make_projection(draw(hidden, intermediate)),
+    )
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """GeLU, tanh approximation (Gemma's `gelu_pytorch_tanh`), as plain ops: nothing compiled."""
+    return 0.5 * x * (1.0 + mx.tanh(GELU_C * (x + 0.044715 * x * x * x)))
+
+
+def _geglu(g: mx.array, u: mx.array) -> mx.array:
+    return gelu_tanh(g) * u
+
+
+def arm_function(arm: str, weights: MlpWeights) -> Callable[[mx.array], mx.array]:
+    """The block as `arm` runs it: x [tokens, hidden] -> y [tokens, hidden]."""
+    gate, up, down = weights.gate, weights.up, weights.down
+    if arm == "fused":
+        s_gate = gate.decode_scale
+        s_out = up.decode_scale * down.decode_scale
+
+        def fused(x: mx.array) -> mx.array:
+            g = gate.product(x) * s_gate
+            h = gelu_tanh(g) * up.product(x)
+            return down.product(h) * s_out
+
+        return mx.compile(fused)  # the scales are Python floats: constants of the compiled graph
+    if arm in ("op-at-a-time", "eager"):
+        activation = mx.compile(_geglu) if arm == "op-at-a-time" else _geglu
+
+        def op_at_a_time(x: mx.array) -> mx.array:
+            g = gate.product(x) * gate.decode_scale
+            u = up.product(x) * up.decode_scale
+            return down.product(activation(g, u)) * down.decode_scale
+
+        return op_at_a_time
+    raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
+
+
+ROUTES = {
+    "fused": "mx.compile(block): 3x quantized_matmul(nvfp4), scales folded (gate in, up*down out)",
+    "op-at-a-time": "3x quantized_matmul(nvfp4) + scale multiply each, mx.compile(gelu_tanh(g)*u)",
+    "eager": "3x quantized_matmul(nvfp4) + scale multiply each, gelu_tanh(g)*u eager",
+}
+
+
+def reference(weights: MlpWeights, x: np.ndarray) -> np.ndarray:
+    """The block in float64 NumPy from the NVFP4 definition: the truth every arm is checked against."""
+    x64 = np.asarray(x, dtype=np.float64)
+    g = x64 @ weights.gate.dense().T
+    u = x64 @ weights.up.dense().T
+    h = 0.5 * g * (1.0 + np.tanh(GELU_C * (g + 0.044715 * g**3))) * u
+    return h @ weights.down.dense().T
+
+
+def tolerance(dtype: str, hidden: int, intermediate: int, backend: str) -> float:
+    """The largest relative error (Frobenius, against the float64 block) an arm may show.
+
+    The weights are exact (the reference holds the same codes), so the error is rounding: each
+    projection's own (`kernels.qmm.tolerance` for a native NVFP4 product at its reduction length,
+    gate and up over `hidden`, down over `intermediate`), which a chain adds up to first order,
+    plus the GeGLU intermediate rounded to the dtype (4 u). A wrong or missing global scale gives
+    an error near 1 (or far above), far over this.
+    """
+    products = 2 * qmm.tolerance("native", dtype, hidden, backend)
+    products += qmm.tolerance("native", dtype, intermediate, backend)
+    return products + 4.0 * qmm.UNIT_ROUNDOFF[dtype]
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, mx.array):
+        return np.array(x.astype(mx.float32))
+    return np.asarray(x)
+
+
+def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
+    """One parameter point: `tokens` x `hidden` activations through a `hidden`/`intermediate` block."""
+    tokens, hidden, intermediate = int(params["tokens"]), int(params["hidden"]), int(params["intermediate"])
+    dtype_name = str(params.get("dtype", "float32"))
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype {dtype_name!r}: expected one of {sorted(DTYPES)}")
+    if hidden % nvfp4.GROUP_SIZE or intermediate % nvfp4.GROUP_SIZE:
+        raise ValueError(f"hidden and intermediate must be multiples of {nvfp4.GROUP_SIZE}")
+    dtype = DTYPES[dtype_name]
+    weights = make_weights(hidden, intermediate, rng)
+    mx.eval(weights.gate.packed, weights.up.packed, weights.down.packed)
+    tol = tolerance(dtype_name, hidden, intermediate, qmm.mlx_backend())
+    paths: dict[str, ArmPath] = {}
+    for arm in arms:
+        t0 = time.perf_counter()
+        fn = arm_function(arm, weights)
+        paths[arm] = ArmPath(run=fn, tolerance=tol, route=ROUTES[arm], build_seconds=time.perf_counter() - t0)
+
+    def make_inputs(gen: np.random.Generator) -> tuple[mx.array, ...]:
+        return (mx.array(gen.standard_normal((tokens, hidden)).astype(np.float32)).astype(dtype),)
+
+    def ref(arm: str, x: Any) -> np.ndarray:
+        return reference(weights, _to_numpy(x))
+
+    weight_bytes = 3 * hidden * intermediate * (0.5 + 1 / nvfp4.GROUP_SIZE)
+    io_bytes = 2 * tokens * hidden * np.dtype(np.float32 if dtype_name == "float32" else np.float16).itemsize
+    return Workload(
+        arms=paths,
+        make_inputs=make_inputs,
+        reference=ref,
+        flops=2.0 * tokens * hidden * intermediate * 3,
+        bytes_moved=weight_bytes + io_bytes,
+        tokens=tokens,
+    )
