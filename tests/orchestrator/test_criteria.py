@@ -1,0 +1,207 @@
+"""Acceptance criteria: the first seed's three criteria judged on intervals, missing points named,
+exit codes, and the `where` language (parsed, never evaluated as Python)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from orchestrator.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts
+from orchestrator.errors import InputError
+from orchestrator.specs import SweepSpec, load_sweep
+from orchestrator.where import parse_where
+from tests.orchestrator.synthetic_rows import concat, job_table, noisy
+
+TOKENS = [1, 512, 4096, 8192]
+SEED_CRITERIA = [
+    {
+        "name": "native prefill within 3 % of affine on long prompts",
+        "metric": "prefill_tok_s",
+        "arm": "native",
+        "where": "tokens >= 4096",
+        "min_ratio": 0.97,
+    },
+    {
+        "name": "native decode at least 2x affine",
+        "metric": "decode_tok_s",
+        "arm": "native",
+        "where": "tokens == 1",
+        "min_ratio": 2.0,
+    },
+    {"name": "native peak memory below affine", "metric": "peak_memory_bytes", "arm": "native", "max_ratio": 1.0},
+]
+
+
+def sweep(criteria: list[dict[str, object]] | None = None) -> SweepSpec:
+    return SweepSpec.model_validate(
+        {
+            "name": "seed1",
+            "baseline": "affine",
+            "cases": [{"case": "qmm", "arms": ["native", "affine"], "params": {"tokens": TOKENS, "n": 64, "k": 64}}],
+            "criteria": SEED_CRITERIA if criteria is None else criteria,
+        }
+    )
+
+
+def seed_rows(
+    *,
+    prefill_ratio: dict[int, float] | None = None,
+    noise: float = 0.005,
+    n: int = 10,
+    skip: tuple[int, ...] = (),
+    failed: tuple[int, ...] = (),
+    seed: int = 0,
+) -> pa.Table:
+    """Rows like seed 1's after the fix: decode 2.6x, prefill at `prefill_ratio` of affine, memory lower."""
+    rng = np.random.default_rng(seed)
+    ratios = prefill_ratio or {}
+    tables = []
+    for tokens in TOKENS:
+        if tokens in skip:
+            continue
+        params = {"tokens": tokens, "n": 64, "k": 64}
+        if tokens == 1:
+            native = {"decode_tok_s": noisy(rng, 12.8, noise, n), "peak_memory_bytes": [37.4e9]}
+            affine = {"decode_tok_s": noisy(rng, 4.9, noise, n), "peak_memory_bytes": [47.8e9]}
+        else:
+            base = 121.7
+            native = {"prefill_tok_s": noisy(rng, base * ratios.get(tokens, 0.99), noise, n)}
+            affine = {"prefill_tok_s": noisy(rng, base, noise, n)}
+            native["peak_memory_bytes"], affine["peak_memory_bytes"] = [37.4e9], [47.8e9]
+        bad = tokens in failed
+        tables.append(
+            job_table(
+                {"native": native, "affine": affine},
+                params=params,
+                status="failed" if bad else "ok",
+                error="rel_error 0.4 over tolerance 0.01" if bad else None,
+            )
+        )
+    return concat(tables)
+
+
+def test_seed_criteria_pass_when_the_gap_is_closed() -> None:
+    verdicts = evaluate_criteria(seed_rows(), sweep())
+    assert [v.outcome for v in verdicts] == [Outcome.PASS] * 3
+    prefill, decode, memory = verdicts
+    assert {dict(p.point)["tokens"] for p in prefill.points} == {"4096", "8192"}  # where applied
+    assert [dict(p.point)["tokens"] for p in decode.points] == ["1"]  # decode exists only at M=1
+    assert 2.5 < decode.points[0].ratio.ci_low < 2.7
+    assert len(memory.points) == 4 and memory.points[0].ratio.ratio == pytest.approx(37.4 / 47.8)
+    assert not any(v.missing for v in verdicts)
+    assert exit_code_for(verdicts) == 0
+
+
+def test_a_clear_gap_fails_and_the_failing_point_is_named() -> None:
+    # 7.8 % slower at 4096 (seed 1's measured gap); 512 is outside `where` and may be anything.
+    verdicts = evaluate_criteria(seed_rows(prefill_ratio={512: 0.5, 4096: 0.922}), sweep())
+    prefill = verdicts[0]
+    assert prefill.outcome is Outcome.FAIL
+    (bad,) = [p for p in prefill.points if p.outcome is Outcome.FAIL]
+    assert dict(bad.point)["tokens"] == "4096"
+    assert bad.ratio.ci_high < 0.97
+    assert exit_code_for(verdicts) == 1
+    text = render_verdicts(verdicts)
+    assert "FAIL" in text and "tokens=4096" in text and "tokens=512" not in text
+
+
+def test_a_gap_at_the_threshold_is_ambiguous_with_a_sample_estimate() -> None:
+    verdicts = evaluate_criteria(seed_rows(prefill_ratio={4096: 0.97, 8192: 1.1}, noise=0.02, n=5), sweep())
+    prefill = verdicts[0]
+    assert prefill.outcome is Outcome.AMBIGUOUS
+    (amb,) = [p for p in prefill.points if p.outcome is Outcome.AMBIGUOUS]
+    assert amb.ratio.ci_low < 0.97 < amb.ratio.ci_high
+    assert amb.more_samples is not None and amb.more_samples >= 1
+    assert exit_code_for(verdicts) == 4
+    assert "more samples" in render_verdicts(verdicts)
+
+
+def test_missing_and_failed_points_are_named_not_passed() -> None:
+    verdicts = evaluate_criteria(seed_rows(skip=(8192,), failed=(4096,)), sweep())
+    prefill = verdicts[0]
+    assert prefill.outcome is Outcome.AMBIGUOUS
+    assert prefill.points == []
+    missing = {dict(m.point)["tokens"]: m.reason for m in prefill.missing}
+    assert missing["8192"] == "not run"
+    assert "rel_error 0.4 over tolerance" in missing["4096"]
+    text = render_verdicts(verdicts)
+    assert "MISSING   cpu qmm k=64 n=64 tokens=8192: not run" in text
+    # The decode criterion still passes: its only point (tokens=1) is there.
+    assert verdicts[1].outcome is Outcome.PASS
+    assert exit_code_for(verdicts) == 4
+    # Without `where`, a point that never ran might have measured decode: it is named too, while
+    # the points that ran cleanly without a decode metric are not.
+    loose = {**SEED_CRITERIA[1], "where": None}
+    (decode,) = evaluate_criteria(seed_rows(skip=(8192,), failed=(4096,)), sweep([loose]))
+    assert decode.outcome is Outcome.AMBIGUOUS
+    assert sorted(dict(m.point)["tokens"] for m in decode.missing) == ["4096", "8192"]
+
+
+def test_a_decode_point_missing_is_named() -> None:
+    verdicts = evaluate_criteria(seed_rows(skip=(1,)), sweep())
+    decode = verdicts[1]
+    assert decode.outcome is Outcome.AMBIGUOUS
+    assert [dict(m.point)["tokens"] for m in decode.missing] == ["1"]
+
+
+def test_contended_rows_do_not_count() -> None:
+    rows = seed_rows(skip=(8192,))
+    contended = job_table(
+        {"native": {"prefill_tok_s": [120.0] * 5}, "affine": {"prefill_tok_s": [121.0] * 5}},
+        params={"tokens": 8192, "n": 64, "k": 64},
+        contended=True,
+    )
+    verdict = evaluate_criteria(concat([rows, contended]), sweep())[0]
+    assert verdict.outcome is Outcome.AMBIGUOUS
+    assert [m.reason for m in verdict.missing] == ["native contended; affine contended"]
+
+
+def test_criteria_that_fit_no_case_are_input_errors() -> None:
+    bad_where = [
+        {"name": "x", "metric": "prefill_tok_s", "arm": "native", "where": "prompt_tokens > 1", "min_ratio": 1}
+    ]
+    with pytest.raises(InputError, match=r"criteria 'x'.*prompt_tokens"):
+        evaluate_criteria(seed_rows(), sweep(bad_where))
+    bad_arm = [{"name": "y", "metric": "prefill_tok_s", "arm": "dense", "min_ratio": 1}]
+    with pytest.raises(InputError, match=r"criteria 'y'.*'dense'"):
+        evaluate_criteria(seed_rows(), sweep(bad_arm))
+
+
+def test_exit_codes() -> None:
+    assert exit_code_for([]) == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "point", "expected"),
+    [
+        ("prompt_tokens >= 4096", {"prompt_tokens": "4096"}, True),
+        ("prompt_tokens >= 4096", {"prompt_tokens": "2048"}, False),
+        ("tokens > 1 and dtype == bfloat16", {"tokens": "512", "dtype": "bfloat16"}, True),
+        ("tokens > 1 and dtype == 'float32'", {"tokens": "512", "dtype": "bfloat16"}, False),
+        ("n != 64", {"n": "64"}, False),
+        ("tokens<=1", {"tokens": "1"}, True),
+        ("", {"tokens": "1"}, True),
+        ("experts == 128", {"tokens": "1"}, False),
+    ],
+)
+def test_where_language(text: str, point: dict[str, str], expected: bool) -> None:
+    assert parse_where(text).matches(point) is expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["tokens >=", "tokens = 3", "__import__('os').system('true') == 0", "a > 1 or b < 2", "a > 1 and", "> 3"],
+)
+def test_where_rejects_anything_else(text: str) -> None:
+    with pytest.raises(InputError, match="where"):
+        parse_where(text)
+
+
+def test_builtin_sweep_carries_the_first_seeds_criteria() -> None:
+    spec = load_sweep("nvfp4-prefill")
+    by_metric = {c.metric: c for c in spec.criteria}
+    assert by_metric["prefill_tok_s"].min_ratio == 0.97 and by_metric["prefill_tok_s"].where == "tokens >= 4096"
+    assert by_metric["decode_tok_s"].min_ratio == 2.0
+    assert by_metric["peak_memory_bytes"].max_ratio == 1.0
+    assert all(c.arm == "native" for c in spec.criteria) and spec.baseline == "affine"
