@@ -189,6 +189,13 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    if sys.platform.startswith("linux"):  # an exited process its parent has not reaped yet is gone too
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+            return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] != b"Z"
+        except (OSError, ValueError):
+            return False
     return True
 
 

@@ -1,0 +1,208 @@
+"""Foreign-GPU-user probes, the idle gate and the contention monitor, with real processes.
+
+There is no GPU here: the KFD list is a directory the test makes (the probe reads only names), and
+`nvidia-smi` is a small fake executable on PATH, named as such, printing what the real one prints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.contract import LockSettings
+from workers.gpulock import GUARD_ENV, LockBusyError
+from workers.probes import (
+    ContentionMonitor,
+    CpuQuietProbe,
+    KfdProbe,
+    NvidiaSmiProbe,
+    ProbeSample,
+    ProbeUnavailableError,
+    parse_compute_apps,
+    probe_for,
+    wait_idle,
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_outer_holder(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(GUARD_ENV, raising=False)
+
+
+def spawn_foreign(command: str) -> int:
+    """Start `command` outside our process tree (its shell parent exits, so init adopts it)."""
+    out = subprocess.run(
+        ["setsid", "sh", "-c", f"{command} </dev/null >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout
+    return int(out.strip())
+
+
+@pytest.fixture
+def foreign_sleeper() -> Iterator[int]:
+    pid = spawn_foreign("sleep 60")
+    yield pid
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    return gone.pid
+
+
+def test_kfd_live_foreign_pid_is_contention(tmp_path: Path, foreign_sleeper: int) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.mkdir()
+    (kfd / str(foreign_sleeper)).mkdir()
+    probe = KfdProbe(str(kfd))
+    seen = probe.sample()
+    assert list(seen.foreign) == [foreign_sleeper]
+    assert "sleep" in seen.foreign[foreign_sleeper]
+    monitor = ContentionMonitor(probe, interval=0.1)
+    monitor.start()
+    time.sleep(0.35)
+    report = monitor.stop()
+    assert report.contended
+    assert report.foreign_pids == [foreign_sleeper]
+    assert report.samples >= 3 and report.busy_samples == report.samples
+
+
+def test_kfd_dead_pid_and_our_own_children_are_not_contention(tmp_path: Path, dead_pid: int) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.mkdir()
+    own_child = subprocess.Popen(["sleep", "30"])
+    grandchild_holder = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
+    assert grandchild_holder.stdout is not None
+    grandchild = int(grandchild_holder.stdout.readline())
+    try:
+        for pid in (dead_pid, os.getpid(), own_child.pid, grandchild):
+            (kfd / str(pid)).mkdir()
+        (kfd / "not-a-pid").mkdir()
+        probe = KfdProbe(str(kfd))
+        assert probe.sample() == ProbeSample()
+        monitor = ContentionMonitor(probe, interval=0.1)
+        monitor.start()
+        time.sleep(0.25)
+        report = monitor.stop()
+        assert (report.contended, report.foreign_pids, report.busy_samples) == (False, [], 0)
+        assert report.samples >= 2
+    finally:
+        for proc in (own_child, grandchild_holder):
+            proc.kill()
+            proc.wait()
+        os.kill(grandchild, signal.SIGKILL)
+
+
+def test_wait_idle_times_out_while_a_foreign_user_stays(tmp_path: Path, foreign_sleeper: int) -> None:
+    (tmp_path / str(foreign_sleeper)).mkdir()
+    start = time.monotonic()
+    with pytest.raises(LockBusyError, match=f"pid {foreign_sleeper} \\(sleep"):
+        wait_idle(KfdProbe(str(tmp_path)), 0.2, max_wait=0.5)
+    assert 0.5 <= time.monotonic() - start < 2
+
+
+def test_wait_idle_returns_once_the_foreign_user_is_gone(tmp_path: Path) -> None:
+    pid = spawn_foreign("sleep 60")
+    (tmp_path / str(pid)).mkdir()
+    threading.Timer(0.4, os.kill, (pid, signal.SIGKILL)).start()
+    waited = wait_idle(KfdProbe(str(tmp_path)), 0.3, max_wait=10)
+    assert 0.6 <= waited < 3  # 0.4 s busy, then 0.3 s quiet
+    assert wait_idle(KfdProbe(str(tmp_path)), 0) == 0.0
+
+
+def test_cpu_quiet_gate_sees_a_busy_foreign_process_but_not_ours() -> None:
+    spinner = spawn_foreign(f"{sys.executable} -c 'while True: pass'")
+    own_spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        probe = CpuQuietProbe(threshold=20.0)
+        probe.prime()
+        time.sleep(0.5)
+        seen = probe.sample()
+        assert spinner in seen.foreign, seen.describe()
+        assert "% CPU" in seen.foreign[spinner]
+        assert own_spinner.pid not in seen.foreign
+        assert os.getpid() not in seen.foreign
+        with pytest.raises(LockBusyError, match=f"pid {spinner}"):
+            wait_idle(probe, 0.3, max_wait=0.8)
+    finally:
+        os.kill(spinner, signal.SIGKILL)
+        own_spinner.kill()
+        own_spinner.wait()
+
+
+SMI_OUTPUT = "{own}, /usr/bin/python3, 812\n4242, /opt/vllm/bin/python, 70321\n99, [Not Found], [N/A]\n"
+
+
+def fake_nvidia_smi(bin_dir: Path, body: str) -> None:
+    """A fake `nvidia-smi` (no NVIDIA driver here): a shell script printing what the real one does."""
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\n# FAKE nvidia-smi for tests\n{body}\n")
+    exe.chmod(0o755)
+
+
+def test_parse_compute_apps() -> None:
+    apps = parse_compute_apps(SMI_OUTPUT.format(own=7) + "No running processes found\n\n")
+    assert apps == {
+        7: "python3, 812 MiB GPU memory",
+        4242: "python, 70321 MiB GPU memory",
+        99: "[Not Found], [N/A] GPU memory",
+    }
+    assert parse_compute_apps("") == {}
+
+
+def test_nvidia_smi_probe_through_a_fake_executable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    output = SMI_OUTPUT.format(own=os.getpid())
+    fake_nvidia_smi(tmp_path / "bin", f"printf '%s' '{output}'")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    probe = probe_for("cuda", LockSettings())  # NVML cannot start here, so nvidia-smi is used
+    assert isinstance(probe, NvidiaSmiProbe)
+    seen = probe.sample()
+    assert sorted(seen.foreign) == [99, 4242]  # our own process is not foreign
+    assert seen.foreign[4242] == "python, 70321 MiB GPU memory"
+
+
+def test_nvidia_smi_failure_is_reported(tmp_path: Path) -> None:
+    msg = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."
+    fake_nvidia_smi(tmp_path, f'echo "{msg}"; exit 9')
+    probe = NvidiaSmiProbe(str(tmp_path / "nvidia-smi"))
+    with pytest.raises(ProbeUnavailableError, match="exited 9: NVIDIA-SMI has failed"):
+        probe.sample()
+    monitor = ContentionMonitor(probe, interval=5)
+    monitor.start()
+    report = monitor.stop()
+    assert report.contended and report.samples == 1 and report.foreign_pids == []
+    assert "NVIDIA-SMI has failed" in report.detail  # an unchecked window is never called clean
+
+
+def test_no_nvml_and_no_nvidia_smi_is_said_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ProbeUnavailableError) as info:
+        probe_for("cuda", LockSettings())
+    text = str(info.value)
+    assert text.startswith("no way to see CUDA GPU users: NVML")
+    assert "nvidia-smi is not on PATH" in text
+
+
+def test_probe_for_each_backend(tmp_path: Path) -> None:
+    assert isinstance(probe_for("rocm", LockSettings(kfd_proc=str(tmp_path))), KfdProbe)
+    cpu = probe_for("metal", LockSettings(cpu_busy_threshold=33))
+    assert isinstance(cpu, CpuQuietProbe) and cpu.threshold == 33
+    assert isinstance(probe_for("cpu", LockSettings()), CpuQuietProbe)
+    with pytest.raises(ProbeUnavailableError, match=f"KFD process list {tmp_path}/none"):
+        probe_for("rocm", LockSettings(kfd_proc=str(tmp_path / "none")))
+    with pytest.raises(ValueError, match="unknown backend"):
+        probe_for("vulkan", LockSettings())
