@@ -15,8 +15,9 @@ tokens); an arm whose digest changes between samples is failed.
 
 The `checkpoint` parameter names a local mlx-lm model directory, used as it is; when it is absent
 every row says `unsupported` and why. Without it, the decoder described by the parameters is
-generated once per (config, seed) into a cache directory: `$ORCHESTRATE_MODEL_CACHE`, else
-`<spool_dir>/models`, else `<tmp>/orchestrate-models`.
+generated once per (config, seed) into a cache directory shared by all runs on the host:
+`$ORCHESTRATE_MODEL_CACHE`, else `models/` in the host's spool (`$ORCHESTRATE_SPOOL`, the job's
+`spool_dir`, or `~/.orchestrate/spool`, as `workers.task` picks it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +35,8 @@ from typing import Any
 
 from kernels import registry
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
+from workers.measure import abba_order
+from workers.task import DEFAULT_SPOOL
 
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 RESULT_MARK = "ORCHESTRATE-MODEL-SAMPLE "
@@ -137,13 +139,12 @@ def measure_sample(
 
 
 def model_cache_root(job: JobSpec) -> Path:
-    """Where generated checkpoints live on this host (see the module docstring)."""
+    """Where generated checkpoints live on this host, shared by all runs (module docstring)."""
     env = os.environ.get("ORCHESTRATE_MODEL_CACHE")
     if env:
-        return Path(env)
-    if job.spool_dir:
-        return Path(job.spool_dir) / "models"
-    return Path(tempfile.gettempdir()) / "orchestrate-models"
+        return Path(env).expanduser()
+    spool = os.environ.get("ORCHESTRATE_SPOOL") or job.spool_dir or DEFAULT_SPOOL
+    return Path(spool).expanduser() / "models"
 
 
 def _child(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -219,8 +220,7 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     results: dict[str, list[tuple[int, Sample | SampleError]]] = {arm: [] for arm in job.arms}
     skip: set[str] = set()
     for rep in range(job.repetitions):
-        order = list(job.arms) if rep % 2 == 0 else list(reversed(job.arms))
-        for arm in order:
+        for arm in abba_order(job.arms, rep):
             if arm not in skip:
                 outcome = _sample(job, path, arm, params, timeout)
                 results[arm].append((rep, outcome))
