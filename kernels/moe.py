@@ -1,0 +1,270 @@
+"""Case `moe-gather`: one expert projection of an MoE prefill through `mx.gather_qmm`.
+
+T tokens x [T, D] are routed each to `top_k` distinct experts (uniformly at random, drawn afresh
+with every input set); expert weights W [E, F, D] are NVFP4 with one FP32 global scale per expert
+(MLX's convention, `global_scale / 2688`; `global_scale = false` quantizes without one). Experts
+differ in magnitude (each a random power of ten in [0.1, 10]), so a path that applies the wrong
+expert's scale is wrong by far more than any tolerance. Output y [T, top_k, F] with
+y[t, j] = W[e(t, j)] @ x[t].
+
+Arms, as an engine runs them (mlx-lm's `SwitchGLU`):
+
+* `*-unsorted`: x as [T, 1, 1, D], `rhs_indices` the routing [T, top_k] as the router made it.
+* `*-sorted`: the (token, expert) pairs sorted by expert, x gathered into that order, one
+  `gather_qmm(..., sorted_indices=True)`, the rows scattered back. The sort, gather and scatter are
+  inside the timed call: they are the price of the sorted route.
+* `native-*`: mode nvfp4. The per-expert global scale goes into `gather_qmm(global_scale=[E])` on a
+  GPU; MLX's CPU backend refuses it ("Global scale is only supported on the GPU"), so there each
+  output row is multiplied by its expert's `global_scale / 2688` after the product (the pure-MLX
+  twin). `ArmPath.route` says which ran.
+* `affine-*`: each expert's NVFP4 values re-quantized to affine 4-bit, group 64.
+* `custom-sorted`, `auto-sorted`: a hand-written kernel and its dispatcher (issue 7), unsupported
+  until then.
+
+The reference is NumPy float64: each routed row times the float64 weights the arm holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import nvfp4
+from kernels.qmm import (
+    AFFINE_BITS,
+    AFFINE_GROUP,
+    MLX_DTYPES,
+    PENDING_ISSUE_7,
+    affine_weights,
+    mlx_backend,
+    to_float64,
+    tolerance,
+)
+from kernels.registry import ArmPath, Workload
+
+# project(x_rows, rhs_indices, sorted_indices) -> y rows: one gather_qmm and what goes with it
+Projection = Callable[[mx.array, mx.array, bool], mx.array]
+ROUTE_FUSED = "gather_qmm(nvfp4,global_scale)"
+ROUTE_POST_SCALE = "gather_qmm(nvfp4)+post-scale"
+
+
+@dataclass
+class ExpertWeights:
+    """NVFP4 expert weights from the reference: codes [E, F, D], E4M3 scales [E, F, D/16], and
+    MLX-convention global scales [E] (None without)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    global_scales: np.ndarray | None
+
+    def dequantized(self, expert: int) -> np.ndarray:
+        """Expert `expert`'s weights [F, D] as float64 (MLX's float32 values, exactly)."""
+        gs = None if self.global_scales is None else self.global_scales[expert]
+        return nvfp4.dequantize(self.codes[expert], self.scales[expert], gs)
+
+
+def expert_weights(
+    experts: int, width: int, hidden: int, rng: np.random.Generator, global_scale: bool
+) -> ExpertWeights:
+    """Draw E experts [F, D], each a random power of ten in [0.1, 10] times N(0, 1), and quantize
+    each with its own global scale (its absolute maximum) when `global_scale`."""
+    codes = np.empty((experts, width, hidden), dtype=np.uint8)
+    scales = np.empty((experts, width, hidden // nvfp4.GROUP_SIZE), dtype=np.uint8)
+    gs = np.empty(experts, dtype=np.float32) if global_scale else None
+    for e in range(experts):
+        w = rng.standard_normal((width, hidden), dtype=np.float32) * np.float32(10.0 ** rng.uniform(-1, 1))
+        g = nvfp4.natural_global_scale(w) if gs is not None else None
+        if gs is not None and g is not None:
+            gs[e] = g
+        codes[e], scales[e] = nvfp4.quantize(w, g)
+    return ExpertWeights(codes, scales, gs)
+
+
+def route(gen: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
+    """A router's choice: `top_k` distinct experts per token, uniformly at random, uint32 [T, k]."""
+    keys = gen.random((tokens, experts))
+    return np.argsort(keys, axis=1)[:, :top_k].astype(np.uint32)
+
+
+def run_unsorted(project: Projection, x: mx.array, indices: mx.array) -> mx.array:
+    """Every (token, expert) pair in router order: y [T, k, F]."""
+    t, k = indices.shape
+    y = project(x[:, None, None, :], indices, False)  # [T, k, 1, F]
+    return y.reshape(t, k, -1)
+
+
+def run_sorted(project: Projection, x: mx.array, indices: mx.array) -> mx.array:
+    """The pairs sorted by expert, one sorted gather_qmm, rows scattered back: y [T, k, F]."""
+    t, k = indices.shape
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inverse = mx.argsort(order)
+    y = project(x[order // k][:, None, :], flat[order], True)  # [T*k, 1, F]
+    return y[inverse].reshape(t, k, -1)
+
+
+def nvfp4_projection(wq: mx.array, scales: mx.array, global_scales: mx.array | None, fused: bool) -> Projection:
+    """gather_qmm in mode nvfp4, the per-expert global scale fused (GPU) or applied after (CPU)."""
+
+    def project(xr: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+        if global_scales is not None and fused:
+            return mx.gather_qmm(
+                xr, wq, scales, rhs_indices=idx, transpose=True, mode="nvfp4",
+                global_scale=global_scales, sorted_indices=sorted_indices,
+            )  # fmt: skip
+        y = mx.gather_qmm(xr, wq, scales, rhs_indices=idx, transpose=True, mode="nvfp4", sorted_indices=sorted_indices)
+        if global_scales is None:
+            return y
+        decode = (global_scales / nvfp4.MLX_GLOBAL_SCALE_DIVISOR)[idx].astype(y.dtype)
+        return y * decode.reshape(*idx.shape, *([1] * (y.ndim - idx.ndim)))
+
+    return project
+
+
+def affine_projection(wq: mx.array, scales: mx.array, biases: mx.array) -> Projection:
+    """gather_qmm in mode affine (4-bit, group 64)."""
+
+    def project(xr: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
+        return mx.gather_qmm(
+            xr, wq, scales, biases, rhs_indices=idx, transpose=True, group_size=AFFINE_GROUP,
+            bits=AFFINE_BITS, mode="affine", sorted_indices=sorted_indices,
+        )  # fmt: skip
+
+    return project
+
+
+def gathered_reference(weights: Callable[[int], np.ndarray], x: mx.array, indices: mx.array) -> np.ndarray:
+    """float64 y [T, k, F]: each routed row times its expert's weights, expert by expert."""
+    x64 = to_float64(x)
+    idx = np.array(indices)
+    out: np.ndarray | None = None
+    for e in np.unique(idx):
+        w = weights(int(e))
+        if out is None:
+            out = np.zeros((*idx.shape, w.shape[0]), dtype=np.float64)
+        t, j = np.nonzero(idx == e)
+        out[t, j] = x64[t] @ w.T
+    assert out is not None
+    return out
+
+
+def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
+    """Build the `moe-gather` workload at one parameter point.
+
+    Args:
+        params: experts (E), top_k, tokens (T), hidden (D), expert_width (F), dtype, global_scale.
+        arms: the arms to build, in the sweep's order.
+        rng: the job's generator (weights now, inputs and routing in `make_inputs`).
+
+    Returns:
+        The workload: arms, inputs (x, routing), the float64 reference, FLOPs and minimum bytes.
+    """
+    e, top_k, t = int(params["experts"]), int(params["top_k"]), int(params["tokens"])
+    d, f = int(params["hidden"]), int(params["expert_width"])
+    dtype_name = str(params.get("dtype", "float32"))
+    use_gs = bool(params.get("global_scale", True))
+    if dtype_name not in MLX_DTYPES:
+        raise ValueError(f"moe-gather: dtype {dtype_name!r} is not one of {sorted(MLX_DTYPES)}")
+    if min(e, top_k, t, d, f) < 1 or top_k > e or d % nvfp4.GROUP_SIZE:
+        raise ValueError(
+            f"moe-gather: need 1 <= top_k <= experts, all sizes >= 1, hidden divisible by "
+            f"{nvfp4.GROUP_SIZE} (experts={e}, top_k={top_k}, hidden={d})"
+        )
+    dtype = MLX_DTYPES[dtype_name]
+    backend = mlx_backend()
+    fused = backend != "cpu"  # gather_qmm's global_scale is GPU-only in MLX 0.32.4
+
+    ew = expert_weights(e, f, d, rng, use_gs)
+    wq = mx.array(nvfp4.pack_codes(ew.codes))
+    wscales = mx.array(ew.scales)
+    gs = None if ew.global_scales is None else mx.array(ew.global_scales)
+    mx.eval(wq, wscales, *([] if gs is None else [gs]))
+    native = nvfp4_projection(wq, wscales, gs, fused)
+    native_route = "gather_qmm(nvfp4)" if gs is None else (ROUTE_FUSED if fused else ROUTE_POST_SCALE)
+
+    affine: tuple[Projection, Callable[[int], np.ndarray]] | None = None
+    paths: dict[str, ArmPath] = {}
+    weights: dict[str, Callable[[int], np.ndarray]] = {}
+    unsupported: dict[str, str] = {}
+    for arm in arms:
+        kind, _, order = arm.partition("-")
+        if kind in ("custom", "auto") and order == "sorted":
+            unsupported[arm] = PENDING_ISSUE_7
+            continue
+        if kind not in ("native", "affine") or order not in ("sorted", "unsorted"):
+            raise ValueError(f"moe-gather: unknown arm {arm!r}")
+        runner = run_sorted if order == "sorted" else run_unsorted
+        holds: Callable[[int], np.ndarray]
+        if kind == "native":
+            project, holds, route_name = native, ew.dequantized, native_route
+        else:
+            if d % AFFINE_GROUP:
+                unsupported[arm] = f"affine group {AFFINE_GROUP} needs hidden divisible by {AFFINE_GROUP} (hidden={d})"
+                continue
+            if affine is None:
+                affine = _affine_experts(ew, dtype)
+            project, holds = affine
+            route_name = f"gather_qmm(affine,g{AFFINE_GROUP},b{AFFINE_BITS})"
+        paths[arm] = ArmPath(
+            run=lambda x, idx, runner=runner, project=project: runner(project, x, idx),
+            tolerance=tolerance(kind, dtype_name, d, backend),
+            route=f"{route_name},{order}",
+        )
+        weights[arm] = holds
+
+    def make_inputs(gen: np.random.Generator) -> tuple[Any, ...]:
+        x = gen.standard_normal((t, d), dtype=np.float32)
+        return mx.array(x).astype(dtype), mx.array(route(gen, t, e, top_k))
+
+    def reference(arm: str, x: mx.array, indices: mx.array) -> np.ndarray:
+        return gathered_reference(weights[arm], x, indices)
+
+    return Workload(
+        arms=paths,
+        make_inputs=make_inputs,
+        reference=reference,
+        flops=moe_flops(t, top_k, f, d),
+        bytes_moved=moe_bytes(e, top_k, t, d, f, dtype.size, use_gs),
+        tokens=t,
+        unsupported=unsupported,
+    )
+
+
+def _affine_experts(ew: ExpertWeights, dtype: mx.Dtype) -> tuple[Projection, Callable[[int], np.ndarray]]:
+    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64."""
+    experts = ew.codes.shape[0]
+    w = mx.array(np.stack([ew.dequantized(i) for i in range(experts)]).astype(np.float32)).astype(dtype)
+    aq, ascales, abiases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
+    mx.eval(aq, ascales, abiases)
+    return affine_projection(aq, ascales, abiases), lambda i: affine_weights(aq[i], ascales[i], abiases[i])
+
+
+def expected_experts_touched(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts T tokens route to (top_k distinct each, uniform): E(1-(1-k/E)^T)."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+
+
+def moe_flops(tokens: int, top_k: int, width: int, hidden: int) -> float:
+    """A multiply and an add per (routed pair, output, input): 2 T k F D."""
+    return 2.0 * tokens * top_k * width * hidden
+
+
+def moe_bytes(
+    experts: int, top_k: int, tokens: int, hidden: int, width: int, itemsize: int, global_scale: bool
+) -> float:
+    """The fewest bytes one call must move, in the native NVFP4 layout, each thing once.
+
+    Each routed expert's weights once (packed codes F D / 2 + E4M3 scales F D / 16 + its 4-byte
+    global scale), for the expected number of distinct experts the routing touches (the routing is
+    drawn afresh per input set; at prefill sizes T k >> E it is all E); x [T, D] and y [T, k, F] in
+    the dtype once; the routing indices [T, k] as uint32.
+    """
+    per_expert = width * hidden / 2 + width * hidden / nvfp4.GROUP_SIZE + (4 if global_scale else 0)
+    touched = expected_experts_touched(experts, top_k, tokens)
+    activations = tokens * hidden * itemsize + tokens * top_k * width * itemsize
+    return touched * per_expert + activations + tokens * top_k * 4
+
