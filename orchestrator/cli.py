@@ -26,6 +26,8 @@ COMMAND_MODULES = [
     "orchestrator.commands.run",
     "orchestrator.commands.results",
     "orchestrator.commands.lock",
+    "orchestrator.commands.compare",
+    "orchestrator.commands.check",
 ]
 
 for _name in COMMAND_MODULES:

@@ -21,7 +21,9 @@ import pyarrow as pa
 
 from orchestrator import stats
 from orchestrator.errors import InputError
+from orchestrator.specs import SweepSpec, builtin_sweeps, load_sweep
 from orchestrator.stats import Comparison, Point, Summary
+from orchestrator.store import ResultStore
 
 # The seeds' order: prefill, decode, memory, load; then the kernel metrics.
 METRIC_ORDER = (
@@ -234,3 +236,45 @@ def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[C
         row = rows.setdefault(rkey, CrossDeviceRow(key.case_name, key.point, key.arm, key.metric, {}))
         row.cells[key.device] = DeviceCell(summary, peak, fraction)
     return sorted(rows.values(), key=lambda r: (r.case_name, r.metric, r.arm, point_sort_key(r.point)))
+
+
+# ------------------------------------------------------------------------------------ selection
+
+
+def stored_sweeps(table: pa.Table) -> list[str]:
+    """The sweep names present in a table."""
+    return sorted(set(table["sweep"].to_pylist())) if table.num_rows else []
+
+
+def select_results(
+    store: ResultStore, sweep: str | None, run: str | None, *, all_runs: bool = False
+) -> tuple[pa.Table, SweepSpec | None]:
+    """The rows a command works on, and the sweep's spec when it can be found.
+
+    Args:
+        store: the result store.
+        sweep: a stored sweep's name, a built-in sweep or a sweep file; None: the only stored sweep.
+        run: only this run id.
+        all_runs: pool every run's samples instead of keeping the newest run of each point.
+
+    Raises:
+        InputError: nothing is stored, or several sweeps are and none was named.
+    """
+    spec: SweepSpec | None = None
+    name = sweep
+    if sweep is not None and (sweep in builtin_sweeps() or sweep.endswith(".toml") or "/" in sweep):
+        spec = load_sweep(sweep)
+        name = spec.name
+    table = store.read(sweep=name, run=run)
+    if table.num_rows == 0:
+        what = f" for sweep {name!r}" if name else ""
+        what += f" and run {run!r}" if run else ""
+        raise InputError(f"no results stored{what}", where=str(store.root))
+    names = stored_sweeps(table)
+    if name is None and len(names) > 1:
+        raise InputError(f"results of several sweeps are stored ({', '.join(names)}); choose one with --sweep")
+    if spec is None and names[0] in builtin_sweeps():
+        spec = load_sweep(names[0])
+    if run is None and not all_runs:
+        table = stats.latest_runs(table)
+    return table, spec

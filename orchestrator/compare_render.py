@@ -187,13 +187,7 @@ def render_tables(result: CompareResult, cross: list[CrossDeviceRow] | None = No
             t.add_row(*cells)
         tables.append(t)
     if cross:
-        heads, body = cross_display(cross)
-        t = Table(title="across devices: share of each device's measured peak")
-        for h in heads:
-            t.add_column(h, overflow="fold")
-        for cells in body:
-            t.add_row(*cells)
-        tables.append(t)
+        tables.append(cross_table(cross))
     return tables
 
 
@@ -235,3 +229,31 @@ def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def render_cross_text(rows: list[CrossDeviceRow], fmt: str) -> str:
+    """The cross-device view alone as Markdown, CSV or JSON."""
+    if fmt == "json":
+        return json.dumps(cross_records(rows), indent=1) + "\n"
+    if fmt == "csv":
+        recs = cross_records(rows)
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in recs for k in r)), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(recs)
+        return buf.getvalue()
+    heads, body = cross_display(rows)
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines) + "\n"
+
+
+def cross_table(rows: list[CrossDeviceRow]) -> Table:
+    """The cross-device view as a rich table."""
+    heads, body = cross_display(rows)
+    t = Table(title="across devices: share of each device's measured peak")
+    for h in heads:
+        t.add_column(h, overflow="fold")
+    for cells in body:
+        t.add_row(*cells)
+    return t

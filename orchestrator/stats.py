@@ -308,3 +308,25 @@ def sample_groups(table: pa.Table, *, split_runs: bool = False) -> dict[GroupKey
 def summarize_groups(groups: dict[GroupKey, list[float]], *, resamples: int = RESAMPLES) -> dict[GroupKey, Summary]:
     """`summarize` for every group, seeded by its key."""
     return {key: summarize(vals, seed=seed_for(key), resamples=resamples) for key, vals in groups.items()}
+
+
+def latest_runs(table: pa.Table) -> pa.Table:
+    """Per (device, case, point), only the rows of the newest run that measured it.
+
+    Resumed sweeps keep the older run's points; a point measured again replaces its older rows
+    instead of pooling samples from different code or conditions.
+    """
+    if table.num_rows == 0:
+        return table
+    cols = {c: table[c].to_pylist() for c in ("device", "case_name", "params", "run_id", "started_at")}
+    newest: dict[tuple[str, str, Point], tuple[Any, str]] = {}
+    keys = []
+    for i in range(table.num_rows):
+        key = (cols["device"][i], cols["case_name"][i], point_of(cols["params"][i]))
+        keys.append(key)
+        stamp = (cols["started_at"][i] is not None, cols["started_at"][i] or 0, cols["run_id"][i])
+        best = newest.get(key)
+        if best is None or stamp > best[0]:
+            newest[key] = (stamp, cols["run_id"][i])
+    mask = [cols["run_id"][i] == newest[keys[i]][1] for i in range(table.num_rows)]
+    return table.filter(pa.array(mask, pa.bool_()))

@@ -1,0 +1,60 @@
+"""`orchestrate compare`: the seeds' comparison table for any stored sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from orchestrator import stats
+from orchestrator.commands.run import results_root
+from orchestrator.compare import compare_results, cross_device, select_results
+from orchestrator.compare_render import FORMATS, cross_table, render_cross_text, render_tables, render_text
+from orchestrator.console import console
+from orchestrator.errors import InputError
+from orchestrator.store import ResultStore
+
+VIEWS = ("arms", "devices")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare")
+    def compare(
+        sweep: str | None = typer.Option(None, "--sweep", "-s", help="stored sweep name, built-in sweep or TOML"),
+        run: str | None = typer.Option(None, "--run", help="only this run id"),
+        fmt: str = typer.Option("table", "--format", "-f", help="table, md, csv or json"),
+        by: str = typer.Option("arm", "--by", help="what is compared: arm, run, commit or device"),
+        baseline: str | None = typer.Option(None, "--baseline", help="the side compared with (default: sweep's)"),
+        threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
+        view: str = typer.Option("arms", "--view", help="arms (the seeds' table) or devices (share of peak)"),
+        all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
+        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+    ) -> None:
+        """Per point and device: each arm's medians, the gap to the baseline with its interval and verdict."""
+        if fmt not in FORMATS:
+            raise InputError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+        if view not in VIEWS:
+            raise InputError(f"--view {view!r}: expected one of {', '.join(VIEWS)}")
+        if not 0 < threshold < 1:
+            raise InputError(f"--threshold {threshold}: expected a fraction between 0 and 1, e.g. 0.03")
+        store = ResultStore(results_root(results_dir))
+        table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"))
+        cross = cross_device(table)
+        out = console()
+        if view == "devices":
+            if not cross:
+                raise InputError("no GB/s or TFLOP/s rows to put against device peaks")
+            if fmt == "table":
+                out.print(cross_table(cross))
+            else:
+                print(render_cross_text(cross, fmt), end="")
+            return
+        preferred = baseline or (spec.baseline if spec is not None and by == "arm" else None)
+        result = compare_results(table, by=by, baseline=preferred, threshold=threshold)
+        if fmt == "table":
+            for t in render_tables(result, cross):
+                out.print(t)
+        else:
+            print(render_text(result, fmt, cross), end="")
+        for path, reason in store.broken:
+            out.print(f"warning: skipped broken fragment {path}: {reason}")
