@@ -257,7 +257,7 @@ def _nvfp4_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _repack_affine(model: nn.Module, layers: list[tuple[str, nn.Module]], dtype: mx.Dtype) -> None:
     for path, module in layers:
         inner = module.inner if isinstance(module, TensorScaledLinear) else module
-        w = mx.dequantize(inner.weight, inner.scales, group_size=16, bits=4, mode="nvfp4")
+        w = mx.dequantize(inner.weight, inner.scales, group_size=16, bits=4, mode="nvfp4", dtype=mx.float32)
         if isinstance(module, TensorScaledLinear):
             w = w * module.decode_scale
         out_dims, in_dims = w.shape
