@@ -1,0 +1,181 @@
+"""`orchestrate lock status|hold` through the real console script, with real processes and signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from workers.gpulock import GUARD_ENV, holder_path, lock_status
+
+
+@pytest.fixture
+def lock(tmp_path: Path) -> str:
+    return str(tmp_path / "gpu.lock")
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    clean = dict(os.environ)
+    clean.pop(GUARD_ENV, None)  # a suite run under a hold must still exercise the lock
+    clean.pop("ORCHESTRATE_LOCK_PATH", None)
+    return clean
+
+
+def run(bin_: str, *args: str, env: dict[str, str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([bin_, *args], capture_output=True, text=True, env=env, timeout=60, **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def start_hold(bin_: str, lock: str, *cmd: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`orchestrate lock hold` in the background, returned once it holds the lock."""
+    proc = subprocess.Popen(
+        [bin_, "lock", "hold", "--lock", lock, "--", *cmd], env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not (lock_status(lock).busy and os.path.exists(holder_path(lock))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "lock hold never took the lock"
+        time.sleep(0.05)
+    return proc
+
+
+def wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_status_free_held_stale(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
+    free = run(orchestrate_bin, "lock", "status", "--lock", lock, env=env)
+    assert (free.returncode, free.stdout.strip()) == (0, f"free: {lock}")
+    holder = start_hold(orchestrate_bin, lock, "sleep", "30", env=env)
+    try:
+        held = run(orchestrate_bin, "lock", "status", "--lock", lock, env=env)
+        assert held.returncode == 1
+        assert held.stdout.startswith(f"held: {lock}; held by pid={holder.pid} mode=hold since=20")
+        assert held.stdout.rstrip().endswith("cmd=sleep 30")
+    finally:
+        holder.kill()  # SIGKILL: no cleanup, the holder file stays behind
+        holder.wait()
+    stale = run(orchestrate_bin, "lock", "status", "--lock", lock, "--json", env=env)
+    assert stale.returncode == 0  # the flock went with the process: the lock is free to take
+    assert '"state": "stale"' in stale.stdout and f'"pid": {holder.pid}' in stale.stdout
+
+
+def test_hold_passes_the_exit_code_stdin_and_the_variable(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
+    done = run(
+        orchestrate_bin,
+        "lock",
+        "hold",
+        "--lock",
+        lock,
+        "--",
+        "sh",
+        "-c",
+        f'cat; echo "held=${GUARD_ENV} parent=$PPID"; exit 3',
+        env=env,
+        input="piped\n",
+    )
+    assert done.returncode == 3, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "piped"
+    held, parent = (part.split("=")[1] for part in lines[1].split())
+    assert held == parent  # the variable names the holder, the command's parent
+    assert not lock_status(lock).busy and not os.path.exists(holder_path(lock))
+    killed = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", "kill -9 $$", env=env)
+    assert killed.returncode == 128 + 9
+    missing = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "no-such-command-xyz", env=env)
+    assert missing.returncode == 127 and "command not found" in missing.stderr
+
+
+def test_max_wait_timeout_exits_75_without_running(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    holder = start_hold(orchestrate_bin, lock, "sleep", "30", env=env)
+    marker = tmp_path / "ran"
+    try:
+        start = time.monotonic()
+        done = run(
+            orchestrate_bin, "lock", "hold", "--lock", lock, "--max-wait", "0.5", "--", "touch", str(marker), env=env
+        )
+        assert done.returncode == 75, done.stderr
+        assert time.monotonic() - start < 10
+        assert "waiting for GPU lock" in done.stderr
+        assert f"gave up waiting for GPU lock {lock}" in done.stderr and f"pid={holder.pid}" in done.stderr
+        assert not marker.exists()
+        assert holder.poll() is None  # the first hold was not disturbed
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_nested_hold_finishes(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
+    inner = f"{orchestrate_bin} lock hold --lock {lock} --max-wait 5 -- sh -c 'exit 4'; echo inner=$?"
+    start = time.monotonic()
+    done = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--max-wait", "5", "--", "sh", "-c", inner, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "inner=4"
+    assert "held by an outer holder" in done.stderr
+    assert "waiting for GPU lock" not in done.stderr
+    assert time.monotonic() - start < 30
+    assert not lock_status(lock).busy
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_ends_the_command_group_and_frees_the_lock(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path, signum: int, code: int
+) -> None:
+    pids = tmp_path / "pids"
+    marker = tmp_path / "survived"
+    # A command with a grandchild of its own: the whole group must go.
+    script = f"sleep 30 & echo $! >> {pids}; echo $$ >> {pids}; wait; touch {marker}"
+    holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
+    deadline = time.monotonic() + 10
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    holder.send_signal(signum)
+    _, err = holder.communicate(timeout=30)
+    assert holder.returncode == code, err
+    assert f"caught {signal.Signals(signum).name}" in err
+    assert all(wait_gone(int(pid)) for pid in pids.read_text().split())
+    assert not marker.exists()
+    assert not lock_status(lock).busy
+
+
+def test_sigterm_while_waiting_exits_143(orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path) -> None:
+    holder = start_hold(orchestrate_bin, lock, "sleep", "30", env=env)
+    marker = tmp_path / "ran"
+    try:
+        waiter = subprocess.Popen(
+            [orchestrate_bin, "lock", "hold", "--lock", lock, "--", "touch", str(marker)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert waiter.stderr is not None
+        assert "waiting for GPU lock" in waiter.stderr.readline()
+        waiter.terminate()
+        _, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == 143, err
+        assert not marker.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_bad_lock_path_is_a_usage_error(orchestrate_bin: str, tmp_path: Path, env: dict[str, str]) -> None:
+    link = tmp_path / "link.lock"
+    link.symlink_to(tmp_path / "elsewhere")
+    for verb in (["status"], ["hold", "--max-wait", "1", "--", "true"]):
+        done = run(orchestrate_bin, "lock", verb[0], "--lock", str(link), *verb[1:], env=env)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == f"orchestrate: error: lock {link} is a symbolic link; refusing to follow it"
+    assert not (tmp_path / "elsewhere").exists()
