@@ -267,4 +267,3 @@ def moe_bytes(
     touched = expected_experts_touched(experts, top_k, tokens)
     activations = tokens * hidden * itemsize + tokens * top_k * width * itemsize
     return touched * per_expert + activations + tokens * top_k * 4
-

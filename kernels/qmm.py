@@ -190,9 +190,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs k divisible by {AFFINE_GROUP} (k={k})"
                 continue
             (aq, ascales, abiases), seconds = _timed_build(
-                lambda: tuple(
-                    mx.quantize(mx.array(w_nvfp4, dtype=dtype), group_size=AFFINE_GROUP, bits=AFFINE_BITS)
-                )
+                lambda: tuple(mx.quantize(mx.array(w_nvfp4, dtype=dtype), group_size=AFFINE_GROUP, bits=AFFINE_BITS))
             )
             paths[arm] = ArmPath(
                 run=lambda x, aq=aq, s=ascales, b=abiases: mx.quantized_matmul(

@@ -147,9 +147,7 @@ def test_global_scale_convention_round_trip() -> None:
         return float(np.linalg.norm(a - w) / np.linalg.norm(w))
 
     right = np.array(mx.dequantize(q, s, mode="nvfp4", global_scale=scale_array(gs), dtype=mx.float32))
-    wrong = np.array(
-        mx.dequantize(q, s, mode="nvfp4", global_scale=scale_array(weight_scale_2), dtype=mx.float32)
-    )
+    wrong = np.array(mx.dequantize(q, s, mode="nvfp4", global_scale=scale_array(weight_scale_2), dtype=mx.float32))
     assert rel(right) < 0.15, f"seed={seed}"  # NVFP4's own quantization error on Gaussian weights
     assert rel(wrong) > 0.99, f"seed={seed}"
     assert rel(nvfp4.dequantize(codes, scales, weight_scale_2)) > 0.99
