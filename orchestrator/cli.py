@@ -28,6 +28,8 @@ COMMAND_MODULES = [
     "orchestrator.commands.lock",
     "orchestrator.commands.compare",
     "orchestrator.commands.check",
+    "orchestrator.commands.schedule",
+    "orchestrator.commands.history",
 ]
 
 for _name in COMMAND_MODULES:

@@ -27,6 +27,7 @@ import datetime as dt
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -247,3 +248,85 @@ def report_markdown(sweep: str, run_id: str, findings: list[Finding]) -> str:
         cells += [_fmt(f.median), _fmt(f.baseline_median), ci, tol]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------- trend and plot
+
+PREFERRED_METRICS = ("decode_tok_s", "prefill_tok_s", "tflop_per_s", "gb_per_s", "seconds")
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def default_metric(table: pa.Table, case: str) -> str | None:
+    """The metric `orchestrate history CASE` shows when none is given."""
+    rows = table.filter(pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))
+    metrics = set(pc.unique(rows["metric"]).to_pylist()) - IGNORED_METRICS
+    for metric in PREFERRED_METRICS:
+        if metric in metrics:
+            return metric
+    return min(metrics) if metrics else None
+
+
+def sparkline(values: list[float]) -> str:
+    """A one-line trend of run medians (▁ lowest, █ highest)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return ""
+    lo, hi = min(finite), max(finite)
+    span = hi - lo or 1.0
+    return "".join(_SPARK[round((v - lo) / span * (len(_SPARK) - 1))] if math.isfinite(v) else " " for v in values)
+
+
+@dataclass(frozen=True)
+class Trend:
+    """One series over its runs, with the runs where it changed."""
+
+    series: SeriesKey
+    points: list[RunPoint]
+    findings: list[Finding]
+
+    @property
+    def changes(self) -> list[Finding]:
+        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT)]
+
+
+def trends(
+    table: pa.Table, case: str, metric: str, *, window: int = WINDOW, threshold: float = THRESHOLD
+) -> list[Trend]:
+    """Every series of one case and metric, per device and host fingerprint, with its change points."""
+    return [
+        Trend(key, pts, detect(key, pts, window=window, threshold=threshold))
+        for key, pts in series_of(table, case=case, metric=metric).items()
+    ]
+
+
+def plot_trends(items: list[Trend], path: str | Path, title: str) -> Path:
+    """Draw run medians over time, one panel per device, regressions as red triangles (PNG, Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    devices = sorted({t.series.device for t in items})
+    fig = Figure(figsize=(9, 2.8 * max(len(devices), 1) + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(len(devices), 1), 1, squeeze=False)[:, 0]
+    fingerprints = {t.series.fingerprint_id for t in items}
+    for ax, device in zip(axes, devices, strict=False):
+        for t in (t for t in items if t.series.device == device):
+            label = " ".join(x for x in (t.series.arm, t.series.params) if x)
+            if len(fingerprints) > 1:
+                label += f" [{t.series.fingerprint_id[:8]}]"
+            ax.plot([p.started_at for p in t.points], [p.median for p in t.points], marker="o", ms=3, label=label)
+            bad = [f for f in t.findings if f.verdict == REGRESSION]
+            if bad:
+                ax.scatter([f.started_at for f in bad], [f.median for f in bad], marker="v", s=70, color="red",
+                           zorder=3, label="regression")  # fmt: skip
+        unit = next((t.series.unit for t in items if t.series.device == device), "")
+        ax.set_title(device, fontsize=10)
+        ax.set_ylabel(f"{items[0].series.metric} ({unit})" if unit else items[0].series.metric, fontsize=8)
+        ax.legend(fontsize=7, loc="best")
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=11)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

@@ -1,0 +1,100 @@
+"""`orchestrate schedule add|list|remove|run-now`: nightly sweeps with regression checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from orchestrator.commands.run import results_root
+from orchestrator.console import console
+from orchestrator.history import THRESHOLD, WINDOW
+from orchestrator.schedule import (
+    Schedule,
+    add_schedule,
+    choose_backend,
+    cron_expression,
+    list_schedules,
+    remove_schedule,
+    run_now,
+)
+from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
+
+BACKEND = typer.Option("auto", "--backend", help="auto (systemd where it runs, else cron), systemd or cron")
+CRONTAB_FILE = typer.Option(
+    None, "--crontab-file", envvar="ORCHESTRATE_CRONTAB_FILE", help="edit this crontab file, not `crontab`"
+)
+UNIT_DIR = typer.Option(None, "--unit-dir", envvar="ORCHESTRATE_SYSTEMD_UNIT_DIR", help="systemd user unit dir")
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Nightly sweeps: install, list, remove, run now.", no_args_is_help=True)
+    app.add_typer(group, name="schedule")
+
+    @group.command("add")
+    def add(
+        name: str = typer.Argument(..., help="schedule name"),
+        sweep: str = typer.Option(..., "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
+        inventory: Path | None = typer.Option(None, "--inventory", "-i", help="host inventory (default: this machine)"),
+        at: str = typer.Option("02:00", "--at", help="HH:MM daily, or five cron fields"),
+        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        window: int = typer.Option(WINDOW, "--window", min=1, help="runs in the regression baseline"),
+        threshold: float = typer.Option(THRESHOLD, "--threshold", min=0.0, help="smallest change that counts"),
+        backend: str = BACKEND,
+        crontab_file: Path | None = CRONTAB_FILE,
+        unit_dir: Path | None = UNIT_DIR,
+    ) -> None:
+        """Install a nightly run of a sweep, compared with its history after each run."""
+        cron = cron_expression(at)
+        load_sweep(sweep)  # refuse a bad file now, not at 02:00
+        load_inventory(inventory)
+        sched = Schedule(
+            name=name,
+            sweep=str(resolve_sweep_path(sweep).resolve()),
+            inventory=str(inventory.resolve()) if inventory else None,
+            results=str(results_root(results).resolve()),
+            at=at,
+            cron=cron,
+            window=window,
+            threshold=threshold,
+        )
+        chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
+        where = add_schedule(sched, chosen)
+        console().print(f"schedule {name}: {chosen.kind} ({cron}) -> {where}")
+
+    @group.command("list")
+    def list_(
+        backend: str = BACKEND, crontab_file: Path | None = CRONTAB_FILE, unit_dir: Path | None = UNIT_DIR
+    ) -> None:
+        """List the schedules and whether each is installed."""
+        chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
+        installed = chosen.installed()
+        out = console()
+        for s in list_schedules():
+            state = f"installed ({chosen.kind})" if s.name in installed else "NOT installed"
+            out.print(f"{s.name}\t{s.cron}\tsweep={s.sweep}\tinventory={s.inventory or 'local'}\t{state}")
+        if not installed and not list_schedules():
+            out.print("no schedules")
+
+    @group.command("remove")
+    def remove(
+        name: str = typer.Argument(..., help="schedule name"),
+        backend: str = BACKEND,
+        crontab_file: Path | None = CRONTAB_FILE,
+        unit_dir: Path | None = UNIT_DIR,
+    ) -> None:
+        """Uninstall a schedule."""
+        remove_schedule(name, choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir))
+        console().print(f"schedule {name}: removed")
+
+    @group.command("run-now")
+    def run_now_(name: str = typer.Argument(..., help="schedule name")) -> None:
+        """Run a schedule's sweep now, compare with the history; exit 1 on a regression or failed job."""
+        result = run_now(name)
+        out = console()
+        assert result.report is not None
+        out.print(result.report.read_text())
+        out.print(f"report: {result.report}")
+        if result.regressions:
+            out.print(f"REGRESSION: {len(result.regressions)} series regressed in run {result.run_id}")
+        raise typer.Exit(result.exit_code)
