@@ -70,12 +70,19 @@ def verdict_label(verdict: Verdict, metric: str) -> str:
     return verdict.value
 
 
-def format_comparison(metric: str, c: Comparison) -> str:
-    """`-3.0% [-4.1, -1.9] SLOWER`, or `2.67x [2.60, 2.74] FASTER` for large changes."""
+def format_comparison(metric: str, c: Comparison, *, compact: bool = False) -> str:
+    """`-3.0% [-4.1, -1.9] SLOWER`, or `2.67x [2.60, 2.74] FASTER` for large changes.
+
+    `compact` gives the interval as a half-width: `-3.0% ±1.1 SLOWER` (terminal tables).
+    """
     r = c.ratio
     if not math.isfinite(r.ratio):
         return "-"
-    if 0.5 <= r.ratio <= 1.5:
+    pct = 0.5 <= r.ratio <= 1.5
+    if compact:
+        half = (r.ci_high - r.ci_low) / 2
+        text = f"{(r.ratio - 1) * 100:+.1f}% ±{half * 100:.1f}" if pct else f"{r.ratio:.2f}x ±{half:.2f}"
+    elif pct:
         text = f"{(r.ratio - 1) * 100:+.1f}% [{(r.ci_low - 1) * 100:+.1f}, {(r.ci_high - 1) * 100:+.1f}]"
     else:
         text = f"{r.ratio:.2f}x [{r.ci_low:.2f}, {r.ci_high:.2f}]"
@@ -92,12 +99,12 @@ def _headers(result: CompareResult, case: str, rows: list[CompareRow]) -> list[s
         if not any((metric, side) in r.values for r in rows for side in result.sides):
             continue
         heads += [f"{side} {metric_label(metric)}" for side in result.sides]
-        heads += [f"{side} vs {result.baseline} ({metric_label(metric)})" for side in result.sides[1:]]
+        heads += [f"{side}/{result.baseline} {metric_label(metric)}" for side in result.sides[1:]]
     return heads
 
 
-def display_rows(result: CompareResult) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """Per case: the header and the formatted cells of every row."""
+def display_rows(result: CompareResult, *, compact: bool = False) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Per case: the header and the formatted cells of every row (`compact`: for a terminal)."""
     out: dict[str, tuple[list[str], list[list[str]]]] = {}
     for case in result.varying:
         rows = [r for r in result.rows if r.case_name == case]
@@ -111,10 +118,11 @@ def display_rows(result: CompareResult) -> dict[str, tuple[list[str], list[list[
                     continue
                 for side in result.sides:
                     s = row.values.get((metric, side))
-                    cells.append(format_summary(metric, s) if s else "-")
+                    text = (format_value(metric, s.median) if compact else format_summary(metric, s)) if s else "-"
+                    cells.append(text)
                 for side in result.sides[1:]:
                     c = row.comparisons.get((metric, side))
-                    cells.append(format_comparison(metric, c) if c else "-")
+                    cells.append(format_comparison(metric, c, compact=compact) if c else "-")
             body.append(cells)
         out[case] = (heads, body)
     return out
@@ -179,7 +187,7 @@ def render_text(result: CompareResult, fmt: str, cross: list[CrossDeviceRow] | N
 def render_tables(result: CompareResult, cross: list[CrossDeviceRow] | None = None) -> list[Table]:
     """The comparison as rich tables for the terminal (one per case, then the cross-device view)."""
     tables = []
-    for case, (heads, body) in display_rows(result).items():
+    for case, (heads, body) in display_rows(result, compact=True).items():
         t = Table(title=f"{case} (baseline: {result.baseline})", show_lines=False)
         for h in heads:
             t.add_column(h, overflow="fold")
