@@ -243,37 +243,46 @@ def _load_generated(path: Path, config: dict[str, Any]) -> nn.Module:
 
 
 def _nvfp4_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every NVFP4 layer: generated (tensor-scaled) linears, and plain mlx-lm linears and embeddings."""
     out: list[tuple[str, nn.Module]] = []
     for path, module in model.named_modules():
         if path.endswith(".inner"):
             continue  # the QuantizedLinear inside a TensorScaledLinear
         if isinstance(module, TensorScaledLinear) or (
-            isinstance(module, nn.QuantizedLinear) and module.mode == "nvfp4"
+            isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding) and module.mode == "nvfp4"
         ):
             out.append((path, module))
     return out
 
 
 def _repack_affine(model: nn.Module, layers: list[tuple[str, nn.Module]], dtype: mx.Dtype) -> None:
+    """Dequantize each NVFP4 layer (global scale included) and requantize it to affine, in place."""
     for path, module in layers:
         inner = module.inner if isinstance(module, TensorScaledLinear) else module
         w = mx.dequantize(inner.weight, inner.scales, group_size=16, bits=4, mode="nvfp4", dtype=mx.float32)
         if isinstance(module, TensorScaledLinear):
             w = w * module.decode_scale
         out_dims, in_dims = w.shape
-        dense = nn.Linear(in_dims, out_dims, bias="bias" in inner)
-        dense.weight = w.astype(dtype)
-        if "bias" in inner:
-            dense.bias = inner.bias
-        affine = nn.QuantizedLinear.from_linear(dense, AFFINE_GROUP_SIZE, AFFINE_BITS, mode="affine")
-        mx.eval(affine.parameters())
+        affine: nn.Module
+        if isinstance(inner, nn.QuantizedEmbedding):
+            table = nn.Embedding(out_dims, in_dims)
+            table.weight = w.astype(dtype)
+            affine = nn.QuantizedEmbedding.from_embedding(table, AFFINE_GROUP_SIZE, AFFINE_BITS, mode="affine")
+        else:
+            dense = nn.Linear(in_dims, out_dims, bias="bias" in inner)
+            dense.weight = w.astype(dtype)
+            if "bias" in inner:
+                dense.bias = inner.bias
+            affine = nn.QuantizedLinear.from_linear(dense, AFFINE_GROUP_SIZE, AFFINE_BITS, mode="affine")
+        mx.eval(affine.parameters())  # one layer at a time, as an engine's load-time repack
         model.update_modules(tree_unflatten([(path, affine)]))
 
 
 def _model_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the model computes in: that of its first floating parameter (norms, embeddings)."""
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     for _, value in params:
-        if mx.issubdtype(value.dtype, mx.floating) and value.ndim == 2:
+        if mx.issubdtype(value.dtype, mx.floating):
             return value.dtype
     return mx.float32
 
