@@ -236,7 +236,7 @@ def _start_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, pr
     env = node_env(host, paths, probe.os)
     line = command_line(node_command(host, inventory, paths, probe.os), env)
     inner = (
-        f"set -m; cd {shell_path(paths['workdir'])} && : > {shell_path(paths['log'])} && "
+        f"set -m; cd {shell_path(paths['workdir'])} || exit 1; "
         f"nohup {line} > {shell_path(paths['log'])} 2>&1 < /dev/null & echo $! > {shell_path(paths['pid'])}"
     )
     shell.run_script(f"bash -c {shlex.quote(inner)}", check=True, what="ray start")
@@ -262,7 +262,7 @@ def _stop_node(shell: RemoteShell, host: HostSpec, home: str, grace: float) -> s
         f'p=$(cat {pid} 2>/dev/null) || exit 3; rm -f {pid}; kill -0 "$p" 2>/dev/null || exit 4; '
         f'kill -TERM "$p"; n=0; while kill -0 "$p" 2>/dev/null && [ $n -lt {int(grace * 10)} ]; '
         "do sleep 0.1; n=$((n+1)); done; "
-        f'kill -KILL -- -"$p" 2>/dev/null; exit 0'
+        f'kill -9 -"$p" 2>/dev/null; exit 0'
     )
     code = shell.run_script(f"sh -c {shlex.quote(script)}", timeout=grace + 30, what="stopping the Ray node").exit_code
     return {0: "stopped", 3: "not started here", 4: "not running"}.get(code, f"stop failed (exit {code})")

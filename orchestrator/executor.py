@@ -8,6 +8,7 @@ labels from `inventories/local.toml`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 from collections.abc import Callable, Iterable
@@ -20,6 +21,7 @@ from orchestrator.specs import InventorySpec
 from workers.contract import STATUS_FAILED, HostFingerprint, JobContext, JobSpec, RowBuilder
 
 OnDone = Callable[[JobSpec, pa.Table], None]
+LIVENESS_POLL_S = 2.0  # how often a waiting sweep checks that each pending job's kind still has a node
 
 
 def lost_job_table(job: JobSpec, error: str) -> pa.Table:
@@ -78,10 +80,14 @@ class RayExecutor:
                     **common,
                 )
             else:
+                from orchestrator.cluster import enable_token_auth
+
                 head = self.inventory.head
+                enable_token_auth()  # the head's token (`orchestrate cluster up` made it)
                 ray.init(address=f"{head.address}:{head.ray_port}", **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise InfrastructureError(f"cannot start or reach Ray: {exc}") from None
+            hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"
+            raise InfrastructureError(f"cannot start or reach Ray: {exc}{hint}") from None
         self._started = True
 
     def shutdown(self) -> None:
@@ -134,7 +140,10 @@ class RayExecutor:
             ).remote(job.model_dump_json(), self.job_timeout)
             pending[ref] = job
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_POLL_S)
+            if not done:
+                self._fail_stranded(pending, on_done)
+                continue
             for ref in done:
                 job = pending.pop(ref)
                 try:
@@ -143,3 +152,17 @@ class RayExecutor:
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     table = lost_job_table(job, f"{type(exc).__name__}: {reason}")
                 on_done(job, table)
+
+    def _fail_stranded(self, pending: dict[Any, JobSpec], on_done: OnDone) -> None:
+        """Fail the jobs whose device kind has no live node left: Ray would keep them pending forever."""
+        import ray
+
+        live = self.live_kinds()
+        for ref, job in list(pending.items()):
+            if job.device in live:
+                continue
+            del pending[ref]
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+            reason = f"no live node of device kind {job.device!r} is left to run or retry it (its hosts were lost)"
+            on_done(job, lost_job_table(job, reason))
