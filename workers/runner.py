@@ -88,7 +88,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
 def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
     if not job.lock.enabled:
         return dispatch(job, rows, context)
-    from workers.gpulock import GpuLock
+    from workers.gpulock import GpuLock, LockBusyError
     from workers.probes import ContentionMonitor, probe_for, wait_idle
 
     settings = job.lock
@@ -96,10 +96,16 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
     with GpuLock(
         settings.path, max_wait=settings.max_wait, mode="job", cmd=f"{job.sweep}/{job.case_name}/{job.job_key}"
     ) as lock:
-        context.lock_wait_s = lock.wait_s
         probe = probe_for(backend, settings)
-        wait_idle(probe, settings.idle_secs, max_wait=settings.max_wait)
+        # One budget, as the shell guard's --max-wait: the lock wait and the idle wait together.
+        budget = max(settings.max_wait - lock.wait_s, 1e-3) if settings.max_wait > 0 else 0.0
+        context.lock_wait_s = lock.wait_s + wait_idle(probe, settings.idle_secs, max_wait=budget)
         for attempt in range(1, settings.max_attempts + 1):
+            if attempt > 1:  # a retry waits for the foreign user to leave; if it stays, keep the flagged rows
+                try:
+                    wait_idle(probe, settings.idle_secs, max_wait=settings.max_wait)
+                except LockBusyError:
+                    break
             rows.rows.clear()
             monitor = ContentionMonitor(probe, interval=1.0)
             monitor.start()

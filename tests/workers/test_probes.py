@@ -15,10 +15,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
-from workers.contract import LockSettings
-from workers.gpulock import GUARD_ENV, LockBusyError
+from workers.contract import HostFingerprint, JobSpec, LockSettings
+from workers.fingerprint import host_fingerprint
+from workers.gpulock import GUARD_ENV, LockBusyError, lock_status
 from workers.probes import (
     ContentionMonitor,
     CpuQuietProbe,
@@ -30,6 +32,7 @@ from workers.probes import (
     probe_for,
     wait_idle,
 )
+from workers.runner import run_job
 
 
 @pytest.fixture(autouse=True)
@@ -206,3 +209,70 @@ def test_probe_for_each_backend(tmp_path: Path) -> None:
         probe_for("rocm", LockSettings(kfd_proc=str(tmp_path / "none")))
     with pytest.raises(ValueError, match="unknown backend"):
         probe_for("vulkan", LockSettings())
+
+
+# The runner's lock section, on a real tiny qmm job. MLX runs on the CPU here; the fingerprint's
+# backend is set to `rocm` only so that the runner picks the KFD probe over the test's directory.
+
+
+def _kfd_job(tmp_path: Path, kfd: Path, **lock: float) -> tuple[JobSpec, HostFingerprint]:
+    settings = LockSettings(path=str(tmp_path / "gpu.lock"), kfd_proc=str(kfd), max_attempts=2, **lock)  # type: ignore[arg-type]
+    job = JobSpec(
+        run_id="r", sweep="t", job_key="k", case="qmm", case_name="qmm", params={"tokens": 1, "n": 32, "k": 64},
+        arms=["native", "affine"], device="cpu", repetitions=2, warmup=1, lock=settings,
+    )  # fmt: skip
+    return job, host_fingerprint().model_copy(update={"backend": "rocm"})
+
+
+def _start_lock_holder(lock: str) -> subprocess.Popen[str]:
+    helper = str(Path(__file__).with_name("lock_helper.py"))
+    holder = subprocess.Popen([sys.executable, helper, "hold", lock, "0"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().startswith("held")
+    return holder
+
+
+def _facts(table: pa.Table) -> set[tuple[object, ...]]:
+    cols = ["status", "contended", "lock_attempts", "foreign_pids"]
+    return {tuple(tuple(v) if isinstance(v, list) else v for v in (r[c] for c in cols)) for r in table.to_pylist()}
+
+
+def test_runner_measures_a_contended_job_again_and_flags_its_rows(tmp_path: Path, foreign_sleeper: int) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.mkdir()
+    (kfd / str(foreign_sleeper)).mkdir()
+    job, fp = _kfd_job(tmp_path, kfd)
+    table = run_job(job, fp)
+    assert _facts(table) == {("ok", True, 2, (foreign_sleeper,))}
+    assert min(table.column("contention_samples").to_pylist()) >= 1
+    assert not lock_status(job.lock.path).busy
+
+
+def test_runner_clean_job_records_its_lock_wait(tmp_path: Path) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.mkdir()
+    job, fp = _kfd_job(tmp_path, kfd, max_wait=20)
+    holder = _start_lock_holder(job.lock.path)
+    threading.Timer(0.5, holder.kill).start()
+    table = run_job(job, fp)
+    holder.wait()
+    assert _facts(table) == {("ok", False, 1, ())}
+    waits = set(table.column("lock_wait_s").to_pylist())
+    assert len(waits) == 1 and 0.4 <= waits.pop() < 5
+
+
+def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sleeper: int) -> None:
+    kfd = tmp_path / "kfd"
+    kfd.mkdir()
+    (kfd / str(foreign_sleeper)).mkdir()
+    job, fp = _kfd_job(tmp_path, kfd, max_wait=0.5, idle_secs=0.2)
+    table = run_job(job, fp)
+    assert set(table.column("status").to_pylist()) == {"failed"}
+    assert "gave up waiting for an idle device" in table.column("error")[0].as_py()
+    holder = _start_lock_holder(job.lock.path)  # now the lock itself stays busy (another process)
+    try:
+        table = run_job(job.model_copy(update={"lock": job.lock.model_copy(update={"idle_secs": 0.0})}), fp)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert set(table.column("status").to_pylist()) == {"failed"}
+    assert f"gave up waiting for GPU lock {job.lock.path}" in table.column("error")[0].as_py()
