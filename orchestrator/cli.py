@@ -30,6 +30,8 @@ COMMAND_MODULES = [
     "orchestrator.commands.check",
     "orchestrator.commands.schedule",
     "orchestrator.commands.history",
+    "orchestrator.commands.cluster",
+    "orchestrator.commands.collect",
 ]
 
 for _name in COMMAND_MODULES:

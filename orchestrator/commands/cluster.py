@@ -1,0 +1,81 @@
+"""`orchestrate cluster up|down|status`: bootstrap the inventory's hosts as Ray worker nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from orchestrator.cluster import ClusterCheckError, HostState, cluster_down, cluster_status, cluster_up
+from orchestrator.console import console
+from orchestrator.specs import load_inventory
+
+INVENTORY = typer.Option(..., "--inventory", "-i", help="host inventory TOML with a [head] address")
+
+
+def hosts_table(states: list[HostState], title: str) -> Table:
+    """One row per host: reachability, versions, Ray node, lock holder, last job, problems."""
+    table = Table(title=title, title_justify="left")
+    for name in (
+        "host",
+        "device",
+        "address",
+        "reachable",
+        "os",
+        "python",
+        "ray",
+        "node",
+        "lock",
+        "last job",
+        "problem",
+    ):
+        table.add_column(name)
+    for s in states:
+        p = s.probe
+        reachable = "-" if p is None else ("yes" if p.reachable else "no")
+        problem = "; ".join(s.notes) or (p.error if p is not None and p.error else "")
+        table.add_row(
+            s.name, s.device, s.address, reachable,
+            p.os if p else "-", (p.python or "-") if p else "-", (p.ray or "-") if p else "-",
+            s.node, s.lock, s.last_job, problem,
+        )  # fmt: skip
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    cluster = typer.Typer(
+        help="Start, stop and inspect the inventory's Ray worker nodes over SSH.", no_args_is_help=True
+    )
+    app.add_typer(cluster, name="cluster")
+
+    @cluster.command("up")
+    def up(
+        inventory: Path = INVENTORY,
+        join_timeout: float = typer.Option(90.0, "--join-timeout", help="seconds each node may take to join"),
+    ) -> None:
+        """Check every host, start the Ray head here if needed and a worker node on each host."""
+        inv = load_inventory(inventory)
+        out = console()
+        try:
+            states = cluster_up(inv, join_timeout=join_timeout, log=out.print)
+        except ClusterCheckError as exc:
+            started = any(s.node in ("started", "running") for s in exc.states)
+            out.print(hosts_table(exc.states, f"cluster {inventory}" + ("" if started else ": nothing started")))
+            raise
+        out.print(hosts_table(states, f"cluster {inventory}: {len(states)} nodes up"))
+
+    @cluster.command("down")
+    def down(inventory: Path = INVENTORY) -> None:
+        """Stop the Ray nodes (and head) that `cluster up` started; nothing else."""
+        inv = load_inventory(inventory)
+        out = console()
+        states = cluster_down(inv, log=out.print)
+        out.print(hosts_table(states, f"cluster {inventory}: down"))
+
+    @cluster.command("status")
+    def status(inventory: Path = INVENTORY) -> None:
+        """Per host: reachable, versions, Ray node alive, lock holder, last job."""
+        inv = load_inventory(inventory)
+        out = console()
+        out.print(hosts_table(cluster_status(inv), f"cluster {inventory}"))

@@ -1,0 +1,35 @@
+"""`orchestrate collect`: fetch rows that workers spooled but the head never stored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from orchestrator.collect import collect_spooled
+from orchestrator.commands.run import results_root
+from orchestrator.console import console
+from orchestrator.errors import InfrastructureError
+from orchestrator.specs import load_inventory
+from orchestrator.store import ResultStore
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("collect")
+    def collect(
+        inventory: Path = typer.Option(..., "--inventory", "-i", help="host inventory TOML"),
+        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+    ) -> None:
+        """Copy each host's spooled fragments that are missing from the results store into it."""
+        inv = load_inventory(inventory)
+        store = ResultStore(results_root(results))
+        out = console()
+        found = collect_spooled(inv, store)
+        for host in found:
+            line = f"{host.name}: {host.spooled} spooled, {len(host.fetched)} fetched"
+            out.print(line + (f" (error: {host.error})" if host.error else ""))
+        total = sum(len(h.fetched) for h in found)
+        out.print(f"collected {total} fragments into {store.root}")
+        failed = [h for h in found if h.error]
+        if failed:
+            raise InfrastructureError(f"could not collect from {', '.join(h.name for h in failed)}")
