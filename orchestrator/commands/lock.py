@@ -112,43 +112,40 @@ def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
     try:
         try:
             lock.acquire()
-        except _Interrupted as stop:
-            lock.release()
-            _say(f"caught {signal.Signals(stop.signum).name} while waiting for GPU lock {lock.path}")
-            return 128 + stop.signum
         except LockBusyError as exc:
             raise LockTimeoutError(str(exc)) from exc
         except LockPathError as exc:
             raise InputError(str(exc)) from exc
+        waiting = False
+        if signals:
+            return 128 + signals[0]
+        if lock.nested:
+            _say(f"GPU lock {lock.path} held by an outer holder (pid {os.environ.get('ROCM_GPU_GUARD_LOCK_HELD')})")
         try:
-            waiting = False
-            if signals:
-                return 128 + signals[0]
-            if lock.nested:
-                _say(f"GPU lock {lock.path} held by an outer holder (pid {os.environ.get('ROCM_GPU_GUARD_LOCK_HELD')})")
-            try:
-                child = subprocess.Popen(argv, env=lock.child_env(), process_group=0)
-            except FileNotFoundError:
-                _say(f"lock hold: {argv[0]}: command not found")
-                return 127
-            except PermissionError:
-                _say(f"lock hold: {argv[0]}: permission denied")
-                return 126
-            if signals:  # arrived while the child was being started
-                _kill_group(child.pid, signals[0])
-            terminal = _give_terminal(child.pid)
-            try:
-                code = _wait_child(child, signals, grace)
-            finally:
-                _take_terminal_back(terminal)
-            if signals:
-                _kill_group(child.pid, signal.SIGKILL)  # whatever of its group is left
-                _say(f"caught {signal.Signals(signals[0]).name}; ended the command's process group")
-                return 128 + signals[0]
-            return code if code >= 0 else 128 - code
+            child = subprocess.Popen(argv, env=lock.child_env(), process_group=0)
+        except FileNotFoundError:
+            _say(f"lock hold: {argv[0]}: command not found")
+            return 127
+        except PermissionError:
+            _say(f"lock hold: {argv[0]}: permission denied")
+            return 126
+        if signals:  # arrived while the child was being started
+            _kill_group(child.pid, signals[0])
+        terminal = _give_terminal(child.pid)
+        try:
+            code = _wait_child(child, signals, grace)
         finally:
-            lock.release()
+            _take_terminal_back(terminal)
+        if signals:
+            _kill_group(child.pid, signal.SIGKILL)  # whatever of its group is left
+            _say(f"caught {signal.Signals(signals[0]).name}; ended the command's process group")
+            return 128 + signals[0]
+        return code if code >= 0 else 128 - code
+    except _Interrupted as stop:  # only raised while waiting for the lock: no command was started
+        _say(f"caught {signal.Signals(stop.signum).name} while waiting for GPU lock {lock.path}")
+        return 128 + stop.signum
     finally:
+        lock.release()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
