@@ -170,7 +170,10 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
         return path
     from kernels.model import DecoderConfig
 
-    config = DecoderConfig(**{k: params[k] for k in CONFIG_FIELDS if k in params})
+    try:
+        config = DecoderConfig(**{k: params[k] for k in CONFIG_FIELDS if k in params})
+    except (TypeError, ValueError) as exc:
+        return SampleError(f"model parameters: {exc}")
     dest = model_cache_root(job) / f"{config.architecture}-{config.cache_key(job.seed)}"
     if (dest / "config.json").is_file():
         return dest

@@ -1,0 +1,148 @@
+"""The `model` case end to end on the CPU: real checkpoints on disk, real fresh processes."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from kernels.model import DecoderConfig, write_checkpoint
+from workers.contract import (
+    META_JOB_STATUS,
+    STATUS_FAILED,
+    STATUS_OK,
+    STATUS_UNSUPPORTED,
+    JobContext,
+    JobSpec,
+    LockSettings,
+    RowBuilder,
+)
+from workers.fingerprint import host_fingerprint
+from workers.model_runner import METRICS, greedy_digest, model_cache_root, run_model_job
+from workers.runner import run_job
+
+TINY: dict[str, Any] = {"hidden": 128, "intermediate": 256, "layers": 2, "heads": 2, "vocab": 256}
+PROMPT, DECODE = 48, 6
+
+
+def _job(tmp_path: Path, *, arms: list[str], reps: int = 2, seed: int = 0, **params: Any) -> JobSpec:
+    return JobSpec(
+        run_id="run1",
+        sweep="nvfp4-prefill",
+        job_key=f"key-{seed}",
+        case="model",
+        case_name="model",
+        params={"prompt_tokens": PROMPT, "decode_tokens": DECODE, **TINY, **params},
+        arms=arms,
+        device="cpu",
+        repetitions=reps,
+        warmup=1,
+        seed=seed,
+        lock=LockSettings(path=str(tmp_path / "gpu.lock")),
+        spool_dir=str(tmp_path / "spool"),
+    )
+
+
+def _run(job: JobSpec) -> tuple[str, list[dict[str, Any]]]:
+    ctx = JobContext(started_at=dt.datetime.now(dt.UTC))
+    rows = RowBuilder(job, host_fingerprint(), ctx)
+    status = run_model_job(job, rows, ctx)
+    return status, rows.table(status).to_pylist()
+
+
+def _by(rows: list[dict[str, Any]], arm: str, metric: str) -> list[dict[str, Any]]:
+    return sorted((r for r in rows if r["arm"] == arm and r["metric"] == metric), key=lambda r: r["sample"])
+
+
+def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) -> None:
+    """Through the lead's `run_job` (GPU lock, fingerprint, dispatch by kind), as a sweep runs it."""
+    job = _job(tmp_path, arms=["native", "affine"])
+    table = run_job(job)
+    assert isinstance(table, pa.Table)
+    assert (table.schema.metadata or {})[META_JOB_STATUS] == STATUS_OK.encode()
+    rows = table.to_pylist()
+    assert len(rows) == 2 * 2 * len(METRICS)  # arms x samples x metrics, one row per sample
+    assert {r["status"] for r in rows} == {STATUS_OK}
+    units = {r["metric"]: r["unit"] for r in rows}
+    assert units == {"load_seconds": "seconds", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s"} | {
+        "peak_memory_bytes": "bytes"
+    }
+    ckpt_bytes = sum(p.stat().st_size for p in (model_cache_root(job)).glob("*/model.safetensors"))
+    assert ckpt_bytes > 100_000  # the generated checkpoint is on disk under the host spool
+    for arm in ("native", "affine"):
+        load = _by(rows, arm, "load_seconds")
+        assert [r["sample"] for r in load] == [0, 1]
+        assert all(0 < r["value"] < 60 for r in load)
+        # A 48-token prompt through a 2-layer, 128-wide decoder: faster than 10 tok/s on any CPU,
+        # and no CPU does 10 million.
+        assert all(10 < r["value"] < 1e7 for r in _by(rows, arm, "prefill_tok_s"))
+        assert all(1 < r["value"] < 1e6 for r in _by(rows, arm, "decode_tok_s"))
+        # The peak holds at least the weights read from disk (float32 embeddings: 256 x 128 x 4).
+        assert all(256 * 128 * 4 < r["value"] < 4 << 30 for r in _by(rows, arm, "peak_memory_bytes"))
+        digests = {dict(r["extra"])["greedy_digest"] for r in rows if r["arm"] == arm}
+        assert len(digests) == 1 and len(next(iter(digests))) == 16  # same weights, same tokens
+        assert {r["prompt_tokens"] for r in rows} == {PROMPT}
+    native_route = {r["route"] for r in rows if r["arm"] == "native"}
+    affine_route = {r["route"] for r in rows if r["arm"] == "affine"}
+    assert "nvfp4" in native_route.pop() and "affine" in affine_route.pop()
+    # The affine fallback repacks at load time: it holds a dense copy of a layer at a time.
+    assert min(r["value"] for r in _by(rows, "affine", "load_seconds")) > 0
+
+
+def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_path: Path) -> None:
+    status_a, rows_a = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
+    status_b, rows_b = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
+    status_c, rows_c = _run(_job(tmp_path, arms=["native"], reps=1, seed=5))
+    assert status_a == status_b == status_c == STATUS_OK
+
+    def digest(rows: list[dict[str, Any]]) -> str:
+        (d,) = {dict(r["extra"])["greedy_digest"] for r in rows}
+        return d
+
+    assert digest(rows_a) == digest(rows_b)
+    assert digest(rows_a) != digest(rows_c)  # other weights (and prompt), other greedy tokens
+    assert len(list(model_cache_root(_job(tmp_path, arms=["native"])).iterdir())) == 2  # one per seed
+
+
+def test_a_missing_checkpoint_is_unsupported_not_a_crash(tmp_path: Path) -> None:
+    missing = tmp_path / "models" / "gemma-4-31b-it-nvfp4"
+    status, rows = _run(_job(tmp_path, arms=["native", "affine"], checkpoint=str(missing)))
+    assert status == STATUS_UNSUPPORTED
+    assert {r["status"] for r in rows} == {STATUS_UNSUPPORTED}
+    assert {r["arm"] for r in rows} == {"native", "affine"}
+    assert all(r["value"] is None and str(missing) in r["error"] for r in rows)
+    assert {r["checkpoint"] for r in rows} == {str(missing)}
+
+
+def test_a_named_checkpoint_is_used_as_it_is(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(DecoderConfig(architecture="llama", **TINY), 3, tmp_path / "my-model")
+    status, rows = _run(_job(tmp_path, arms=["native"], reps=1, checkpoint=str(ckpt)))
+    assert status == STATUS_OK
+    assert {dict(r["extra"])["checkpoint"] for r in rows} == {str(ckpt)}
+    assert not model_cache_root(_job(tmp_path, arms=["native"])).exists()  # nothing generated
+
+
+def test_a_broken_checkpoint_fails_with_the_reason(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "broken")
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    status, rows = _run(_job(tmp_path, arms=["native", "affine"], reps=2, checkpoint=str(ckpt)))
+    assert status == STATUS_FAILED
+    assert {r["status"] for r in rows} == {STATUS_FAILED}
+    assert all(r["error"] and r["error"].startswith("exit 1") for r in rows)
+    assert len(rows) == 2 * len(METRICS)  # a failed arm is not retried in every repetition
+
+
+def test_greedy_digest_is_of_the_token_ids() -> None:
+    assert greedy_digest([1, 2, 3]) == greedy_digest([1, 2, 3])
+    assert greedy_digest([1, 2, 3]) != greedy_digest([1, 2, 4])
+    assert greedy_digest([12, 3]) != greedy_digest([1, 23])
+
+
+@pytest.mark.parametrize("arms", [["native", "affine"]])
+def test_unknown_architecture_fails_the_job_cleanly(tmp_path: Path, arms: list[str]) -> None:
+    status, rows = _run(_job(tmp_path, arms=arms, reps=1, architecture="mamba"))
+    assert status == STATUS_FAILED
+    assert all("architecture" in r["error"] for r in rows)
