@@ -268,13 +268,17 @@ def lock_status(path: str) -> LockStatus:
 
 def parent_pid(pid: int) -> int | None:
     """The parent of `pid`, or None when it is gone (Linux `/proc`, elsewhere `ps`)."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        return int(data[data.rindex(b")") + 2 :].split()[1])
+    if not sys.platform.startswith("linux"):
+        return _ps_parent_pid(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return int(data[data.rindex(b")") + 2 :].split()[1])
+
+
+def _ps_parent_pid(pid: int) -> int | None:
     try:
         out = subprocess.run(
             ["ps", "-o", "ppid=", "-p", str(pid)], capture_output=True, text=True, timeout=5, check=False

@@ -228,24 +228,31 @@ class NvmlProbe:
 def cpu_times() -> dict[int, tuple[int, float, str]]:
     """Every process: pid -> (parent pid, CPU seconds used so far, name).
 
-    Linux reads `/proc/<pid>/stat`; elsewhere `ps` gives a cumulative `time` column.
+    Linux reads `/proc/<pid>/stat`; elsewhere (macOS) `ps` gives a cumulative `time` column.
     """
+    return _proc_cpu_times() if sys.platform.startswith("linux") else _ps_cpu_times()
+
+
+def _proc_cpu_times() -> dict[int, tuple[int, float, str]]:
     table: dict[int, tuple[int, float, str]] = {}
-    if sys.platform.startswith("linux"):
-        tick = float(os.sysconf("SC_CLK_TCK"))
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue  # gone meanwhile
-            close = data.rindex(b")")
-            rest = data[close + 2 :].split()
-            name = data[data.index(b"(") + 1 : close].decode(errors="replace")
-            table[int(entry.name)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick, name)
-        return table
+    tick = float(os.sysconf("SC_CLK_TCK"))
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        close = data.rindex(b")")
+        rest = data[close + 2 :].split()
+        name = data[data.index(b"(") + 1 : close].decode(errors="replace")
+        table[int(entry.name)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick, name)
+    return table
+
+
+def _ps_cpu_times() -> dict[int, tuple[int, float, str]]:
+    table: dict[int, tuple[int, float, str]] = {}
     out = subprocess.run(
         ["ps", "-A", "-o", "pid=,ppid=,time=,comm="], capture_output=True, text=True, timeout=10, check=False
     ).stdout

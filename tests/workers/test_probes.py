@@ -276,3 +276,18 @@ def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sle
         holder.wait()
     assert set(table.column("status").to_pylist()) == {"failed"}
     assert f"gave up waiting for GPU lock {job.lock.path}" in table.column("error")[0].as_py()
+
+
+def test_the_ps_process_table_used_off_linux_agrees_with_proc() -> None:
+    # macOS has no /proc: the CPU gate and the ancestry walk read `ps`, which procps has here too.
+    from workers.gpulock import _ps_parent_pid, parent_pid
+    from workers.probes import _proc_cpu_times, _ps_cpu_times, _ps_seconds
+
+    assert [_ps_seconds(t) for t in ("0:01.50", "01:02:03", "2-00:00:01")] == [1.5, 3723.0, 172801.0]
+    proc, ps = _proc_cpu_times(), _ps_cpu_times()
+    me = os.getpid()
+    assert ps[me][0] == proc[me][0] == os.getppid()
+    assert ps[me][2] == proc[me][2]  # the same name
+    assert abs(ps[me][1] - proc[me][1]) < 1.5  # `ps` shows whole seconds here
+    assert _ps_parent_pid(me) == parent_pid(me) == os.getppid()
+    assert _ps_parent_pid(2**22 + 7) is None
