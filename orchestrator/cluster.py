@@ -228,7 +228,7 @@ def node_env(host: HostSpec, paths: dict[str, str], os_name: str) -> dict[str, s
 
 def _start_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe, timeout: float) -> str:
     paths = _paths(host, probe.home)
-    running = shell.run_script(f"kill -0 \"$(cat {shell_path(paths['pid'])} 2>/dev/null)\" 2>/dev/null")
+    running = shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])} 2>/dev/null)" 2>/dev/null')
     if running.ok:
         return "running"
     shell.mkdir_p(paths["workdir"])
@@ -245,7 +245,7 @@ def _start_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, pr
         log = shell.run_script(f"cat {shell_path(paths['log'])}").stdout
         if JOINED in log:
             return "started"
-        alive = shell.run_script(f"kill -0 \"$(cat {shell_path(paths['pid'])})\" 2>/dev/null").ok
+        alive = shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])})" 2>/dev/null').ok
         if not alive:
             tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or ["no output"]
             raise InfrastructureError(f"host {host.name!r}: ray start exited: {tail[0].strip()} (log: {paths['log']})")

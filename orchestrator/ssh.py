@@ -257,9 +257,7 @@ class RemoteShell:
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 if time.monotonic() > deadline:
-                    raise InfrastructureError(
-                        f"host {self.target.name!r}: {what} did not finish within {limit:g} s"
-                    )
+                    raise InfrastructureError(f"host {self.target.name!r}: {what} did not finish within {limit:g} s")
                 select.select([chan], [], [], 0.05)
             code = chan.recv_exit_status()
         finally:
@@ -382,10 +380,16 @@ def _open_client(target: SshTarget, hop: Hop, sock: Any, deadline: float) -> par
     except paramiko.SSHException as exc:
         client.close()
         text = str(exc)
-        if "banner" in text.lower() or "timeout" in text.lower() or "timed out" in text.lower():
+        timed_out = time.monotonic() >= deadline - 0.1  # paramiko words a banner timeout several ways
+        if timed_out or "banner" in text.lower() or "timed out" in text.lower():
             text = f"no SSH answer within the connect timeout ({target.connect_timeout:g} s)"
         raise _fail(target, hop, text) from None
     except OSError as exc:
         client.close()
-        raise _fail(target, hop, f"cannot connect: {exc.strerror or exc}") from None
+        causes = list(getattr(exc, "errors", {}).values())  # paramiko's NoValidConnectionsError
+        why = next((c.strerror for c in causes if getattr(c, "strerror", None)), None) or exc.strerror or str(exc)
+        if isinstance(exc, TimeoutError) or "timed out" in why:
+            why = f"no answer within the connect timeout ({target.connect_timeout:g} s)"
+            raise _fail(target, hop, why) from None
+        raise _fail(target, hop, f"cannot connect: {why}") from None
     return client
