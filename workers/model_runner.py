@@ -47,7 +47,7 @@ METRICS = (
     ("decode_tok_s", "tok/s"),
     ("peak_memory_bytes", "bytes"),
 )
-CONFIG_FIELDS = ("architecture", "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "dtype")
+CONFIG_FIELDS = ("architecture", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype")
 
 
 @dataclass(frozen=True)
