@@ -47,6 +47,7 @@ __all__ = [
     "open_lock_file",
     "parent_pid",
     "pid_alive",
+    "process_name",
     "read_holder",
 ]
 
@@ -169,7 +170,7 @@ class LockStatus:
             gone = "is gone" if not self.holder.alive else "does not hold the lock"
             parts.append(f"holder file names pid {self.holder.pid}, which {gone} ({self.holder.describe()})")
         if self.busy and (self.holder is None or self.state == "stale"):
-            who = ", ".join(f"pid={p}" for p in self.lockers) or "an unknown process"
+            who = ", ".join(f"pid={p} ({process_name(p)})" for p in self.lockers) or "an unknown process"
             parts.append(f"held by {who} (no holder file: flock(1) or another tool)")
         return "; ".join(parts)
 
@@ -197,6 +198,22 @@ def pid_alive(pid: int) -> bool:
         except (OSError, ValueError):
             return False
     return True
+
+
+def process_name(pid: int) -> str:
+    """The short name of a process (`/proc/<pid>/comm`, elsewhere `ps`), or `?`."""
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip() or "?"
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        return "?"
+    try:
+        out = subprocess.run(["ps", "-o", "comm=", "-p", str(pid)], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return os.path.basename(out.strip()) or "?"
 
 
 def read_holder(path: str) -> Holder | None:

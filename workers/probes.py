@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.contract import LockSettings
-from workers.gpulock import LockBusyError, is_descendant, nesting_pid, pid_alive
+from workers.gpulock import LockBusyError, is_descendant, nesting_pid, pid_alive, process_name
 
 __all__ = [
     "ContentionMonitor",
@@ -93,14 +93,6 @@ def _is_ours(pid: int, root: int) -> bool:
     return pid == os.getpid() or is_descendant(pid, root)
 
 
-def _process_name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
 class KfdProbe:
     """ROCm: processes with a KFD context (`/sys/class/kfd/kfd/proc/<pid>`)."""
 
@@ -130,7 +122,7 @@ class KfdProbe:
             pid = int(entry)
             if not pid_alive(pid) or _is_ours(pid, root):
                 continue
-            foreign[pid] = f"{_process_name(pid)}, KFD context"
+            foreign[pid] = f"{process_name(pid)}, KFD context"
         return ProbeSample(foreign)
 
 
@@ -221,7 +213,7 @@ class NvmlProbe:
                     continue
                 memory = proc.usedGpuMemory
                 size = f"{memory / 2**20:.0f} MiB" if isinstance(memory, int) else "? MiB"
-                foreign[proc.pid] = f"{_process_name(proc.pid)} on GPU {index}, {size}"
+                foreign[proc.pid] = f"{process_name(proc.pid)} on GPU {index}, {size}"
         return ProbeSample(foreign)
 
 

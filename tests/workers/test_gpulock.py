@@ -108,6 +108,7 @@ def test_flock_1_holder_blocks_the_lock(lock_path: str) -> None:
         status = lock_status(lock_path)
         assert status.state == "held" and status.holder is None
         assert holder.pid in status.lockers  # /proc/locks names flock(1)
+        assert f"pid={holder.pid} (flock)" in status.describe()
         assert "no holder file" in status.describe()
         start = time.monotonic()
         with pytest.raises(LockBusyError, match="gave up waiting"):
