@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "orchestrator.commands.lock",
     "orchestrator.commands.compare",
     "orchestrator.commands.check",
+    "orchestrator.commands.report",
     "orchestrator.commands.schedule",
     "orchestrator.commands.history",
     "orchestrator.commands.cluster",

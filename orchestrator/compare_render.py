@@ -42,7 +42,10 @@ def format_value(metric: str, value: float) -> str:
     if value is None or not math.isfinite(value):
         return "-"
     if metric.endswith("_bytes"):
-        return f"{value / 1e9:.2f} GB"
+        for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+            if abs(value) >= scale:
+                return f"{value / scale:.2f} {unit}"
+        return f"{value:.0f} B"
     if metric == "load_seconds" or metric.endswith("_seconds"):
         return f"{value:.1f}s"
     if metric == "seconds":

@@ -1,0 +1,34 @@
+"""`orchestrate report --html FILE`: one self-contained HTML report of a stored sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from orchestrator import stats
+from orchestrator.commands.run import results_root
+from orchestrator.compare import select_results
+from orchestrator.console import console
+from orchestrator.report import build_report, write_report
+from orchestrator.store import ResultStore
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("report")
+    def report(
+        html: Path = typer.Option(..., "--html", help="the HTML file to write"),
+        sweep: str | None = typer.Option(None, "--sweep", "-s", help="stored sweep name, built-in sweep or TOML"),
+        run: str | None = typer.Option(None, "--run", help="only this run id"),
+        threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
+        all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
+        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+    ) -> None:
+        """Plots per device with confidence bands, gap chart, share of peak, criteria and hosts, in one file."""
+        store = ResultStore(results_root(results_dir))
+        table, spec = select_results(store, sweep, run, all_runs=all_runs)
+        path = write_report(html, build_report(table, spec=spec, threshold=threshold))
+        out = console()
+        out.print(f"Report written to {path} ({path.stat().st_size / 1e3:.0f} kB)")
+        for frag, reason in store.broken:
+            out.print(f"warning: skipped broken fragment {frag}: {reason}")
