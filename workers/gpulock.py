@@ -365,6 +365,9 @@ class GpuLock:
     Attributes:
         wait_s: Seconds spent waiting for the lock.
         nested: True when an ancestor holds the lock and this one took nothing.
+
+    Within one process the lock is re-entrant (a second request while it is held runs nested),
+    so it serialises processes, not threads: the runner takes it in the job's own process.
     """
 
     def __init__(
@@ -390,6 +393,7 @@ class GpuLock:
         self._fd: int | None = None
         self._wrote_holder = False
         self._saved_env: str | None = None
+        self._exported = False
 
     @property
     def held(self) -> bool:
@@ -416,8 +420,7 @@ class GpuLock:
         fd = open_lock_file(self.path)
         try:
             if _try_flock(fd, fcntl.LOCK_EX):
-                self._take(fd)
-                return self
+                return self._take(fd)
             outer = nesting_pid()
             if outer is not None:
                 os.close(fd)
@@ -432,8 +435,7 @@ class GpuLock:
                 os.close(fd)
             raise
         self.wait_s = time.monotonic() - start
-        self._take(fd)
-        return self
+        return self._take(fd)
 
     def _wait(self, fd: int, start: float) -> None:
         if self.max_wait == 0:
@@ -453,12 +455,18 @@ class GpuLock:
             time.sleep(min(delay, self.max_wait - waited))
             delay = min(delay * 2, self.poll_interval)
 
-    def _take(self, fd: int) -> None:
+    def _take(self, fd: int) -> GpuLock:
         self._fd = fd
-        self._write_holder()
-        if self.export_env:
-            self._saved_env = os.environ.get(GUARD_ENV)
-            os.environ[GUARD_ENV] = str(os.getpid())
+        try:
+            self._write_holder()
+            if self.export_env:
+                self._saved_env = os.environ.get(GUARD_ENV)
+                os.environ[GUARD_ENV] = str(os.getpid())
+                self._exported = True
+        except BaseException:  # e.g. a signal's exception: never leave the lock taken behind a failed enter
+            self.release()
+            raise
+        return self
 
     def _write_holder(self) -> None:
         target = holder_path(self.path)
@@ -492,11 +500,12 @@ class GpuLock:
                 with contextlib.suppress(OSError):
                     os.unlink(holder_path(self.path))
             self._wrote_holder = False
-        if self.export_env:
+        if self._exported:
             if self._saved_env is None:
                 os.environ.pop(GUARD_ENV, None)
             else:
                 os.environ[GUARD_ENV] = self._saved_env
+            self._exported = False
         fd, self._fd = self._fd, None
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
