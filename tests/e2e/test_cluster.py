@@ -1,0 +1,350 @@
+"""Many hosts, end to end: real sshd hosts on loopback addresses, a real Ray head here and a real
+Ray worker node on each host, all started by `orchestrate cluster up` and driven through the CLI.
+
+Three hosts: `a1` and `a2` of device kind `alpha`, `b1` of kind `beta`. The Ray head runs on
+127.0.0.1; each node on its own loopback address with its own work dir, lock and spool.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from orchestrator.plan import code_version
+from orchestrator.store import ResultStore
+from tests.conftest import BIN, child_env
+from tests.sshd_hosts import SshLab, free_port, make_key, require_sshd, start_lab
+
+pytestmark = pytest.mark.slow
+
+HOSTS = {"a1": ("127.0.0.2", "alpha"), "a2": ("127.0.0.3", "alpha"), "b1": ("127.0.0.4", "beta")}
+ORCHESTRATE = str(BIN / "orchestrate")
+
+
+def inventory_toml(root: Path, lab: SshLab, port: int, hosts: dict[str, dict[str, object]]) -> str:
+    """An inventory for the lab's hosts; `hosts` maps a name to its overrides (`sshd` = lab index)."""
+    lines = [
+        "[head]",
+        'address = "127.0.0.1"',
+        f"ray_port = {port}",
+        f'workdir = "{root / "head"}"',
+        "dashboard = false",
+        "[defaults]",
+        f'user = "{lab.hosts[0].user}"',
+        f'identity_file = "{lab.client_key}"',
+        f'known_hosts = "{lab.known_hosts}"',
+        f'python = "{BIN / "python"}"',
+        "num_cpus = 1",
+        "connect_timeout = 5",
+    ]
+    for name, over in hosts.items():
+        sshd = lab.hosts[int(over.pop("sshd"))]  # type: ignore[call-overload]
+        fields: dict[str, object] = {
+            "name": name, "host": sshd.address, "port": sshd.port, "node_ip": sshd.address,
+            "workdir": str(root / name), "lock": str(root / name / "gpu.lock"),
+        }  # fmt: skip
+        fields.update(over)
+        lines.append("[[hosts]]")
+        lines += [f"{k} = {_toml(v)}" for k, v in fields.items()]
+        lines.append(f'env = {{ HOME = "{root / name}" }}')  # the test hosts' HOME: never the real one
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    return str(value) if isinstance(value, int | float) else f'"{value}"'
+
+
+SWEEP = """
+name = "{name}"
+repetitions = {reps}
+warmup = 1
+baseline = "affine"
+
+[[cases]]
+case = "qmm"
+arms = ["native", "affine"]
+params = {{ tokens = {tokens}, n = {n}, k = {n}, dtype = "float32" }}
+"""
+
+
+@dataclass
+class Cluster:
+    root: Path
+    inventory: Path
+    env: dict[str, str]
+    lab: SshLab
+
+    def orchestrate(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [ORCHESTRATE, *args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=self.root
+        )
+
+    def sweep(self, name: str, *, tokens: list[int], n: int, reps: int) -> Path:
+        path = self.root / f"{name}.toml"
+        path.write_text(SWEEP.format(name=name, tokens=tokens, n=n, reps=reps))
+        return path
+
+    def node_pid(self, host: str) -> int:
+        return int((self.root / host / "ray-node.pid").read_text())
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[tuple[Path, SshLab]]:
+    require_sshd()
+    # A short root: Ray's unix socket paths under each node's temp dir must stay under 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="o4-", dir="/tmp"))
+    lab = start_lab(root / "ssh", [address for address, _ in HOSTS.values()])
+    yield root, lab
+    lab.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(lab: tuple[Path, SshLab]) -> Iterator[Cluster]:
+    root, sshd = lab
+    hosts = {name: {"sshd": i, "device": kind} for i, (name, (_, kind)) in enumerate(HOSTS.items())}
+    inv = root / "lab.toml"
+    inv.write_text(inventory_toml(root, sshd, free_port("127.0.0.1"), hosts))
+    home = root / "home"
+    home.mkdir(exist_ok=True)
+    env = child_env(HOME=str(home), RAY_AUTH_TOKEN_PATH=str(home / ".ray" / "auth_token"))
+    for key in ("ORCHESTRATE_SPOOL", "RAY_AUTH_MODE", "RAY_ADDRESS"):
+        env.pop(key, None)
+    c = Cluster(root, inv, env, sshd)
+    try:
+        up = c.orchestrate("cluster", "up", "--inventory", str(inv))
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield c
+    finally:
+        down = c.orchestrate("cluster", "down", "--inventory", str(inv))
+        for name in HOSTS:  # a safety net: nothing this module started may outlive it
+            pidfile = root / name / "ray-node.pid"
+            if pidfile.exists():
+                try:
+                    os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def stored(results: Path) -> ResultStore:
+    store = ResultStore(results)
+    assert store.fragments(), f"no fragments under {results}"
+    return store
+
+
+def test_status_then_sweep_over_two_kinds_puts_rows_on_the_right_hosts_and_collect_refetches(
+    cluster: Cluster,
+) -> None:
+    token = Path(cluster.env["RAY_AUTH_TOKEN_PATH"])
+    assert token.stat().st_mode & 0o777 == 0o600
+    for name in HOSTS:
+        copied = cluster.root / name / "auth_token"
+        assert copied.stat().st_mode & 0o777 == 0o600 and copied.read_bytes() == token.read_bytes()
+
+    status = cluster.orchestrate("cluster", "status", "--inventory", str(cluster.inventory))
+    assert status.returncode == 0, status.stderr
+    for name in HOSTS:
+        line = next(ln for ln in status.stdout.splitlines() if ln.strip(" │|").startswith(name))
+        assert "alive" in line and "free" in line, status.stdout
+    assert token.read_text() not in status.stdout + status.stderr  # the token is never printed
+
+    sweep = cluster.sweep("two-kinds", tokens=[1, 2, 3, 4], n=64, reps=3)
+    results = cluster.root / "results-1"
+    run = cluster.orchestrate("run", "--inventory", str(cluster.inventory), "--sweep", str(sweep), "-r", str(results))
+    assert run.returncode == 0, run.stdout + run.stderr
+    table = stored(results).read(sweep="two-kinds")
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    by_kind: dict[str, set[str]] = {}
+    for device, host in zip(table.column("device").to_pylist(), table.column("host").to_pylist(), strict=True):
+        by_kind.setdefault(device, set()).add(host)
+    assert by_kind == {"alpha": {"a1", "a2"}, "beta": {"b1"}}  # alpha's 4 jobs spread over both alpha hosts
+    assert len(set(table.column("job_key").to_pylist())) == 8
+
+    # A fragment the head never stored (here: removed) comes back from the worker's spool.
+    store = ResultStore(results)
+    victim = store.fragments()[0]
+    original = pq.read_table(victim.path)
+    victim.path.unlink()
+    collect = cluster.orchestrate("collect", "--inventory", str(cluster.inventory), "-r", str(results))
+    assert collect.returncode == 0, collect.stdout + collect.stderr
+    assert "collected 1 fragments" in collect.stdout
+    back = pq.read_table(victim.path)
+    assert back.num_rows == original.num_rows and back.column("value").equals(original.column("value"))
+    again = cluster.orchestrate("collect", "--inventory", str(cluster.inventory), "-r", str(results))
+    assert "collected 0 fragments" in again.stdout
+
+    status = cluster.orchestrate("cluster", "status", "--inventory", str(cluster.inventory))
+    for name in HOSTS:  # each host's last job is one of this sweep's
+        line = next(ln for ln in status.stdout.splitlines() if ln.strip(" │|").startswith(name))
+        assert any(key in line for key in set(table.column("job_key").to_pylist())), status.stdout
+
+
+def wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_host_killed_mid_sweep_retries_on_its_kind_or_fails_with_the_reason(cluster: Cluster) -> None:
+    sweep = cluster.sweep("host-loss", tokens=[64, 65, 66], n=1024, reps=8)
+    results = cluster.root / "results-2"
+    proc = subprocess.Popen(
+        [ORCHESTRATE, "run", "--inventory", str(cluster.inventory), "--sweep", str(sweep), "-r", str(results)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env, cwd=cluster.root,
+    )  # fmt: skip
+    try:
+        # Kill a1's and b1's whole Ray nodes (raylet, workers, the job) while each runs a job.
+        holders = {h: cluster.root / h / "gpu.lock.holder" for h in ("a1", "b1")}
+        wait_for(lambda: all(p.exists() for p in holders.values()), 120, "jobs running on a1 and b1")
+        for host in holders:
+            os.killpg(cluster.node_pid(host), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    try:
+        assert proc.returncode == 1, out  # beta's jobs failed: no beta host is left
+        table = stored(results).read(sweep="host-loss")
+        alpha = table.filter(pc.equal(table.column("device"), "alpha"))
+        beta = table.filter(pc.equal(table.column("device"), "beta"))
+        # Every alpha job finished ok (the one on a1 was retried on a2); no finished row was lost.
+        assert set(alpha.column("status").to_pylist()) == {"ok"}
+        assert len(set(alpha.column("job_key").to_pylist())) == 3
+        assert "a2" in set(alpha.column("host").to_pylist())
+        # Every beta job is recorded as failed, with the reason.
+        assert len(set(beta.column("job_key").to_pylist())) == 3
+        assert set(beta.column("status").to_pylist()) == {"failed"}
+        for error in beta.column("error").to_pylist():
+            assert "no live node of device kind 'beta'" in error or "Died" in error or "died" in error, error
+    finally:  # bring the lost nodes back for the tests after this one
+        up = cluster.orchestrate("cluster", "up", "--inventory", str(cluster.inventory))
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "a1: started" in up.stdout and "b1: started" in up.stdout and "a2: running" in up.stdout
+
+
+def test_head_killed_mid_sweep_then_rerun_runs_only_missing_jobs(cluster: Cluster) -> None:
+    version = code_version()
+    sweep = cluster.sweep("resume", tokens=[1, 2, 3, 4, 5, 6], n=64, reps=3)
+    results = cluster.root / "results-3"
+    argv = [ORCHESTRATE, "run", "--inventory", str(cluster.inventory), "--sweep", str(sweep), "-r", str(results)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cluster.env)
+    try:
+        wait_for(lambda: any(results.rglob("part-*.parquet")), 120, "the first stored fragment")
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(30)
+    first = {f.job_key for f in ResultStore(results).fragments() if f.job_status == "ok"}
+    assert 1 <= len(first) < 12
+    rerun = cluster.orchestrate(*argv[1:])
+    if code_version() != version:
+        pytest.skip("the checkout changed during the test, so the job keys changed")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    frags = ResultStore(results).fragments()
+    keys = [f.job_key for f in frags if f.job_status == "ok"]
+    assert len(set(keys)) == 12
+    assert f"{12 - len(first)} jobs ran" in rerun.stdout and f"{len(first)} already complete" in rerun.stdout
+    assert sorted(keys) == sorted(set(keys))  # no job was run (and stored) twice
+
+
+# ------------------------------------------------------- hosts that cannot join: nothing starts
+
+
+def silent_listener(address: str) -> tuple[socket.socket, threading.Event]:
+    """A TCP port that accepts and never answers (a hung host)."""
+    sock = socket.socket()
+    sock.bind((address, 0))
+    sock.listen(8)
+    sock.settimeout(0.2)
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+        for s in held:
+            s.close()
+        sock.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return sock, stop
+
+
+def failing_up(lab: tuple[Path, SshLab], tmp: str, **over: object) -> tuple[subprocess.CompletedProcess[str], float]:
+    root, sshd = lab
+    work = root / tmp
+    work.mkdir()
+    inv = work / "inv.toml"
+    inv.write_text(inventory_toml(work, sshd, free_port("127.0.0.1"), {"x1": {"sshd": 0, "device": "alpha", **over}}))
+    env = child_env(HOME=str(work), RAY_AUTH_TOKEN_PATH=str(work / "token"))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [ORCHESTRATE, "cluster", "up", "--inventory", str(inv)], capture_output=True, text=True, env=env, timeout=120
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "nothing started" in proc.stdout
+    assert not (work / "head").exists() and not (work / "x1").exists()  # no head, no node, no token copied
+    return proc, elapsed
+
+
+def test_version_mismatch_is_reported_before_anything_starts(lab: tuple[Path, SshLab]) -> None:
+    system = shutil.which("python3", path="/usr/bin")
+    if system is None:
+        pytest.skip("no /usr/bin/python3 to stand for a host with other versions")
+    theirs = subprocess.run([system, "-c", "import platform; print(platform.python_version())"],
+                            capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    proc, _ = failing_up(lab, "mismatch", python=system)
+    assert "1 of 1 hosts cannot join the cluster: x1:" in proc.stderr
+    assert "Ray not installed (head has 2.60.0)" in proc.stderr
+    ours = subprocess.run([str(BIN / "python"), "-c", "import platform; print(platform.python_version())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    if theirs != ours:
+        assert f"Python {theirs} != head {ours}" in proc.stderr
+    assert theirs in proc.stdout  # the table shows the host's own version
+
+
+def test_unknown_host_key_is_refused(lab: tuple[Path, SshLab]) -> None:
+    root, _ = lab
+    empty = root / "empty_known_hosts"
+    empty.write_text("")
+    proc, _ = failing_up(lab, "unknown-key", known_hosts=str(empty))
+    assert "x1: host 'x1' (127.0.0.2:" in proc.stderr and "unknown host key ssh-ed25519 SHA256:" in proc.stderr
+
+
+def test_wrong_user_key_is_refused(lab: tuple[Path, SshLab]) -> None:
+    root, _ = lab
+    stranger = root / "stranger_key"
+    make_key(stranger)
+    proc, _ = failing_up(lab, "wrong-key", identity_file=str(stranger))
+    assert f"authentication as user {lab[1].hosts[0].user} with key file {stranger} was refused" in proc.stderr
+
+
+def test_unreachable_host_is_reported_within_the_connect_timeout(lab: tuple[Path, SshLab]) -> None:
+    sock, stop = silent_listener("127.0.0.5")
+    try:
+        proc, elapsed = failing_up(lab, "unreachable", host="127.0.0.5", port=sock.getsockname()[1], connect_timeout=2)
+    finally:
+        stop.set()
+    assert "host 'x1' (127.0.0.5:" in proc.stderr and "within the connect timeout (2 s)" in proc.stderr
+    assert elapsed < 2 + 8  # the timeout plus the CLI's own start-up
