@@ -51,11 +51,13 @@ def main() -> None:
     except Exception as exc:  # click's usage errors
         import click
 
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, click.exceptions.Abort | typer.Abort):
             print("orchestrate: aborted", file=sys.stderr)
             sys.exit(130)
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        # typer 0.29 vendors click (typer._click): its usage errors are TyperExceptions with show()
+        show = getattr(exc, "show", None)
+        if isinstance(exc, click.ClickException | typer.TyperException) and callable(show):
+            show()
             sys.exit(2)
         raise
     sys.exit(code if isinstance(code, int) else 0)

@@ -179,3 +179,10 @@ def test_bad_lock_path_is_a_usage_error(orchestrate_bin: str, tmp_path: Path, en
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip() == f"orchestrate: error: lock {link} is a symbolic link; refusing to follow it"
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_hold_without_a_command_is_a_usage_error(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
+    done = run(orchestrate_bin, "lock", "hold", "--lock", lock, env=env)
+    assert done.returncode == 2
+    assert "Missing argument" in done.stderr and "Traceback" not in done.stderr
+    assert not os.path.exists(lock)  # nothing was taken or created
