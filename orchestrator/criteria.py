@@ -25,6 +25,7 @@ from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, 
 from orchestrator.plan import points as case_points
 from orchestrator.specs import Criterion, SweepSpec
 from orchestrator.stats import Point, Ratio
+from orchestrator.store import ResultStore
 from orchestrator.where import Condition, parse_where
 
 
@@ -199,6 +200,19 @@ def evaluate_criterion(
     return verdict
 
 
+def validate_criteria(sweep: SweepSpec) -> None:
+    """Refuse, before anything runs, a criterion that no case of the sweep can answer.
+
+    Raises:
+        InputError: a criterion without a baseline, or whose arms or `where` fit no case.
+    """
+    for criterion in sweep.criteria:
+        baseline = criterion.baseline or sweep.baseline
+        if baseline is None:
+            raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
+        expected_points(sweep, criterion, baseline)
+
+
 def evaluate_criteria(table: pa.Table, sweep: SweepSpec, *, resamples: int = stats.RESAMPLES) -> list[CriterionVerdict]:
     """Judge every criterion of `sweep` on its stored rows (pass the rows of this sweep only)."""
     return [evaluate_criterion(table, sweep, c, resamples=resamples) for c in sweep.criteria]
@@ -255,6 +269,18 @@ def describe(v: CriterionVerdict) -> list[str]:
     if not v.points and not v.missing:
         lines.append("    no point of the sweep matches this criterion")
     return lines
+
+
+def judge_stored(store: ResultStore, sweep: SweepSpec) -> tuple[str, int]:
+    """`orchestrate run`'s last step: the sweep's criteria on its newest stored rows.
+
+    Returns:
+        The rendered verdicts (empty when the sweep declares none) and the exit code for them.
+    """
+    if not sweep.criteria:
+        return "", EXIT_OK
+    verdicts = evaluate_criteria(stats.latest_runs(store.read(sweep=sweep.name)), sweep)
+    return "Acceptance criteria:\n" + render_verdicts(verdicts), exit_code_for(verdicts)
 
 
 def render_verdicts(verdicts: list[CriterionVerdict]) -> str:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kernels import registry
 from orchestrator.errors import InputError
+from orchestrator.where import parse_where
 from workers.command import check_case_settings
 
 ParamValue = int | float | str | bool
@@ -148,6 +149,16 @@ class Criterion(Strict):
         if self.min_ratio is None and self.max_ratio is None:
             raise ValueError("a criterion needs min_ratio or max_ratio")
         return self
+
+    @field_validator("where")
+    @classmethod
+    def _where(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_where(v)
+            except InputError as exc:
+                raise ValueError(exc.message) from None
+        return v
 
 
 class SweepSpec(Strict):

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from orchestrator.console import console, summary_table
+from orchestrator.criteria import judge_stored, validate_criteria
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
 from orchestrator.summary import summarize
@@ -100,6 +101,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a sweep: every job not yet complete, one per host's GPU at a time."""
         spec = load_sweep(sweep)
+        validate_criteria(spec)  # a criterion no case can answer is refused before anything runs
         inv = load_inventory(inventory)
         store = ResultStore(results_root(results))
         view = ProgressView()
@@ -116,5 +118,10 @@ def register(app: typer.Typer) -> None:
         finally:
             view.close()
         report_summary(summary, store, spec.baseline)
+        verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
+        if verdicts:
+            print(verdicts, flush=True)
         if summary.failed:
             raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why
+        if verdict_code:
+            raise typer.Exit(verdict_code)  # 1: a criterion failed; 4: none failed, one ambiguous

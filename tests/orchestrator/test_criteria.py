@@ -3,14 +3,20 @@ exit codes, and the `where` language (parsed, never evaluated as Python)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from orchestrator.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts
+from orchestrator.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts, validate_criteria
 from orchestrator.errors import InputError
 from orchestrator.specs import SweepSpec, load_sweep
+from orchestrator.store import ResultStore
 from orchestrator.where import parse_where
+from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import concat, job_table, noisy
 
 TOKENS = [1, 512, 4096, 8192]
@@ -205,3 +211,92 @@ def test_builtin_sweep_carries_the_first_seeds_criteria() -> None:
     assert by_metric["decode_tok_s"].min_ratio == 2.0
     assert by_metric["peak_memory_bytes"].max_ratio == 1.0
     assert all(c.arm == "native" for c in spec.criteria) and spec.baseline == "affine"
+
+
+E2E_SWEEP = """
+name = "criteria-e2e"
+repetitions = 3
+warmup = 1
+baseline = "affine"
+
+[[cases]]
+case = "qmm"
+arms = ["native", "affine"]
+params = { tokens = [1, 16], n = 64, k = 128, dtype = "float32" }
+
+[[criteria]]
+name = "native time within 1000x of affine"
+metric = "seconds"
+arm = "native"
+max_ratio = 1000.0
+
+[[criteria]]
+name = "native prefill 1000x affine"
+metric = "prefill_tok_s"
+arm = "native"
+where = "tokens >= 16"
+min_ratio = 1000.0
+"""
+
+
+@pytest.mark.slow
+def test_run_ends_with_the_criteria_and_their_exit_code(tmp_path: Path, orchestrate_bin: str) -> None:
+    """`orchestrate run` on real MLX through embedded Ray ends with the verdicts and their exit code;
+    `orchestrate check` and `orchestrate report` agree on the stored rows.
+
+    Clean rows: the time criterion passes and the 1000x prefill criterion fails -> exit 1. A job
+    the contention monitor flagged (other processes busy on this CPU) must instead be named as
+    missing and make its criteria AMBIGUOUS -> exit 4, never pass.
+    """
+    sweep_file = tmp_path / "criteria-e2e.toml"
+    sweep_file.write_text(E2E_SWEEP)
+    results = tmp_path / "results"
+    env = child_env()
+    env.pop("RAY_AUTH_TOKEN_PATH", None)  # Ray keeps its token under the test's HOME instead
+
+    def orchestrate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([orchestrate_bin, *args], capture_output=True, text=True, env=env, timeout=600)
+
+    run = orchestrate("run", "--sweep", str(sweep_file), "--results", str(results))
+    assert "2 jobs ran (0 failed)" in run.stdout, run.stdout + run.stderr
+    table = ResultStore(results).read(sweep="criteria-e2e")
+    contended = {int(t) for t, c in zip(table["tokens"].to_pylist(), table["contended"].to_pylist(), strict=True) if c}
+    time_line = re.search(
+        r"^(\w+) +native time within 1000x of affine: seconds native/affine <= 1000", run.stdout, re.M
+    )
+    prefill_line = re.search(
+        r"^(\w+) +native prefill 1000x affine: prefill_tok_s native/affine >= 1000", run.stdout, re.M
+    )
+    assert time_line and prefill_line, run.stdout
+    assert time_line.group(1) == ("AMBIGUOUS" if contended else "PASS")
+    assert prefill_line.group(1) == ("AMBIGUOUS" if 16 in contended else "FAIL")
+    for tokens in contended:
+        assert f"MISSING   cpu qmm dtype=float32 k=128 n=64 tokens={tokens}: native contended" in run.stdout
+    expected_code = 4 if 16 in contended else 1
+    assert run.returncode == expected_code, run.stdout + run.stderr
+
+    check = orchestrate("check", "--sweep", str(sweep_file), "--results", str(results))
+    assert check.returncode == expected_code, check.stdout + check.stderr
+    assert check.stdout.splitlines()[0].startswith(time_line.group(1))
+
+    html_file = tmp_path / "report.html"
+    report = orchestrate("report", "--html", str(html_file), "--sweep", str(sweep_file), "--results", str(results))
+    assert report.returncode == 0, report.stderr
+    doc = html_file.read_text()
+    assert doc.count('<img class="plot"') >= 2  # cpu: metrics and gap (+ rates when a clean job has them)
+    verdict = prefill_line.group(1)
+    assert f'<tr class="{verdict}"><td>{verdict}</td><td>native prefill 1000x affine' in doc
+
+
+def test_bad_where_is_refused_when_the_sweep_is_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(E2E_SWEEP.replace('where = "tokens >= 16"', 'where = "tokens => 16"'))
+    with pytest.raises(InputError, match=r"bad\.toml: field criteria\.1\.where: "):
+        load_sweep(str(path))
+
+
+def test_a_criterion_no_case_can_answer_is_refused_before_running() -> None:
+    bad = sweep([{"name": "z", "metric": "prefill_tok_s", "arm": "custom", "min_ratio": 1}])
+    with pytest.raises(InputError, match=r"criteria 'z': no case of sweep 'seed1' has arms 'custom'"):
+        validate_criteria(bad)
+    validate_criteria(sweep())  # the seed's criteria fit
