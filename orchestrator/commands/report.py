@@ -10,7 +10,6 @@ from orchestrator import stats
 from orchestrator.commands.run import results_root
 from orchestrator.compare import select_results
 from orchestrator.console import console
-from orchestrator.report import build_report, write_report
 from orchestrator.store import ResultStore
 
 
@@ -25,6 +24,8 @@ def register(app: typer.Typer) -> None:
         results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
     ) -> None:
         """Plots per device with confidence bands, gap chart, share of peak, criteria and hosts, in one file."""
+        from orchestrator.report import build_report, write_report  # matplotlib: only when reporting
+
         store = ResultStore(results_root(results_dir))
         table, spec = select_results(store, sweep, run, all_runs=all_runs)
         path = write_report(html, build_report(table, spec=spec, threshold=threshold))
