@@ -28,6 +28,9 @@ from orchestrator.errors import InputError, LockTimeoutError
 from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError, LockStatus, lock_status
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The node's lock (set by `cluster up`), then the shell guard's, so both tools find one lock.
+LOCK_ENVVARS = ["ORCHESTRATE_LOCK_PATH", "ROCM_GPU_GUARD_LOCK"]
+LOCK_HELP = "Lock file (share the shell guard's file to share its lock)."
 GRACE_S = 5.0  # how long the command's group gets to exit after a forwarded signal before SIGKILL
 
 
@@ -160,7 +163,7 @@ def register(app: typer.Typer) -> None:
 
     @lock_app.command("status")
     def status(
-        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar="ORCHESTRATE_LOCK_PATH", help="Lock file."),
+        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar=LOCK_ENVVARS, help=LOCK_HELP),
         as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON object."),
     ) -> None:
         """Say whether the lock is free, held (by whom, since when, doing what) or stale; exit 1 if busy."""
@@ -174,7 +177,7 @@ def register(app: typer.Typer) -> None:
     @lock_app.command("hold")
     def hold(
         command: list[str] = typer.Argument(..., help="The command to run under the lock (after --)."),
-        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar="ORCHESTRATE_LOCK_PATH", help="Lock file."),
+        lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar=LOCK_ENVVARS, help=LOCK_HELP),
         max_wait: float = typer.Option(0.0, "--max-wait", min=0, help="Seconds to wait for the lock; 0: no limit."),
     ) -> None:
         """Run CMD under the lock; exit with its code, 75 if the wait ran out, 130/143 on SIGINT/SIGTERM."""

@@ -23,6 +23,7 @@ def env() -> dict[str, str]:
     clean = dict(os.environ)
     clean.pop(GUARD_ENV, None)  # a suite run under a hold must still exercise the lock
     clean.pop("ORCHESTRATE_LOCK_PATH", None)
+    clean.pop("ROCM_GPU_GUARD_LOCK", None)
     return clean
 
 
@@ -186,3 +187,12 @@ def test_hold_without_a_command_is_a_usage_error(orchestrate_bin: str, lock: str
     assert done.returncode == 2
     assert "Missing argument" in done.stderr and "Traceback" not in done.stderr
     assert not os.path.exists(lock)  # nothing was taken or created
+
+
+def test_the_shell_guards_lock_variable_picks_the_lock(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
+    env = {**env, "ROCM_GPU_GUARD_LOCK": lock}
+    done = run(orchestrate_bin, "lock", "hold", "--", "cat", holder_path(lock), env=env)
+    assert done.returncode == 0, done.stderr
+    assert "mode=hold" in done.stdout and f"cmd=cat {holder_path(lock)}" in done.stdout
+    done = run(orchestrate_bin, "lock", "status", env={**env, "ORCHESTRATE_LOCK_PATH": lock + ".other"})
+    assert done.stdout.strip() == f"free: {lock}.other"  # the node's own setting comes first
