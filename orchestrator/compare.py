@@ -62,6 +62,16 @@ class CompareResult:
     metrics: list[str]
     rows: list[CompareRow]
     varying: dict[str, list[str]]  # case -> the parameters that change across its points
+    case_sides: dict[str, list[str]] = field(default_factory=dict)  # case -> its sides, baseline first
+    case_baselines: dict[str, str] = field(default_factory=dict)
+
+    def sides_of(self, case: str) -> list[str]:
+        """The sides a case has, its baseline first."""
+        return self.case_sides.get(case, self.sides)
+
+    def baseline_of(self, case: str) -> str:
+        """The baseline of a case: the chosen one, or, where the case lacks it, `affine` or its first side."""
+        return self.case_baselines.get(case, self.baseline)
 
     def row_params(self, row: CompareRow) -> dict[str, str]:
         """The parameters of a row that vary within its case (what tells its rows apart)."""
@@ -152,6 +162,16 @@ def compare_results(
     if baseline is not None and baseline not in sides:
         raise InputError(f"baseline {baseline!r} has no clean rows (sides: {', '.join(sides)})")
     sides = [base] + [s for s in sides if s != base]
+    case_sides: dict[str, list[str]] = {}
+    for case_name, _, _, _, side in samples:
+        case_sides.setdefault(case_name, [])
+        if side not in case_sides[case_name]:
+            case_sides[case_name].append(side)
+    case_base = {case: default_baseline([s for s in sides if s in have], base) for case, have in case_sides.items()}
+    case_sides = {
+        case: [case_base[case]] + [s for s in sides if s in have and s != case_base[case]]
+        for case, have in case_sides.items()
+    }
     metrics_seen = {k[3] for k in samples}
     metrics = [m for m in METRIC_ORDER if m in metrics_seen] + sorted(metrics_seen - set(METRIC_ORDER))
 
@@ -164,13 +184,14 @@ def compare_results(
         row.values[(metric, side)] = stats.summarize(
             values, seed=stats.seed_for(rkey, metric, side), resamples=resamples
         )
-        if side != base and (case_name, point, dims, metric, base) in samples:
+        cbase = case_base[case_name]
+        if side != cbase and (case_name, point, dims, metric, cbase) in samples:
             row.comparisons[(metric, side)] = stats.compare_samples(
                 values,
-                samples[(case_name, point, dims, metric, base)],
+                samples[(case_name, point, dims, metric, cbase)],
                 metric=metric,
                 threshold=threshold,
-                seed=stats.seed_for(rkey, metric, side, base),
+                seed=stats.seed_for(rkey, metric, side, cbase),
                 resamples=resamples,
             )
     ordered = sorted(by_row.values(), key=lambda r: (r.case_name, tuple(r.dims.values()), point_sort_key(r.point)))
@@ -178,7 +199,7 @@ def compare_results(
         case: varying_params(r.point for r in ordered if r.case_name == case)
         for case in dict.fromkeys(r.case_name for r in ordered)
     }
-    return CompareResult(by, base, sides, metrics, ordered, varying)
+    return CompareResult(by, base, sides, metrics, ordered, varying, case_sides, case_base)
 
 
 # ---------------------------------------------------------------------------------- cross-device

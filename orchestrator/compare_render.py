@@ -98,11 +98,12 @@ def format_comparison(metric: str, c: Comparison, *, compact: bool = False) -> s
 def _headers(result: CompareResult, case: str, rows: list[CompareRow]) -> list[str]:
     dims = list(rows[0].dims) if rows else []
     heads = [*dims, *result.varying.get(case, [])]
+    sides, base = result.sides_of(case), result.baseline_of(case)
     for metric in result.metrics:
-        if not any((metric, side) in r.values for r in rows for side in result.sides):
+        if not any((metric, side) in r.values for r in rows for side in sides):
             continue
-        heads += [f"{side} {metric_label(metric)}" for side in result.sides]
-        heads += [f"{side}/{result.baseline} {metric_label(metric)}" for side in result.sides[1:]]
+        heads += [f"{side} {metric_label(metric)}" for side in sides]
+        heads += [f"{side}/{base} {metric_label(metric)}" for side in sides[1:]]
     return heads
 
 
@@ -112,18 +113,19 @@ def display_rows(result: CompareResult, *, compact: bool = False) -> dict[str, t
     for case in result.varying:
         rows = [r for r in result.rows if r.case_name == case]
         heads = _headers(result, case, rows)
+        sides = result.sides_of(case)
         body = []
         for row in rows:
             params = result.row_params(row)
             cells = [*row.dims.values(), *[params.get(k, "") for k in result.varying.get(case, [])]]
             for metric in result.metrics:
-                if not any((metric, side) in r.values for r in rows for side in result.sides):
+                if not any((metric, side) in r.values for r in rows for side in sides):
                     continue
-                for side in result.sides:
+                for side in sides:
                     s = row.values.get((metric, side))
                     text = (format_value(metric, s.median) if compact else format_summary(metric, s)) if s else "-"
                     cells.append(text)
-                for side in result.sides[1:]:
+                for side in sides[1:]:
                     c = row.comparisons.get((metric, side))
                     cells.append(format_comparison(metric, c, compact=compact) if c else "-")
             body.append(cells)
@@ -141,7 +143,7 @@ def records(result: CompareResult) -> list[dict[str, Any]]:
             rec.update({f"{p}.median": s.median, f"{p}.ci_low": s.ci_low, f"{p}.ci_high": s.ci_high})
             rec.update({f"{p}.cv": s.cv, f"{p}.n": s.n})
         for (metric, side), c in sorted(row.comparisons.items()):
-            p = f"{side}/{result.baseline}.{metric}"
+            p = f"{side}/{result.baseline_of(row.case_name)}.{metric}"
             rec.update({f"{p}.ratio": c.ratio.ratio, f"{p}.ci_low": c.ratio.ci_low})
             rec.update({f"{p}.ci_high": c.ratio.ci_high, f"{p}.verdict": c.verdict.value})
             rec[f"{p}.more_samples"] = c.more_samples
@@ -172,7 +174,7 @@ def render_text(result: CompareResult, fmt: str, cross: list[CrossDeviceRow] | N
     if fmt == "md":
         parts = []
         for case, (heads, body) in display_rows(result).items():
-            parts.append(f"### {case} (baseline: {result.baseline})\n")
+            parts.append(f"### {case} (baseline: {result.baseline_of(case)})\n")
             parts.append("| " + " | ".join(heads) + " |")
             parts.append("|" + "---|" * len(heads))
             parts += ["| " + " | ".join(cells) + " |" for cells in body]
@@ -191,7 +193,7 @@ def render_tables(result: CompareResult, cross: list[CrossDeviceRow] | None = No
     """The comparison as rich tables for the terminal (one per case, then the cross-device view)."""
     tables = []
     for case, (heads, body) in display_rows(result, compact=True).items():
-        t = Table(title=f"{case} (baseline: {result.baseline})", show_lines=False)
+        t = Table(title=f"{case} (baseline: {result.baseline_of(case)})", show_lines=False)
         for h in heads:
             t.add_column(h, overflow="fold")
         for cells in body:

@@ -291,7 +291,8 @@ def build_report(
     result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
     parts.append("<h2>Comparison</h2>")
     for case, (heads, body) in display_rows(result).items():
-        parts += [f"<h3>{html.escape(case)}</h3>", '<div class="wide">', _table(heads, body), "</div>"]
+        title = f"{case} (baseline: {result.baseline_of(case)})"
+        parts += [f"<h3>{html.escape(title)}</h3>", '<div class="wide">', _table(heads, body), "</div>"]
     for device in sorted({k.device for k in data.groups}):
         parts.append(f"<h2>Device {html.escape(device)}</h2>")
         for dev, case_name in sorted(data.by_case):
@@ -299,7 +300,8 @@ def build_report(
                 continue
             parts.append(f"<h3>{html.escape(case_name)}</h3>")
             parts.append(metric_section(data, device, case_name))
-            parts.append(gap_section(data, device, case_name, baseline, threshold, bounds))
+            case_base = result.baseline_of(case_name)
+            parts.append(gap_section(data, device, case_name, case_base, threshold, bounds))
     peak_parts = [peak_section(data, case) for case in sorted({k.case_name for k in data.groups})]
     if any(peak_parts):
         parts += ["<h2>Bandwidth and FLOP rate against each device's measured peak</h2>", *peak_parts]

@@ -225,3 +225,74 @@ def test_cli_errors_are_one_line(tmp_path: Path, orchestrate_bin: str) -> None:
     )  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "no results stored" in out.stderr
+
+
+def test_each_case_has_its_own_arms_and_baseline() -> None:
+    """The smoke sweep's shape: qmm (native, affine) and moe-gather (*-sorted), baseline `affine`."""
+    rng = np.random.default_rng(2)
+    qmm = job_table(
+        {"native": {"seconds": noisy(rng, 1.0, 0.01, 6)}, "affine": {"seconds": noisy(rng, 1.2, 0.01, 6)}},
+        params={"tokens": 32, "n": 64, "k": 64},
+    )
+    moe = job_table(
+        {
+            "native-sorted": {"seconds": noisy(rng, 2.0, 0.01, 6)},
+            "affine-sorted": {"seconds": noisy(rng, 3.0, 0.01, 6)},
+        },
+        params={"experts": 8, "top_k": 2, "tokens": 32},
+        case="moe-gather",
+    )
+    result = compare_results(concat([qmm, moe]), baseline="affine")
+    assert result.sides_of("qmm") == ["affine", "native"]
+    assert result.sides_of("moe-gather") == ["affine-sorted", "native-sorted"]
+    assert result.baseline_of("moe-gather") == "affine-sorted"
+    moe_row = next(r for r in result.rows if r.case_name == "moe-gather")
+    c = moe_row.comparisons[("seconds", "native-sorted")]
+    assert c.ratio.ratio == pytest.approx(2 / 3, rel=0.02) and c.verdict is Verdict.FASTER
+    md = render_text(result, "md")
+    assert "### moe-gather (baseline: affine-sorted)" in md and "native-sorted/affine-sorted time" in md
+    assert "| device | tokens | affine time | native time | native/affine time |" in md
+
+
+def test_cli_cross_device_view_and_commit_comparison(tmp_path: Path, orchestrate_bin: str) -> None:
+    rng = np.random.default_rng(6)
+    point = {"tokens": 512, "n": 64, "k": 64}
+    tables = []
+    for device, peak, rate in (("cpu", 10.0, 2.0), ("h200", 4000.0, 2400.0)):
+        for commit, f in (("aaa111", 1.0), ("bbb222", 1.1)):
+            tables.append(
+                job_table(
+                    {"native": {"gb_per_s": noisy(rng, rate * f, 0.005, 6)}},
+                    params=point,
+                    device=device,
+                    peaks=(peak, 1.0),
+                    run_id=f"run-{commit}",
+                    code_version=commit,
+                )
+            )
+    table = concat(tables)
+    root = tmp_path / "results"
+    store = ResultStore(root)
+    for i, key in enumerate(sorted(set(table["job_key"].to_pylist()))):
+        part = table.filter(pa.compute.equal(table["job_key"], key))
+        dev, run = part["device"][0].as_py(), part["run_id"][0].as_py()
+        store.write(part, sweep="seed1", date=dt.date(2026, 11, 30), device=dev, run_id=run, job_key=f"j{i}")
+    env = child_env()
+    view = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--view", "devices", "--format", "json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert view.returncode == 0, view.stderr
+    recs = {r["device"]: r for r in json.loads(view.stdout)}
+    # The newest run per point (bbb222, 10 % faster) is what counts by default.
+    assert recs["cpu"]["fraction_of_peak"] == pytest.approx(0.22, rel=0.02)
+    assert recs["h200"]["fraction_of_peak"] == pytest.approx(0.66, rel=0.02)
+    by_commit = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--by", "commit", "--baseline", "aaa111", "--format", "json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert by_commit.returncode == 0, by_commit.stderr
+    rows = json.loads(by_commit.stdout)["rows"]
+    assert {r["device"] for r in rows} == {"cpu", "h200"}
+    assert all(r["bbb222/aaa111.gb_per_s.verdict"] == "FASTER" for r in rows)
+    assert all(r["bbb222/aaa111.gb_per_s.ratio"] == pytest.approx(1.1, rel=0.02) for r in rows)
