@@ -111,7 +111,7 @@ def test_broken_arms_are_over_tolerance() -> None:
         return project(xs[order // k][:, None, :], flat[order], True).reshape(t, k, -1)
 
     assert err(gs, runner=sorted_without_unsort) > 100 * tol
-    assert rel_error(wl.arms["native-unsorted"].run(x, idx) * 1.001, ref) > tol
+    assert rel_error(wl.arms["native-unsorted"].run(x, idx) * (1 + 2 * tol), ref) > tol
 
 
 def test_sorted_and_unsorted_compute_the_same_rows() -> None:

@@ -17,7 +17,7 @@ from kernels import nvfp4
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 # MLX's CPU backend rounds exact E2M1 ties toward zero and works in the weights' dtype; its GPU
 # kernels round ties to even and work in float32 (see kernels/nvfp4.py).
-ROUNDING: nvfp4.Rounding = "mlx-cpu" if ON_CPU else "nearest-even"
+LIKE: nvfp4.Quantizer = "mlx-cpu" if ON_CPU else "mlx-gpu"
 MX_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
@@ -55,8 +55,7 @@ def test_codes_scales_and_values_equal_mlx(shape: tuple[int, ...], dtype: str, g
         if global_scale == "off-amax":  # any positive scale must agree, not just the natural one
             gs = np.float32(gs * rng.uniform(0.3, 3.0))
 
-    precision: nvfp4.Precision = dtype if ON_CPU else "float32"  # type: ignore[assignment]
-    codes, scales = nvfp4.quantize(w, gs, rounding=ROUNDING, precision=precision)
+    codes, scales = nvfp4.quantize(w, gs, like=LIKE, precision=dtype)  # type: ignore[arg-type]
     q_mlx, s_mlx = mlx_quantize(w_mx, gs)
 
     where = f"seed={seed} shape={shape} dtype={dtype} gs={gs} magnitude={magnitude}"
@@ -116,9 +115,9 @@ def test_exact_ties_follow_mlx_cpu_and_differ_from_nearest_even() -> None:
     w[0, 0] = 6.0  # block scale exactly 1.0
     w[0, 1 : 1 + ties.size] = ties
     q_mlx, _ = mlx_quantize(mx.array(w), None)
-    cpu_codes, _ = nvfp4.quantize(w, rounding="mlx-cpu")
+    cpu_codes, _ = nvfp4.quantize(w, like="mlx-cpu")
     np.testing.assert_array_equal(nvfp4.pack_codes(cpu_codes), q_mlx)
-    rne = nvfp4.E2M1_VALUES[nvfp4.quantize(w, rounding="nearest-even")[0][0, 1 : 1 + ties.size]]
+    rne = nvfp4.E2M1_VALUES[nvfp4.quantize(w, like="mlx-gpu")[0][0, 1 : 1 + ties.size]]
     down = nvfp4.E2M1_VALUES[cpu_codes[0, 1 : 1 + ties.size]]
     assert rne.tolist() == [0, 1, 1, 2, 2, 4, 4, -1, -4, -0.0]
     assert down.tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, -0.5, -3, 0]
@@ -140,7 +139,7 @@ def test_global_scale_convention_round_trip() -> None:
     weight_scale_2 = np.float32(np.abs(w).max() / 2688.0)
     gs = nvfp4.global_scale_from_modelopt(weight_scale_2)
     assert np.isclose(gs, np.abs(w).max(), rtol=1e-6)
-    codes, scales = nvfp4.quantize(w, gs, rounding=ROUNDING)
+    codes, scales = nvfp4.quantize(w, gs, like=LIKE)
     q, s = mx.array(nvfp4.pack_codes(codes)), mx.array(scales)
 
     def rel(a: np.ndarray) -> float:

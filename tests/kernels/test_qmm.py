@@ -40,7 +40,8 @@ def test_every_arm_within_tolerance_of_its_reference(tokens: int, n: int, k: int
             assert ref.dtype == np.float64 and ref.shape == (tokens, n)
             err = rel_error(out, ref)
             assert err <= path.tolerance, f"{arm}: {err:.3g} > {path.tolerance:.3g}"
-            assert path.tolerance < 1e-4  # float32 on the CPU: tight enough to see a 0.01 % bug
+            if qmm.mlx_backend() != "cuda":  # CUDA may run float32 on TF32 tensor cores
+                assert path.tolerance < 1e-4  # float32: tight enough to see a 0.01 % bug
 
 
 def test_bfloat16_arms_pass_and_inputs_are_bfloat16() -> None:
@@ -64,7 +65,8 @@ def test_arms_hold_the_reference_weights() -> None:
     for arm in ("native", "dequant-gemm", "dense"):
         np.testing.assert_array_equal(np.array(wl.arms[arm].run(eye)).T, w_ref, err_msg=arm)
     affine = np.array(wl.arms["affine"].run(eye)).T
-    np.testing.assert_allclose(affine, wl.reference("affine", eye).T, rtol=1e-6, atol=1e-6)
+    close = 1e-6 if qmm.mlx_backend() != "cuda" else 2e-3  # TF32
+    np.testing.assert_allclose(affine, wl.reference("affine", eye).T, rtol=close, atol=close)
     # affine 4-bit g64 of the NVFP4 values is a second, coarser rounding: close, never equal
     requant = float(np.linalg.norm(affine - w_ref) / np.linalg.norm(w_ref))
     assert 1e-3 < requant < 0.3
@@ -88,7 +90,7 @@ def test_broken_arms_are_over_tolerance() -> None:
     nibbles_swapped = codes.reshape(n, k // 2, 2)[..., ::-1].reshape(n, k)
     assert rel_error(native(nibbles_swapped, scales), ref) > 0.5
     assert rel_error(native(codes, np.roll(scales, 1, axis=0)), ref) > 0.1  # rows have similar scales
-    assert rel_error(wl.arms["native"].run(x) * 1.001, ref) > tol
+    assert rel_error(wl.arms["native"].run(x) * (1 + 2 * tol), ref) > tol
     # the dense arm is checked against the weights it holds, not against the unquantized ones
     w_true = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
     dense_unquantized = x @ mx.array(w_true).T
