@@ -219,6 +219,19 @@ def findings_for_run(
     return out
 
 
+def unjudged(table: pa.Table, run_id: str) -> list[str]:
+    """Series the run measured only under contention (foreign GPU/CPU users): they cannot be judged."""
+    rows = table.filter(pc.and_(pc.equal(table["run_id"], run_id), pc.equal(table["status"], "ok")))
+    clean: set[tuple[str, ...]] = set()
+    contended: set[tuple[str, ...]] = set()
+    for row in rows.select(["device", "case_name", "arm", "params", "metric", "contended"]).to_pylist():
+        if row["metric"] in IGNORED_METRICS:
+            continue
+        key = (row["device"], row["case_name"], row["arm"], _params_key(row["params"]), row["metric"])
+        (contended if row["contended"] else clean).add(key)
+    return [" ".join(x for x in key if x) for key in sorted(contended - clean)]
+
+
 def regressions(findings: list[Finding]) -> list[Finding]:
     """The findings that are regressions."""
     return [f for f in findings if f.verdict == REGRESSION]
@@ -317,8 +330,9 @@ def plot_trends(items: list[Trend], path: str | Path, title: str) -> Path:
             ax.plot([p.started_at for p in t.points], [p.median for p in t.points], marker="o", ms=3, label=label)
             bad = [f for f in t.findings if f.verdict == REGRESSION]
             if bad:
+                labelled = "regression" in ax.get_legend_handles_labels()[1]
                 ax.scatter([f.started_at for f in bad], [f.median for f in bad], marker="v", s=70, color="red",
-                           zorder=3, label="regression")  # fmt: skip
+                           zorder=3, label="_" if labelled else "regression")  # fmt: skip
         unit = next((t.series.unit for t in items if t.series.device == device), "")
         ax.set_title(device, fontsize=10)
         ax.set_ylabel(f"{items[0].series.metric} ({unit})" if unit else items[0].series.metric, fontsize=8)

@@ -10,7 +10,8 @@ the inventory, the results root and the time. The timer or crontab line runs
 2. runs the sweep with `force` (the ref of a command case is resolved afresh; resume must not
    skip a job whose key has not changed while the repo's branch moved);
 3. judges the run against the history of the same host fingerprint (`orchestrator.history`),
-   writes `reports/NAME/RUN.md` and exits 1 when something regressed or a job failed, else 0.
+   writes `reports/NAME/RUN.md` and exits 1 when something regressed or a job failed, 4 when a
+   series was measured only under contention (foreign GPU users: not judged), else 0.
 
 The crontab file and the systemd unit dir are settings (`--crontab-file`, `--unit-dir`), so a test
 or a user who manages their own crontab file never touches the machine's.
@@ -33,8 +34,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.errors import EXIT_LOCK_TIMEOUT, InfrastructureError, InputError, OrchestratorError
-from orchestrator.history import Finding, findings_for_run, regressions, report_markdown
+from orchestrator.errors import (
+    EXIT_AMBIGUOUS,
+    EXIT_CRITERION_FAILED,
+    EXIT_LOCK_TIMEOUT,
+    EXIT_OK,
+    InfrastructureError,
+    InputError,
+    OrchestratorError,
+)
+from orchestrator.history import Finding, findings_for_run, regressions, report_markdown, unjudged
 
 TAG = "# orchestrate:"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -314,6 +323,7 @@ class NightlyResult:
     run_id: str
     findings: list[Finding]
     failed_jobs: list[str] = field(default_factory=list)
+    contended: list[str] = field(default_factory=list)  # series measured only under contention
     report: Path | None = None
 
     @property
@@ -322,8 +332,10 @@ class NightlyResult:
 
     @property
     def exit_code(self) -> int:
-        """1 when a series regressed or a job failed, else 0."""
-        return 1 if self.regressions or self.failed_jobs else 0
+        """1: a series regressed or a job failed; 4: a series was only measured contended; else 0."""
+        if self.regressions or self.failed_jobs:
+            return EXIT_CRITERION_FAILED
+        return EXIT_AMBIGUOUS if self.contended else EXIT_OK
 
 
 def run_now(name: str, *, progress: Any = None) -> NightlyResult:
@@ -347,10 +359,13 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
         failed = [
             f"{o.job.device} {o.job.case_name} {o.job.params}: {o.error}" for o in summary.outcomes if o.status != "ok"
         ]
-        result = NightlyResult(summary.run_id, findings, failed)
+        result = NightlyResult(summary.run_id, findings, failed, unjudged(table, summary.run_id))
         text = report_markdown(spec.name, summary.run_id, findings)
         if failed:
             text += "\n## Failed jobs\n\n" + "".join(f"- {line}\n" for line in failed)
+        if result.contended:
+            text += "\n## Not judged: measured only under contention (run again when the host is quiet)\n\n"
+            text += "".join(f"- {line}\n" for line in result.contended)
         path = config_dir() / "reports" / name / f"{summary.run_id}.md"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.table import Table
 
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
@@ -69,12 +70,16 @@ def register(app: typer.Typer) -> None:
         """List the schedules and whether each is installed."""
         chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
         installed = chosen.installed()
-        out = console()
-        for s in list_schedules():
-            state = f"installed ({chosen.kind})" if s.name in installed else "NOT installed"
-            out.print(f"{s.name}\t{s.cron}\tsweep={s.sweep}\tinventory={s.inventory or 'local'}\t{state}")
-        if not installed and not list_schedules():
-            out.print("no schedules")
+        schedules = list_schedules()
+        grid = Table(title=f"schedules ({chosen.kind})", title_justify="left")
+        for column in ("name", "when", "state", "sweep", "inventory", "results"):
+            grid.add_column(column)
+        for s in schedules:
+            state = "installed" if s.name in installed else "NOT installed"
+            grid.add_row(s.name, s.cron, state, s.sweep, s.inventory or "local", s.results)
+        for name in sorted(set(installed) - {s.name for s in schedules}):
+            grid.add_row(name, "?", "installed, no record", "", "", "")
+        console().print(grid if grid.rows else "no schedules")
 
     @group.command("remove")
     def remove(
@@ -89,7 +94,10 @@ def register(app: typer.Typer) -> None:
 
     @group.command("run-now")
     def run_now_(name: str = typer.Argument(..., help="schedule name")) -> None:
-        """Run a schedule's sweep now, compare with the history; exit 1 on a regression or failed job."""
+        """Run a schedule's sweep now and compare it with the history.
+
+        Exit 1 on a regression or a failed job, 4 when a series was measured only under contention.
+        """
         result = run_now(name)
         out = console()
         assert result.report is not None
@@ -97,4 +105,6 @@ def register(app: typer.Typer) -> None:
         out.print(f"report: {result.report}")
         if result.regressions:
             out.print(f"REGRESSION: {len(result.regressions)} series regressed in run {result.run_id}")
+        elif result.contended:
+            out.print(f"NOT JUDGED: {len(result.contended)} series were measured only under contention")
         raise typer.Exit(result.exit_code)

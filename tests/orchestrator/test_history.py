@@ -23,6 +23,7 @@ from orchestrator.history import (
     regressions,
     report_markdown,
     series_of,
+    unjudged,
 )
 from orchestrator.store import ResultStore
 from workers.command import run_command_job
@@ -51,7 +52,9 @@ def fingerprint(fid: str) -> HostFingerprint:
     )  # fmt: skip
 
 
-def nightly(store: ResultStore, repo: Path, tmp_path: Path, run_id: str, fid: str = "fp-a") -> None:
+def nightly(
+    store: ResultStore, repo: Path, tmp_path: Path, run_id: str, fid: str = "fp-a", contended: bool = False
+) -> None:
     """One scheduled run of the command case at `main`, stored like the head stores it."""
     job = JobSpec(
         run_id=run_id, sweep="nightly", job_key=f"k-{run_id}-{fid}", case="command", case_name="engine",
@@ -59,7 +62,7 @@ def nightly(store: ResultStore, repo: Path, tmp_path: Path, run_id: str, fid: st
         options={"repo": str(repo), "ref": "main", "run": "./bench.sh", "parse": "engine-bench",
                  "cache_dir": str(tmp_path / "cache"), "timeout": 20},
     )  # fmt: skip
-    context = JobContext(started_at=dt.datetime.now(dt.UTC))
+    context = JobContext(started_at=dt.datetime.now(dt.UTC), contended=contended)
     rows = RowBuilder(job, fingerprint(fid), context)
     status = run_command_job(job, rows, context)
     assert status == "ok", rows.rows[-1]["error"]
@@ -103,6 +106,11 @@ def test_nightly_runs_flag_exactly_the_commit_that_slowed_down(tmp_path: Path, m
     # the series of the other host stayed its own
     series = series_of(table, metric="decode_tok_s")
     assert {k.fingerprint_id: len(v) for k, v in series.items()} == {"fp-a": 8, "fp-slow-host": 4}
+    assert unjudged(table, slow_run) == []
+    nightly(store, repo, tmp_path, "20261138T020000Z", contended=True)  # a foreign GPU user was seen
+    table = store.read(sweep="nightly")
+    assert findings_for_run(table, "20261138T020000Z") == []
+    assert unjudged(table, "20261138T020000Z") == ["cpu engine native prompt_tokens=512 decode_tok_s"]
     report = report_markdown("nightly", slow_run, findings_for_run(table, slow_run))
     assert (
         f"| regression | cpu | engine | native | prompt_tokens=512 | decode_tok_s | {commits[slow_run][:12]} |"

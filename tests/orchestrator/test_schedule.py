@@ -1,0 +1,217 @@
+"""Nightly schedules against a crontab file and unit dir under the test's temp dir (never the machine's)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import InputError
+from orchestrator.schedule import (
+    Crontab,
+    Schedule,
+    ScheduleBusyError,
+    SystemdTimers,
+    add_schedule,
+    cron_expression,
+    list_schedules,
+    on_calendar,
+    overlap_guard,
+    remove_schedule,
+    run_now,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cfg = tmp_path / "config"
+    monkeypatch.setenv("ORCHESTRATE_CONFIG_DIR", str(cfg))
+    return cfg
+
+
+def sched(name: str, at: str = "02:00", **kw: object) -> Schedule:
+    return Schedule(name=name, sweep="/sweeps/s.toml", inventory=None, results="/r", at=at, cron=cron_expression(at),
+                    **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_times_and_cron_expressions() -> None:
+    assert cron_expression("02:00") == "0 2 * * *"
+    assert cron_expression("23:59") == "59 23 * * *"
+    assert cron_expression("30 2 * * 1-5") == "30 2 * * 1-5"
+    assert cron_expression("*/15 * * * *") == "*/15 * * * *"
+    for bad in ("24:00", "2am", "* * *", "1 2 3 4 5 6", "0 2 * * mon;rm"):
+        with pytest.raises(InputError, match="--at"):
+            cron_expression(bad)
+    assert on_calendar("0 2 * * *") == "*-*-* 2:0:00"
+    assert on_calendar("30 2 * * 1-5") == "Mon..Fri *-*-* 2:30:00"
+    assert on_calendar("*/15 * 1,15 * 0") == "Sun *-*-1,15 *:0/15:00"
+
+
+def test_add_list_remove_in_a_crontab_file(tmp_path: Path, config: Path) -> None:
+    cronfile = tmp_path / "crontab"
+    cronfile.write_text("MAILTO=me@example.com\n15 3 * * * /usr/bin/backup  # someone else's line\n")
+    cron = Crontab(cronfile)
+    line = add_schedule(sched("nightly"), cron)
+    add_schedule(sched("weekly", "0 4 * * 0"), cron)
+    lines = cronfile.read_text().splitlines()
+    assert lines[:2] == ["MAILTO=me@example.com", "15 3 * * * /usr/bin/backup  # someone else's line"]
+    assert lines[2] == line
+    assert line.startswith("0 2 * * * ORCHESTRATE_CONFIG_DIR=")
+    assert f"{sys.executable} -m orchestrator.cli schedule run-now nightly >> {config}/logs/nightly.log 2>&1" in line
+    assert line.endswith("# orchestrate:nightly")
+    assert lines[3].startswith("0 4 * * 0 ") and lines[3].endswith("# orchestrate:weekly")
+    assert set(cron.installed()) == {"nightly", "weekly"}
+    assert [s.name for s in list_schedules()] == ["nightly", "weekly"]
+    add_schedule(sched("nightly", "01:30"), cron)  # re-adding replaces, never duplicates
+    assert sum("orchestrate:nightly" in x for x in cronfile.read_text().splitlines()) == 1
+    assert "30 1 * * *" in cron.installed()["nightly"]
+    remove_schedule("nightly", cron)
+    assert set(cron.installed()) == {"weekly"}
+    assert [s.name for s in list_schedules()] == ["weekly"]
+    assert cronfile.read_text().startswith("MAILTO=me@example.com\n15 3 * * * /usr/bin/backup")
+    with pytest.raises(InputError, match="no schedule named 'nightly'"):
+        remove_schedule("nightly", cron)
+    with pytest.raises(InputError, match="schedule name"):
+        add_schedule(sched("bad name"), cron)
+
+
+def test_crontab_command_through_a_fake_crontab_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    store = tmp_path / "fake-crontab-store"
+    fake = bindir / "crontab"  # FAKE crontab(1): `-l` prints and `-` replaces a temp file
+    fake.write_text(
+        "#!/bin/sh\n# fake crontab for tests: edits $FAKE_CRONTAB_STORE, never a real crontab\n"
+        'if [ "$1" = "-l" ]; then [ -f "$FAKE_CRONTAB_STORE" ] || { echo "no crontab for test" >&2; exit 1; }\n'
+        '  cat "$FAKE_CRONTAB_STORE"; elif [ "$1" = "-" ]; then cat > "$FAKE_CRONTAB_STORE"; else exit 2; fi\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_CRONTAB_STORE", str(store))
+    cron = Crontab()
+    assert cron.installed() == {}
+    add_schedule(sched("nightly"), cron)
+    assert store.read_text().count("# orchestrate:nightly") == 1
+    remove_schedule("nightly", cron)
+    assert store.read_text() == ""
+
+
+def test_systemd_user_timer_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = tmp_path / "systemctl.calls"
+    fake = tmp_path / "fake-systemctl"  # FAKE systemctl: records its arguments (no systemd here)
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    units = tmp_path / "units"
+    timers = SystemdTimers(units, systemctl=str(fake))
+    add_schedule(sched("nightly", "30 2 * * 1-5"), timers)
+    timer = (units / "orchestrate-nightly.timer").read_text()
+    service = (units / "orchestrate-nightly.service").read_text()
+    assert "OnCalendar=Mon..Fri *-*-* 2:30:00\nPersistent=true" in timer
+    assert "Type=oneshot" in service and "schedule run-now nightly" in service
+    assert calls.read_text().splitlines() == ["--user daemon-reload", "--user enable --now orchestrate-nightly.timer"]
+    assert timers.installed() == {"nightly": str(units / "orchestrate-nightly.timer")}
+    remove_schedule("nightly", timers)
+    assert not list(units.iterdir())
+    assert calls.read_text().splitlines()[2:] == ["--user disable --now orchestrate-nightly.timer",
+                                                  "--user daemon-reload"]  # fmt: skip
+
+
+def test_second_start_while_one_runs_exits_at_once(tmp_path: Path, config: Path) -> None:
+    add_schedule(sched("nightly"), Crontab(tmp_path / "crontab"))
+    with overlap_guard("nightly"):
+        t0 = time.monotonic()
+        with pytest.raises(
+            ScheduleBusyError, match=rf"schedule 'nightly' is already running \(pid {os.getpid()} since"
+        ):
+            run_now("nightly")
+        assert time.monotonic() - t0 < 2
+        # and through the CLI, as cron would start it: exit 75 with one line on stderr
+        env = {**os.environ, "ORCHESTRATE_CONFIG_DIR": str(config)}
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "schedule", "run-now", "nightly"],
+                              capture_output=True, text=True, env=env, cwd=REPO, timeout=120)  # fmt: skip
+        assert proc.returncode == 75, proc.stderr
+        assert "is already running" in proc.stderr and "this start exits" in proc.stderr
+    with overlap_guard("nightly"):  # released when the holder is done
+        pass
+
+
+BENCH = """#!/usr/bin/env bash
+set -eu
+n=$(cat "$COUNTER" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNTER"
+awk -v s="$(cat speed.txt)" -v n="$n" 'BEGIN {
+  printf "[engine-bench] {\\"decode_tok_s\\": %.3f, \\"text\\": \\"out\\"}\\n", s * (1 + 0.01 * sin(n * 1.7)) }'
+"""
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@e", "HOME": str(repo.parent), "PATH": "/usr/bin:/bin"}  # fmt: skip
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.slow
+def test_scheduled_runs_over_commits_flag_the_slow_commit(tmp_path: Path, config: Path) -> None:
+    """The whole path as cron runs it: `schedule add`, then `run-now` each night on real Ray."""
+    repo = tmp_path / "engine"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "bench.sh").write_text(BENCH)
+    (repo / "bench.sh").chmod(0o755)
+    sweep = tmp_path / "nightly.toml"
+    sweep.write_text(
+        'name = "nightly-engine"\nrepetitions = 3\nwarmup = 0\n\n[[cases]]\ncase = "command"\nname = "engine"\n'
+        f'repo = "{repo}"\nref = "main"\nrun = "./bench.sh"\nparse = "engine-bench"\ntimeout = 60\n'
+        'arms = ["native"]\nparams = { prompt_tokens = 512 }\n'
+    )
+    inventory = tmp_path / "local.toml"
+    inventory.write_text(f'[[hosts]]\nname = "local"\ndevice = "cpu"\nbackend = "cpu"\nlock = "{tmp_path}/gpu.lock"\n')
+    cronfile, results, png = tmp_path / "crontab", tmp_path / "results", tmp_path / "trend.png"
+    env = {**os.environ, "ORCHESTRATE_CONFIG_DIR": str(config), "COUNTER": str(tmp_path / "counter")}
+    # Embedded Ray writes its token under HOME (a temp dir here); a RAY_AUTH_TOKEN_PATH naming a file
+    # that does not exist yet makes ray.init refuse to start.
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
+                              env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+
+    add = cli("schedule", "add", "nightly", "--sweep", str(sweep), "--inventory", str(inventory), "--at", "02:00",
+              "--results", str(results), "--crontab-file", str(cronfile))  # fmt: skip
+    assert add.returncode == 0, add.stderr
+    listed = cli("schedule", "list", "--crontab-file", str(cronfile))
+    assert any(line.split()[1:8] == ["nightly", "│", "0", "2", "*", "*", "*"] for line in listed.stdout.splitlines())
+    assert "installed" in listed.stdout and "NOT installed" not in listed.stdout
+    codes, commits = [], []
+    for night, speed in enumerate([100.0, 100.0, 80.0]):
+        (repo / "speed.txt").write_text(f"{speed}\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "--allow-empty", "-m", f"night {night}")
+        commits.append(git(repo, "rev-parse", "HEAD"))
+        for _attempt in range(4):  # exit 4: only contended samples (this machine is shared); run again
+            proc = cli("schedule", "run-now", "nightly")
+            if proc.returncode != 4:
+                break
+            assert "NOT JUDGED" in proc.stdout
+        codes.append(proc.returncode)
+        assert proc.returncode in (0, 1), proc.stderr
+    assert codes == [0, 0, 1]
+    assert (
+        f"| regression | cpu | engine | native | prompt_tokens=512 | decode_tok_s | {commits[2][:12]} |" in proc.stdout
+    )
+    reports = sorted((config / "reports" / "nightly").glob("*.md"))
+    judged = [r.read_text() for r in reports if "Not judged" not in r.read_text()]
+    assert len(judged) == 3 and "regression" not in judged[1].split("\n")[2]
+    hist = cli("history", "engine", "--results", str(results), "--png", str(png))
+    assert hist.returncode == 0, hist.stderr
+    flagged = re.search(rf"regression {commits[2][:10]} x([\d.]+)", hist.stdout)
+    assert flagged is not None and float(flagged.group(1)) == pytest.approx(0.8, abs=0.03), hist.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    removed = cli("schedule", "remove", "nightly", "--crontab-file", str(cronfile))
+    assert removed.returncode == 0 and "orchestrate:nightly" not in cronfile.read_text()
