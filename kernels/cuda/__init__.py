@@ -1,0 +1,133 @@
+"""CUDA sources of the custom NVFP4 kernels, and how they become `mx.fast.cuda_kernel` builds.
+
+The `.cu` files hold kernel *bodies* (MLX writes the signature from the input and output names);
+`nvfp4_mma.cuh` is the shared header. `CudaKernelSource` joins a body with its header, names the
+compiled kernel after a hash of the text (MLX caches compiled PTX by kernel name, so a changed
+source must never reuse an old name), and can render the whole translation unit the way MLX does,
+so that `nvcc` can check it on a machine without a GPU (`standalone_source`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SOURCE_DIR = Path(__file__).resolve().parent
+HEADER_FILE = "nvfp4_mma.cuh"
+
+# What MLX's custom-kernel builder puts before the header (mlx/backend/cuda/custom_kernel.cpp);
+# for an offline nvcc check the MLX include is replaced by the CUDA headers it brings.
+_STANDALONE_PRELUDE = """#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cooperative_groups.h>
+"""
+
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+_ARRAY_TYPES = {"uint32": "uint32_t", "uint8": "uint8_t", "float32": "float", **CUDA_TYPES}
+
+TemplateValue = int | bool | str  # str: a dtype name, e.g. "bfloat16"
+
+
+@functools.cache
+def read_source(name: str) -> str:
+    """The text of one file of this folder."""
+    return (SOURCE_DIR / name).read_text()
+
+
+@dataclass(frozen=True)
+class CudaKernelSource:
+    """One kernel: its body file, input and output names, and the shared header.
+
+    Attributes:
+        body_file: the `.cu` file holding the kernel body.
+        inputs: input pointer names, in call order.
+        outputs: output pointer names.
+    """
+
+    body_file: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def body(self) -> str:
+        """The kernel body."""
+        return read_source(self.body_file)
+
+    @property
+    def header(self) -> str:
+        """The header passed to MLX (helpers outside the kernel function)."""
+        return read_source(HEADER_FILE)
+
+    @property
+    def name(self) -> str:
+        """Kernel name: the body's stem plus a hash of body and header (a cache key for MLX)."""
+        digest = hashlib.sha256((self.header + self.body).encode()).hexdigest()[:12]
+        return f"{Path(self.body_file).stem}_{digest}"
+
+    def standalone_source(
+        self,
+        input_dtypes: dict[str, str],
+        output_dtypes: dict[str, str],
+        template: dict[str, TemplateValue],
+    ) -> str:
+        """The whole translation unit as MLX builds it, compilable by plain `nvcc -c`.
+
+        Args:
+            input_dtypes: input name -> MLX dtype name (e.g. "uint32").
+            output_dtypes: output name -> MLX dtype name.
+            template: the template constants (ints, bools, dtype names) MLX would declare.
+        """
+        params = [f"    const {_ARRAY_TYPES[input_dtypes[n]]}* {n}" for n in self.inputs]
+        params += [f"    {_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in self.outputs]
+        consts = []
+        for key, value in template.items():
+            if isinstance(value, bool):
+                consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+            elif isinstance(value, int):
+                consts.append(f"  constexpr int {key} = {value};")
+            else:
+                consts.append(f"  using {key} = {CUDA_TYPES[value]};")
+        return (
+            _STANDALONE_PRELUDE
+            + self.header
+            + "\nnamespace mlx::core::cu {\n\n__global__ void "
+            + self.name
+            + "(\n"
+            + ",\n".join(params)
+            + ") {\n"
+            + "\n".join(consts)
+            + "\n\n"
+            + self.body
+            + "\n}\n\n}  // namespace mlx::core::cu\n"
+        )
+
+
+def cuda_backend_available() -> bool:
+    """True where MLX runs on its CUDA backend (an NVIDIA GPU); False on CPU and Metal."""
+    import mlx.core as mx
+
+    try:
+        if not mx.cuda.is_available():
+            return False
+    except AttributeError:  # an MLX built without the CUDA module
+        return False
+    return bool(mx.default_device() == mx.gpu)
+
+
+@functools.cache
+def compiled_kernel(source: CudaKernelSource) -> Any:
+    """The `mx.fast.cuda_kernel` for a source (MLX compiles it through NVRTC at first call)."""
+    import mlx.core as mx
+
+    return mx.fast.cuda_kernel(
+        name=source.name,
+        input_names=list(source.inputs),
+        output_names=list(source.outputs),
+        source=source.body,
+        header=source.header,
+        ensure_row_contiguous=True,
+    )

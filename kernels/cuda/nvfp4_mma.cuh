@@ -1,0 +1,134 @@
+// NVFP4 x bf16 tensor-core building blocks for the custom GEMV and MoE kernels.
+//
+// Passed as the `header` of `mx.fast.cuda_kernel` (MLX prepends its own utils.cuh, which brings
+// cuda_bf16.h and the fixed-width integer types). Everything is sm_80+ PTX: `mma.sync` m16n8k16
+// bf16 -> fp32, `fma.rn.bf16x2`, `ld.global.nc.L1::no_allocate`.
+//
+// Decode (Marlin-style, exact): an E2M1 code placed with its sign on bf16 bit 15 and its three
+// magnitude bits on bits 8..6 is the bf16 whose value is E2M1 * 2^-126 (code 1, 0.5, lands on a
+// bf16 subnormal; bf16 FMA keeps subnormals). One bf16x2 FMA by the group scale times 2^64 turns
+// it into E2M1 * E4M3 * 2^-62, exact (at most 6 significant bits, far inside bf16's range). The
+// tensor cores accumulate in fp32 and the epilogue multiplies by 2^62 (and the global scale).
+//
+// The k-order inside a thread's 32 codes is permuted so that each 32-bit word of codes becomes
+// four bf16x2 registers with no shuffles: register j of word i pairs codes (8i+j, 8i+j+4), and the
+// activation fragment is permuted the same way with two byte-permutes. A sum does not care.
+
+
+namespace nvfp4 {
+
+// 2^62: undoes the 2^-126 of the raw decode and the 2^64 folded into the group scale.
+#define NVFP4_EPILOGUE_SCALE 4611686018427387904.0f
+
+// Codes at nibble 3 of each 16-bit half of `t` (bits 12..15 and 28..31) -> bf16x2 of E2M1*2^-126.
+__device__ __forceinline__ uint32_t e2m1_pair_raw(uint32_t t) {
+  return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
+}
+
+// E4M3 bits -> bf16 of E4M3 * 2^64 (exact), in both halves of the result.
+__device__ __forceinline__ uint32_t e4m3_scale_splat(uint32_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t e = mag >> 3;
+  // normal: bf16 exponent field = e - 7 + 127 + 64 = e + 184, mantissa = the 3 E4M3 bits
+  const uint32_t normal = (mag << 4) + (184u << 7);
+  // subnormal: m * 2^-9 * 2^64 = m * 2^55; m has at most 3 significant bits, so the cut is exact
+  const uint32_t sub = __float_as_uint(static_cast<float>(mag & 7u) * 36028797018963968.0f) >> 16;
+  uint32_t bits = (e != 0u ? normal : sub) | ((b & 0x80u) << 8);
+  return bits | (bits << 16);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  // -0.0 addend: x * s + (-0) == x * s for every x, signed zeros included
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Weights are streamed once: keep them out of L1 so the activations stay there.
+__device__ __forceinline__ uint4 ld_stream_v4(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_stream_u16(const uint8_t* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return static_cast<uint32_t>(v);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+// Eight activations x[0..7] as four bf16x2 words (hi), and, where SPLIT, the bf16 remainders
+// (lo) so that hi + lo carries float32/float16 inputs to about 2^-16 relative.
+template <typename T, bool SPLIT>
+__device__ __forceinline__ void load_x8(const T* p, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  if constexpr (sizeof(T) == 2 && !SPLIT) {
+    // bfloat16: the words are the activations themselves
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    hi[0] = v.x; hi[1] = v.y; hi[2] = v.z; hi[3] = v.w;
+  } else {
+    float f[8];
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = *reinterpret_cast<const float4*>(p);
+      const float4 b = *reinterpret_cast<const float4*>(p + 4);
+      f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+      f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(p[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      hi[i] = pack_bf16x2(f[2 * i], f[2 * i + 1]);
+      if constexpr (SPLIT) {
+        lo[i] = pack_bf16x2(f[2 * i] - bf16_lo(hi[i]), f[2 * i + 1] - bf16_hi(hi[i]));
+      }
+    }
+  }
+}
+
+// One 32-bit word of codes (8 codes of one 16-group) of rows g (`wa`) and g+8 (`wb`) -> the eight
+// bf16x2 A-fragment registers of two m16n8k16 MMAs. `sa`, `sb`: the rows' scale splats.
+// Pair j holds codes (j, j+4): shifting the word left by 12 - 4j puts them on nibble 3 of each half.
+__device__ __forceinline__ void decode_word(uint32_t wa, uint32_t wb, uint32_t sa, uint32_t sb,
+                                            uint32_t (&a)[8]) {
+  a[0] = bf16x2_mul(e2m1_pair_raw(wa << 12), sa);  // row g,   pair 0
+  a[1] = bf16x2_mul(e2m1_pair_raw(wb << 12), sb);  // row g+8, pair 0
+  a[2] = bf16x2_mul(e2m1_pair_raw(wa << 8), sa);   // row g,   pair 1
+  a[3] = bf16x2_mul(e2m1_pair_raw(wb << 8), sb);
+  a[4] = bf16x2_mul(e2m1_pair_raw(wa << 4), sa);   // row g,   pair 2
+  a[5] = bf16x2_mul(e2m1_pair_raw(wb << 4), sb);
+  a[6] = bf16x2_mul(e2m1_pair_raw(wa), sa);        // row g,   pair 3
+  a[7] = bf16x2_mul(e2m1_pair_raw(wb), sb);
+}
+
+// The two MMAs of one decoded word against eight activations of this lane's column (load_x8's
+// words), permuted like the codes: (x0,x4) (x1,x5) | (x2,x6) (x3,x7).
+__device__ __forceinline__ void mma_word(float (&c)[4], const uint32_t (&a)[8],
+                                         const uint32_t (&xw)[4]) {
+  mma_bf16(c, a[0], a[1], a[2], a[3], __byte_perm(xw[0], xw[2], 0x5410),
+           __byte_perm(xw[0], xw[2], 0x7632));
+  mma_bf16(c, a[4], a[5], a[6], a[7], __byte_perm(xw[1], xw[3], 0x5410),
+           __byte_perm(xw[1], xw[3], 0x7632));
+}
+
+}  // namespace nvfp4

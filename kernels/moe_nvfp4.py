@@ -1,0 +1,152 @@
+"""NVFP4 sorted-gather MoE prefill, expert-batched, as a custom CUDA kernel with its MLX twin.
+
+`moe_gather_nvfp4(x, w, scales, global_scale, lhs_indices, rhs_indices)` computes, for every routed
+row r (rows sorted by expert, `rhs_indices` ascending),
+
+    y[r] = x[lhs_indices[r]] @ dequant(w[rhs_indices[r]])^T * global_scale[rhs_indices[r]] / 2688
+
+and zero for rows routed past the last expert (`rhs_indices[r] >= E`), the second seed's
+contract. `w` [E, N, K/8] uint32 and `scales` [E, N, K/16] uint8 are MLX's nvfp4 layout;
+`global_scale` [E] is MLX's per-expert convention (about each expert's absolute maximum) or None.
+
+On MLX's CUDA backend this runs `kernels/cuda/moe_nvfp4.cu`: one block per (expert, 16 x WARPS
+weight rows) finds its expert's run of sorted rows by binary search and reads those weights once
+per run of up to 8 x NT rows, feeding each decoded code word to NT tensor-core MMAs. Elsewhere it
+runs `moe_gather_nvfp4_twin` (the same function through `mx.gather_mm` on exactly dequantized
+weights), the kernel's correctness check and its fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
+from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
+from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
+
+MOE_SOURCE = CudaKernelSource(
+    body_file="moe_nvfp4.cu",
+    inputs=("x", "lhs", "rhs", "w", "scales", "gsv"),
+    outputs=("y",),
+)
+__all__ = ["TOLERANCE", "MoeConfig", "kernel_supports", "moe_gather_nvfp4", "moe_gather_nvfp4_twin"]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Launch shape: warps (16 weight rows each) per block, code loads in flight, 8-row MMA tiles."""
+
+    warps: int = 4
+    unroll: int = 2
+    n_tiles: int = 4
+
+
+DEFAULT_CONFIG = MoeConfig()
+
+
+def kernel_supports(n: int, k: int) -> str | None:
+    """Why the CUDA kernel cannot take these weights, or None when it can."""
+    if n % 16:
+        return f"N={n} is not a multiple of 16"
+    if k % 32:
+        return f"K={k} is not a multiple of 32"
+    return None
+
+
+def expert_multipliers(global_scale: mx.array | None, experts: int) -> mx.array:
+    """Per-expert factor of the products: global_scale / 2688, or ones without a global scale."""
+    if global_scale is None:
+        return mx.ones((experts,), dtype=mx.float32)
+    return global_scale.astype(mx.float32).reshape(experts) / MLX_GLOBAL_SCALE_DIVISOR
+
+
+def moe_gather_nvfp4_twin(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | None,
+    lhs_indices: mx.array,
+    rhs_indices: mx.array,
+) -> mx.array:
+    """The kernel's function in MLX ops (`mx.gather_mm` on exactly dequantized weights)."""
+    experts = w.shape[0]
+    weights = dequantize_exact(w, scales) * expert_multipliers(global_scale, experts)[:, None, None]
+    rhs = rhs_indices.astype(mx.uint32)
+    valid = rhs < experts
+    rows = activations_as_kernel_sees_them(x)[lhs_indices.astype(mx.uint32)][:, None, :]
+    y = mx.gather_mm(
+        rows, weights.swapaxes(-1, -2), rhs_indices=mx.minimum(rhs, experts - 1), sorted_indices=True
+    )[:, 0, :]
+    return mx.where(valid[:, None], y, mx.zeros_like(y)).astype(x.dtype)
+
+
+def moe_gather_nvfp4_cuda(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | None,
+    lhs_indices: mx.array,
+    rhs_indices: mx.array,
+    config: MoeConfig | None = None,
+) -> mx.array:
+    """The CUDA kernel (MLX's CUDA backend only); `kernel_supports` must accept the weights."""
+    experts, n, k_words = w.shape
+    k = k_words * 8
+    reason = kernel_supports(n, k)
+    if reason is not None:
+        raise ValueError(f"moe_gather_nvfp4 kernel: {reason}")
+    cfg = config or DEFAULT_CONFIG
+    rows = rhs_indices.size
+    dtype_name = str(x.dtype).removeprefix("mlx.core.")
+    blocks = -(-(n // 16) // cfg.warps)
+    kernel = compiled_kernel(MOE_SOURCE)
+    (y,) = kernel(
+        inputs=[
+            x,
+            lhs_indices.astype(mx.uint32),
+            rhs_indices.astype(mx.uint32),
+            w,
+            scales,
+            expert_multipliers(global_scale, experts),
+        ],
+        template=[
+            ("T", x.dtype),
+            ("N", n),
+            ("K", k),
+            ("E", experts),
+            ("R", rows),
+            ("WARPS", cfg.warps),
+            ("UNROLL", cfg.unroll),
+            ("NT", cfg.n_tiles),
+            ("SPLIT", dtype_name != "bfloat16"),
+        ],
+        grid=(blocks * 32 * cfg.warps, experts + 1, 1),
+        threadgroup=(32 * cfg.warps, 1, 1),
+        output_shapes=[(rows, n)],
+        output_dtypes=[x.dtype],
+    )
+    return y
+
+
+def moe_gather_nvfp4(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | None,
+    lhs_indices: mx.array,
+    rhs_indices: mx.array,
+    config: MoeConfig | None = None,
+) -> mx.array:
+    """Sorted-gather NVFP4 MoE: the CUDA kernel where it applies, else the MLX twin."""
+    if cuda_backend_available() and kernel_supports(w.shape[1], w.shape[2] * 8) is None:
+        return moe_gather_nvfp4_cuda(x, w, scales, global_scale, lhs_indices, rhs_indices, config)
+    return moe_gather_nvfp4_twin(x, w, scales, global_scale, lhs_indices, rhs_indices)
+
+
+def route(n: int, k: int) -> str:
+    """What `moe_gather_nvfp4` runs for these weights here (recorded in a row's `route`)."""
+    if cuda_backend_available() and kernel_supports(n, k) is None:
+        return "cuda_kernel(moe_nvfp4_expert_batched)"
+    return "mlx-twin(gather_mm on dequantize_exact)"
