@@ -31,26 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-__all__ = [
-    "DEFAULT_LOCK_PATH",
-    "GUARD_ENV",
-    "GpuLock",
-    "GpuLockError",
-    "Holder",
-    "LockBusyError",
-    "LockPathError",
-    "LockStatus",
-    "holder_path",
-    "is_descendant",
-    "lock_status",
-    "nesting_pid",
-    "open_lock_file",
-    "parent_pid",
-    "pid_alive",
-    "process_name",
-    "read_holder",
-]
-
 DEFAULT_LOCK_PATH = "/tmp/orchestrate-gpu.lock"
 GUARD_ENV = "ROCM_GPU_GUARD_LOCK_HELD"  # the shell guard's name, so both nest inside each other
 
@@ -66,11 +46,7 @@ class LockPathError(GpuLockError):
 
 
 class LockBusyError(GpuLockError):
-    """The lock (or the GPU, for the idle gate) stayed busy past `max_wait`.
-
-    Attributes:
-        waited: Seconds waited before giving up.
-    """
+    """The lock (or the GPU, for the idle gate) stayed busy past `max_wait`; `waited`: seconds waited."""
 
     def __init__(self, message: str, *, waited: float = 0.0) -> None:
         super().__init__(message)
@@ -207,13 +183,16 @@ def process_name(pid: int) -> str:
             return f.read().strip() or "?"
     except OSError:
         pass
-    if sys.platform.startswith("linux"):
-        return "?"
+    return "?" if sys.platform.startswith("linux") else os.path.basename(_ps_field(pid, "comm")) or "?"
+
+
+def _ps_field(pid: int, name: str) -> str:
+    """One `ps -o NAME=` value of a process, '' when it is gone (the process table off Linux)."""
+    argv = ["ps", "-o", f"{name}=", "-p", str(pid)]
     try:
-        out = subprocess.run(["ps", "-o", "comm=", "-p", str(pid)], capture_output=True, text=True, timeout=5).stdout
+        return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "?"
-    return os.path.basename(out.strip()) or "?"
+        return ""
 
 
 def read_holder(path: str) -> Holder | None:
@@ -296,12 +275,7 @@ def parent_pid(pid: int) -> int | None:
 
 
 def _ps_parent_pid(pid: int) -> int | None:
-    try:
-        out = subprocess.run(
-            ["ps", "-o", "ppid=", "-p", str(pid)], capture_output=True, text=True, timeout=5, check=False
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
+    out = _ps_field(pid, "ppid")
     return int(out) if out.isdigit() else None
 
 

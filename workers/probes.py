@@ -31,23 +31,6 @@ from typing import Protocol
 from workers.contract import LockSettings
 from workers.gpulock import LockBusyError, is_descendant, nesting_pid, pid_alive, process_name
 
-__all__ = [
-    "ContentionMonitor",
-    "ContentionReport",
-    "CpuQuietProbe",
-    "GpuUserProbe",
-    "KfdProbe",
-    "NvidiaSmiProbe",
-    "NvmlProbe",
-    "ProbeSample",
-    "ProbeUnavailableError",
-    "cpu_times",
-    "own_root",
-    "parse_compute_apps",
-    "probe_for",
-    "wait_idle",
-]
-
 
 class ProbeUnavailableError(Exception):
     """No way to see this backend's GPU users on this host (no KFD list, no NVML nor nvidia-smi)."""
