@@ -63,6 +63,23 @@ def code_version() -> str:
             return "unknown"
 
 
+def source_digest() -> str:
+    """A hash of the code that decides what a job measures: `workers/` and `kernels/`.
+
+    Job keys use this rather than the git commit, so that a change to the README or to the head's
+    reporting does not invalidate stored measurements, while any change to a kernel or to the
+    measurement loop does.
+    """
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in ("workers", "kernels"):
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".cu", ".cuh", ".metal") and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def points(case: CaseEntry) -> list[dict[str, Any]]:
     """The cartesian product of a case's parameter axes, in file order."""
     axes = case.axes()
@@ -89,8 +106,14 @@ def expand(
     run_id: str,
     version: str,
     spool_dir: str | None = None,
+    digest: str | None = None,
 ) -> list[JobSpec]:
-    """Every job of the sweep on every device kind it runs on."""
+    """Every job of the sweep on every device kind it runs on.
+
+    `version` (the commit) is recorded in every row; `digest` (default: `source_digest()`) is what
+    the job key depends on.
+    """
+    digest = digest or source_digest()
     jobs: list[JobSpec] = []
     for case in sweep.cases:
         case_kinds = case.devices or kinds
@@ -110,7 +133,7 @@ def expand(
                     "options": options,
                     "repetitions": reps,
                     "warmup": warmup,
-                    "code_version": version,
+                    "code": digest,
                     "device": kind,
                 }
                 key = job_key(content)

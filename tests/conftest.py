@@ -18,11 +18,13 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(autouse=True)
 def isolated_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Point HOME, Ray's auth token, results and spool at a per-test temp dir."""
+    """Point HOME (and so Ray's auth token), results and spool at a per-test temp dir."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(home / ".ray" / "auth_token"))
+    # Ray keeps its token in $HOME/.ray/auth_token; a RAY_AUTH_TOKEN_PATH naming a missing file
+    # would make an embedded instance fail, so none is inherited.
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     monkeypatch.setenv("ORCHESTRATE_RESULTS", str(tmp_path / "results"))
     monkeypatch.setenv("ORCHESTRATE_SPOOL", str(tmp_path / "spool"))
     return tmp_path

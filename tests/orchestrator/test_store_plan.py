@@ -19,7 +19,9 @@ INV = InventorySpec.model_validate({"hosts": [{"name": "a", "device": "cpu"}, {"
 def _sweep(**over: object) -> SweepSpec:
     data: dict[str, object] = {
         "name": "s",
-        "cases": [{"case": "qmm", "arms": ["native", "affine"], "params": {"tokens": [1, 8, 64], "n": 32, "k": [64, 128]}}],
+        "cases": [
+            {"case": "qmm", "arms": ["native", "affine"], "params": {"tokens": [1, 8, 64], "n": 32, "k": [64, 128]}}
+        ],
     }
     data.update(over)
     return SweepSpec.model_validate(data)
@@ -33,16 +35,17 @@ def test_points_are_the_cartesian_product_in_order() -> None:
 
 
 def test_expand_every_kind_and_stable_keys() -> None:
-    a = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r1", version="v1")
-    b = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r2", version="v1")
+    a = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r1", version="v1", digest="d1")
+    b = expand(_sweep(), INV, ["cpu", "m1-ultra"], run_id="r2", version="v2", digest="d1")
     assert len(a) == 12
     assert {j.device for j in a} == {"cpu", "m1-ultra"}
-    assert [j.job_key for j in a] == [j.job_key for j in b]  # the run id is not content
+    assert [j.job_key for j in a] == [j.job_key for j in b]  # neither the run id nor the commit is content
     assert len({j.job_key for j in a}) == 12
     assert a[0].seed != b[0].seed  # fresh random inputs per run
-    c = expand(_sweep(), INV, ["cpu"], run_id="r1", version="v2")
-    assert c[0].job_key != a[0].job_key  # new code, new measurement
-    d = expand(_sweep(repetitions=3), INV, ["cpu"], run_id="r1", version="v1")
+    assert a[0].code_version == "v1" and b[0].code_version == "v2"  # the commit is recorded
+    c = expand(_sweep(), INV, ["cpu"], run_id="r1", version="v1", digest="d2")
+    assert c[0].job_key != a[0].job_key  # new measuring code, new measurement
+    d = expand(_sweep(repetitions=3), INV, ["cpu"], run_id="r1", version="v1", digest="d1")
     assert d[0].job_key != a[0].job_key
 
 

@@ -15,8 +15,17 @@ from workers.measure import abba_order, measure_workload, relative_error
 
 def _job(arms: list[str], reps: int = 4) -> JobSpec:
     return JobSpec(
-        run_id="r", sweep="t", job_key="k", case="qmm", case_name="qmm", params={"tokens": 4, "n": 8, "k": 16},
-        arms=arms, device="cpu", repetitions=reps, warmup=1, lock=LockSettings(enabled=False),
+        run_id="r",
+        sweep="t",
+        job_key="k",
+        case="qmm",
+        case_name="qmm",
+        params={"tokens": 4, "n": 8, "k": 16},
+        arms=arms,
+        device="cpu",
+        repetitions=reps,
+        warmup=1,
+        lock=LockSettings(enabled=False),
     )
 
 
@@ -91,8 +100,14 @@ def test_arms_interleaved_in_abba_order() -> None:
     # rows are appended in the order the samples were taken
     order = [(r["arm"], r["sample"]) for r in rows.rows if r["metric"] == "seconds"]
     assert order == [
-        ("good", 0), ("wrong", 0), ("wrong", 1), ("good", 1),
-        ("good", 2), ("wrong", 2), ("wrong", 3), ("good", 3),
+        ("good", 0),
+        ("wrong", 0),
+        ("wrong", 1),
+        ("good", 1),
+        ("good", 2),
+        ("wrong", 2),
+        ("wrong", 3),
+        ("good", 3),
     ]
     # correctness check, then at least two warm-up passes, before the four samples
     assert calls.count("good") >= 1 + 2 + 4
