@@ -27,6 +27,8 @@ def isolated_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     monkeypatch.setenv("ORCHESTRATE_RESULTS", str(tmp_path / "results"))
     monkeypatch.setenv("ORCHESTRATE_SPOOL", str(tmp_path / "spool"))
+    # jobs take the GPU lock at a per-test path, never the host's /tmp/orchestrate-gpu.lock
+    monkeypatch.setenv("ORCHESTRATE_LOCK_PATH", str(tmp_path / "gpu.lock"))
     return tmp_path
 
 

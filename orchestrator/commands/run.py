@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from orchestrator.console import console, summary_table
 from orchestrator.criteria import judge_stored, validate_criteria
+from orchestrator.errors import EXIT_LOCK_TIMEOUT
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
 from orchestrator.summary import summarize
@@ -121,6 +122,8 @@ def register(app: typer.Typer) -> None:
         verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
         if verdicts:
             print(verdicts, flush=True)
+        if any(o.error and "LockBusyError" in o.error for o in summary.outcomes):
+            raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
         if summary.failed:
             raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why
         if verdict_code:
