@@ -68,6 +68,12 @@ class CriterionVerdict:
     outcome: Outcome
     points: list[PointResult] = field(default_factory=list)
     missing: list[MissingPoint] = field(default_factory=list)
+    shown: dict[str, list[str]] = field(default_factory=dict)  # case -> parameters that tell points apart
+
+    def label(self, device: str, case_name: str, point: Point) -> str:
+        """`h200 qmm tokens=4096`: the device, the case and the parameters that vary in it."""
+        names = self.shown.get(case_name)
+        return point_label(device, case_name, tuple(kv for kv in point if names is None or kv[0] in names))
 
     def worst(self) -> PointResult | None:
         """The point closest to failing (lowest interval for min_ratio, highest for max_ratio)."""
@@ -140,6 +146,15 @@ def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> li
     return out
 
 
+def _varying_axes(sweep: SweepSpec) -> dict[str, list[str]]:
+    """Per case label, its axes of more than one value (else all of them): what names a point."""
+    out = {}
+    for entry in sweep.cases:
+        axes = entry.axes()
+        out[entry.label] = [k for k, v in axes.items() if len(v) > 1] or list(axes)
+    return out
+
+
 def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, metric: str) -> str:
     """Why a point has no clean samples of `arm` or `baseline` (failed, contended, absent)."""
     reasons = []
@@ -175,7 +190,7 @@ def evaluate_criterion(
     for row in slim.to_pylist():
         key = (str(row["device"]), str(row["case_name"]), stats.point_of(row["params"]))
         by_point.setdefault(key, []).append(row)
-    verdict = CriterionVerdict(criterion, baseline, Outcome.PASS)
+    verdict = CriterionVerdict(criterion, baseline, Outcome.PASS, shown=_varying_axes(sweep))
     for case_name, devices, point in expected:
         for device in devices or seen_devices or ["(any device)"]:
             rows_here = by_point.get((device, case_name, point), [])
@@ -252,7 +267,7 @@ def describe(v: CriterionVerdict) -> list[str]:
         r = worst.ratio
         head += (
             f"; {len(v.points)} points, worst {r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] at "
-            f"{point_label(worst.device, worst.case_name, worst.point)}"
+            f"{v.label(worst.device, worst.case_name, worst.point)}"
         )
     lines = [head]
     for p in v.points:
@@ -261,11 +276,11 @@ def describe(v: CriterionVerdict) -> list[str]:
         r = p.ratio
         note = f" (about {p.more_samples} more samples per arm would settle it)" if p.more_samples else ""
         lines.append(
-            f"    {p.outcome.value:<9} {point_label(p.device, p.case_name, p.point)}: "
+            f"    {p.outcome.value:<9} {v.label(p.device, p.case_name, p.point)}: "
             f"{r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}], n={r.n_a}/{r.n_b}{note}"
         )
     for m in v.missing:
-        lines.append(f"    MISSING   {point_label(m.device, m.case_name, m.point)}: {m.reason}")
+        lines.append(f"    MISSING   {v.label(m.device, m.case_name, m.point)}: {m.reason}")
     if not v.points and not v.missing:
         lines.append("    no point of the sweep matches this criterion")
     return lines

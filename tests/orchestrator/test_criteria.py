@@ -132,7 +132,7 @@ def test_missing_and_failed_points_are_named_not_passed() -> None:
     assert missing["8192"] == "not run"
     assert "rel_error 0.4 over tolerance" in missing["4096"]
     text = render_verdicts(verdicts)
-    assert "MISSING   cpu qmm k=64 n=64 tokens=8192: not run" in text
+    assert "MISSING   cpu qmm tokens=8192: not run" in text
     # The decode criterion still passes: its only point (tokens=1) is there.
     assert verdicts[1].outcome is Outcome.PASS
     assert exit_code_for(verdicts) == 4
@@ -271,7 +271,7 @@ def test_run_ends_with_the_criteria_and_their_exit_code(tmp_path: Path, orchestr
     assert time_line.group(1) == ("AMBIGUOUS" if contended else "PASS")
     assert prefill_line.group(1) == ("AMBIGUOUS" if 16 in contended else "FAIL")
     for tokens in contended:
-        assert f"MISSING   cpu qmm dtype=float32 k=128 n=64 tokens={tokens}: native contended" in run.stdout
+        assert f"MISSING   cpu qmm tokens={tokens}: native contended" in run.stdout
     expected_code = 4 if 16 in contended else 1
     assert run.returncode == expected_code, run.stdout + run.stderr
 
