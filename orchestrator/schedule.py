@@ -71,6 +71,7 @@ class Schedule:
     cron: str  # five cron fields
     window: int = 5
     threshold: float = 0.05
+    workdir: str = ""  # where `schedule add` ran: relative paths in the sweep (a command case's repo) start here
 
 
 def cron_expression(at: str) -> str:
@@ -349,6 +350,8 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
     from orchestrator.sweep import run_sweep  # Ray: imported only when a sweep really runs
 
     sched = load_schedule(name)
+    if sched.workdir and Path(sched.workdir).is_dir():
+        os.chdir(sched.workdir)  # a run from cron or a timer starts in $HOME; relative repo paths start here
     with overlap_guard(name):
         spec = load_sweep(sched.sweep)
         inventory = load_inventory(sched.inventory)

@@ -18,6 +18,9 @@ failed row carrying the tail of stderr, never an exception. The sha256 of the ge
 the parser finds it) is `extra["output_sha256"]`, so byte-identical greedy output is a query.
 
 The cache lives in `$ORCHESTRATE_CACHE_DIR` or `~/.cache/orchestrate` (`options.cache_dir` wins).
+A relative local `repo` path starts at `options.base_dir`, else at the worker's working directory
+(on the embedded Ray instance, where `orchestrate` was started; a scheduled run starts where
+`schedule add` ran). On remote hosts give a git URL or an absolute path on that host.
 """
 
 from __future__ import annotations

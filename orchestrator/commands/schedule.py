@@ -58,6 +58,7 @@ def register(app: typer.Typer) -> None:
             cron=cron,
             window=window,
             threshold=threshold,
+            workdir=str(Path.cwd()),
         )
         chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
         where = add_schedule(sched, chosen)

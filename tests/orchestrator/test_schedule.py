@@ -167,7 +167,7 @@ def test_scheduled_runs_over_commits_flag_the_slow_commit(tmp_path: Path, config
     sweep = tmp_path / "nightly.toml"
     sweep.write_text(
         'name = "nightly-engine"\nrepetitions = 3\nwarmup = 0\n\n[[cases]]\ncase = "command"\nname = "engine"\n'
-        f'repo = "{repo}"\nref = "main"\nrun = "./bench.sh"\nparse = "engine-bench"\ntimeout = 60\n'
+        'repo = "engine"\nref = "main"\nrun = "./bench.sh"\nparse = "engine-bench"\ntimeout = 60\n'
         'arms = ["native"]\nparams = { prompt_tokens = 512 }\n'
     )
     inventory = tmp_path / "local.toml"
@@ -178,9 +178,9 @@ def test_scheduled_runs_over_commits_flag_the_slow_commit(tmp_path: Path, config
     # that does not exist yet makes ray.init refuse to start.
     env.pop("RAY_AUTH_TOKEN_PATH", None)
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    def cli(*args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                              env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+                              env=env, cwd=cwd, timeout=300)  # fmt: skip
 
     add = cli("schedule", "add", "nightly", "--sweep", str(sweep), "--inventory", str(inventory), "--at", "02:00",
               "--results", str(results), "--crontab-file", str(cronfile))  # fmt: skip
@@ -194,11 +194,13 @@ def test_scheduled_runs_over_commits_flag_the_slow_commit(tmp_path: Path, config
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "--allow-empty", "-m", f"night {night}")
         commits.append(git(repo, "rev-parse", "HEAD"))
-        for _attempt in range(4):  # exit 4: only contended samples (this machine is shared); run again
-            proc = cli("schedule", "run-now", "nightly")
+        for _attempt in range(6):  # exit 4: only contended samples (this machine is shared); run again
+            proc = cli("schedule", "run-now", "nightly", cwd=Path(os.environ["HOME"]))  # as cron: not in workdir
             if proc.returncode != 4:
                 break
             assert "NOT JUDGED" in proc.stdout
+        else:
+            pytest.skip("the host never got quiet: every run was contended by foreign CPU users (exit 4, not judged)")
         codes.append(proc.returncode)
         assert proc.returncode in (0, 1), proc.stderr
     assert codes == [0, 0, 1]
