@@ -63,7 +63,8 @@ def test_lab_example_is_valid_and_starts_nodes_with_the_right_labels() -> None:
 
 BAD = {
     "duplicate host names": (
-        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\n[[hosts]]\nname = "a"\nhost = "10.0.0.2"\ndevice = "x"\n',
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\n'
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.2"\ndevice = "x"\n',
         "hosts: the host name 'a' is used twice",
     ),
     "invalid port": (
