@@ -186,6 +186,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     native = nvfp4_projection(wq, wscales, gs, fused)
     native_route = "gather_qmm(nvfp4)" if gs is None else (ROUTE_FUSED if fused else ROUTE_POST_SCALE)
 
+    native_holds = ew.dequantized  # one bound method, so the reference can share its product
     affine: tuple[Projection, Callable[[int], np.ndarray]] | None = None
     paths: dict[str, ArmPath] = {}
     weights: dict[str, Callable[[int], np.ndarray]] = {}
@@ -200,7 +201,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         runner = run_sorted if order == "sorted" else run_unsorted
         holds: Callable[[int], np.ndarray]
         if kind == "native":
-            project, holds, route_name = native, ew.dequantized, native_route
+            project, holds, route_name = native, native_holds, native_route
         else:
             if d % AFFINE_GROUP:
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs hidden divisible by {AFFINE_GROUP} (hidden={d})"
@@ -220,8 +221,17 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         x = gen.standard_normal((t, d), dtype=np.float32)
         return mx.array(x).astype(dtype), mx.array(route(gen, t, e, top_k))
 
+    last: dict[int, tuple[mx.array, mx.array, np.ndarray]] = {}
+
     def reference(arm: str, x: mx.array, indices: mx.array) -> np.ndarray:
-        return gathered_reference(weights[arm], x, indices)
+        # sorted and unsorted arms hold the same weights: one float64 product serves both
+        holds = weights[arm]
+        hit = last.get(id(holds))
+        if hit is not None and hit[0] is x and hit[1] is indices:
+            return hit[2]
+        y = gathered_reference(holds, x, indices)
+        last[id(holds)] = (x, indices, y)
+        return y
 
     return Workload(
         arms=paths,
