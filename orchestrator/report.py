@@ -22,7 +22,7 @@ from orchestrator.compare import METRIC_ORDER, compare_results, default_baseline
 from orchestrator.compare_render import display_rows, format_value, metric_label
 from orchestrator.criteria import CriterionVerdict, describe, evaluate_criteria
 from orchestrator.errors import InputError
-from orchestrator.specs import SweepSpec
+from orchestrator.specs import Criterion, SweepSpec
 from orchestrator.stats import GroupKey, Point, Summary
 
 LENGTH_PARAMS = ("prompt_tokens", "tokens")
@@ -52,6 +52,7 @@ th { background: #f2f2f2; }
 img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
 pre { background: #f7f7f7; padding: 0.5em; white-space: pre-wrap; }
 .wide { overflow-x: auto; }
+table.criteria td:last-child { white-space: pre-line; font-family: monospace; }
 """
 
 
@@ -205,12 +206,28 @@ def _img(uri: str, alt: str) -> str:
     return f'<img class="plot" alt="{html.escape(alt)}" src="{uri}">'
 
 
-def _table(heads: list[str], rows: list[list[str]], row_classes: list[str] | None = None) -> str:
-    out = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + "</tr>"]
+def _table(heads: list[str], rows: list[list[str]], row_classes: list[str] | None = None, css: str = "") -> str:
+    cls_attr = f' class="{css}"' if css else ""
+    out = [f"<table{cls_attr}><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + "</tr>"]
     for i, cells in enumerate(rows):
         cls = f' class="{row_classes[i]}"' if row_classes else ""
         out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     return "\n".join(out) + "</table>"
+
+
+def criteria_bounds(
+    criteria: list[Criterion], case_name: str, spec: SweepSpec | None
+) -> dict[str, list[tuple[str, float]]]:
+    """Per metric, the bounds of the criteria that apply to a case, oriented like the gap chart."""
+    kinds = {c.label: c.case for c in spec.cases} if spec is not None else {}
+    out: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for c in criteria:
+        if c.case is not None and c.case not in (case_name, kinds.get(case_name)):
+            continue
+        for bound in (c.min_ratio, c.max_ratio):
+            if bound is not None:
+                out[c.metric].append((c.name, bound if stats.higher_is_better(c.metric) else 1 / bound))
+    return out
 
 
 def criteria_section(verdicts: list[CriterionVerdict]) -> str:
@@ -222,7 +239,7 @@ def criteria_section(verdicts: list[CriterionVerdict]) -> str:
             [v.outcome.value, v.criterion.name, lines[0].split(": ", 1)[-1], "\n".join(x.strip() for x in lines[1:])]
         )
         classes.append(v.outcome.value)
-    return _table(["verdict", "criterion", "measured", "points not passing / missing"], rows, classes)
+    return _table(["verdict", "criterion", "measured", "points not passing / missing"], rows, classes, "criteria")
 
 
 def fingerprint_section(table: pa.Table) -> str:
@@ -279,15 +296,10 @@ def build_report(
         f"threshold {threshold:.0%}; 95 % bootstrap intervals of the median ({resamples} resamples). Generated "
         f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC.</p>",
     ]
-    bounds: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    criteria = spec.criteria if spec is not None else []
     if spec is not None and spec.criteria:
         verdicts = evaluate_criteria(table, spec, resamples=resamples)
         parts += ["<h2>Acceptance criteria</h2>", criteria_section(verdicts)]
-        for c in spec.criteria:
-            for bound in (c.min_ratio, c.max_ratio):
-                if bound is not None:
-                    oriented = bound if stats.higher_is_better(c.metric) else 1 / bound
-                    bounds[c.metric].append((c.name, oriented))
     result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
     parts.append("<h2>Comparison</h2>")
     for case, (heads, body) in display_rows(result).items():
@@ -301,6 +313,7 @@ def build_report(
             parts.append(f"<h3>{html.escape(case_name)}</h3>")
             parts.append(metric_section(data, device, case_name))
             case_base = result.baseline_of(case_name)
+            bounds = criteria_bounds(criteria, case_name, spec)
             parts.append(gap_section(data, device, case_name, case_base, threshold, bounds))
     peak_parts = [peak_section(data, case) for case in sorted({k.case_name for k in data.groups})]
     if any(peak_parts):
