@@ -32,6 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import numpy.typing as npt
 
 from kernels import nvfp4
 from kernels.qmm import (
@@ -61,10 +62,10 @@ class ExpertWeights:
     scales: np.ndarray
     global_scales: np.ndarray | None
 
-    def dequantized(self, expert: int) -> np.ndarray:
-        """Expert `expert`'s weights [F, D] as float64 (MLX's float32 values, exactly)."""
+    def dequantized(self, expert: int, dtype: npt.DTypeLike = np.float64) -> np.ndarray:
+        """Expert `expert`'s weights [F, D] (MLX's float32 values, exactly, as float64 by default)."""
         gs = None if self.global_scales is None else self.global_scales[expert]
-        return nvfp4.dequantize(self.codes[expert], self.scales[expert], gs)
+        return nvfp4.dequantize(self.codes[expert], self.scales[expert], gs, dtype=dtype)
 
 
 def expert_weights(
@@ -247,7 +248,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
 def _affine_experts(ew: ExpertWeights, dtype: mx.Dtype) -> tuple[Projection, Callable[[int], np.ndarray]]:
     """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64."""
     experts = ew.codes.shape[0]
-    w = mx.array(np.stack([ew.dequantized(i) for i in range(experts)]).astype(np.float32)).astype(dtype)
+    w = mx.array(np.stack([ew.dequantized(i, np.float32) for i in range(experts)])).astype(dtype)
     aq, ascales, abiases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
     mx.eval(aq, ascales, abiases)
     return affine_projection(aq, ascales, abiases), lambda i: affine_weights(aq[i], ascales[i], abiases[i])
