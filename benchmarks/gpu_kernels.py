@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels import nvfp4
+from kernels import gemv_nvfp4, nvfp4
 from kernels.gemv_nvfp4 import GemvConfig, gemv_nvfp4_cuda, gemv_nvfp4_twin
 from kernels.moe_nvfp4 import MoeConfig, moe_gather_nvfp4_cuda, moe_gather_nvfp4_twin
 
@@ -48,8 +48,18 @@ L2_BYTES = 60e6
 REPEATS = 7
 GEMV_N, GEMV_K = 21504, 5376
 MOE = {"experts": 128, "top_k": 6, "tokens": 512, "hidden": 2688, "expert_width": 1856}
-GEMV_CONFIGS = [GemvConfig(1, 4), GemvConfig(2, 2), GemvConfig(2, 3), GemvConfig(2, 4), GemvConfig(3, 2), GemvConfig(3, 3)]
-MOE_CONFIGS = [MoeConfig(4, 2, 4), MoeConfig(4, 2, 3), MoeConfig(4, 1, 4), MoeConfig(2, 2, 4), MoeConfig(8, 2, 4), MoeConfig(4, 2, 6)]
+GEMV_CONFIGS = [
+    GemvConfig(1, 4), GemvConfig(2, 2), GemvConfig(2, 3), GemvConfig(2, 4), GemvConfig(2, 5), GemvConfig(3, 3),
+    GemvConfig(4, 2), GemvConfig(4, 3),
+]  # fmt: skip
+MOE_CONFIGS = [
+    MoeConfig(4, 2, 4),
+    MoeConfig(4, 2, 3),
+    MoeConfig(4, 1, 4),
+    MoeConfig(2, 2, 4),
+    MoeConfig(8, 2, 4),
+    MoeConfig(4, 2, 6),
+]
 
 
 def log(msg: str) -> None:
@@ -239,6 +249,19 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
             f"({entry['custom_fraction_of_copy']:.0%}) native {t_native['seconds'] * 1e6:.1f} us "
             f"err {entry['rel_error_custom']:.2e}/{entry['rel_error_native']:.2e} twin {entry['rel_diff_custom_vs_twin_all']:.1e}"
         )
+    # the host's share: the same kernel with its call assembled afresh each time (no mx.compile)
+    overhead = {}
+    for m in (1, 8):
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        gemv_nvfp4.COMPILE_LAUNCH = False
+        gemv_nvfp4._launcher.cache_clear()
+        try:
+            overhead[str(m)] = per_call_seconds(custom(x, best[1] if m <= 4 else best[8]), 8, 40)
+        finally:
+            gemv_nvfp4.COMPILE_LAUNCH = True
+            gemv_nvfp4._launcher.cache_clear()
+        log(f"gemv M={m} without mx.compile: {overhead[str(m)]['seconds'] * 1e6:.1f} us")
+    out["custom_uncompiled_launch"] = overhead
     return out
 
 
@@ -400,10 +423,108 @@ def qmm_prefill_section(tokens_list: list[int]) -> list[dict[str, Any]]:
             mx.eval(got, ref)
             diff = rel_error(to_np(got), to_np(ref))
             timing = per_call_seconds(fn, 1, 4, repeats=3)
-            entry[name] = {**timing, "rel_diff_vs_dequant_gemm": diff, "tflop_s": entry["flops"] / timing["seconds"] / 1e12}
-            log(f"qmm tokens={m} {name}: {timing['seconds'] * 1e3:.3f} ms ({entry[name]['tflop_s']:.0f} TFLOP/s) diff {diff:.1e}")
+            entry[name] = {
+                **timing,
+                "rel_diff_vs_dequant_gemm": diff,
+                "tflop_s": entry["flops"] / timing["seconds"] / 1e12,
+            }
+            log(
+                f"qmm tokens={m} {name}: {timing['seconds'] * 1e3:.3f} ms ({entry[name]['tflop_s']:.0f} TFLOP/s) diff {diff:.1e}"
+            )
         out.append(entry)
     return out
+
+
+# --------------------------------------------------------------------- ncu probe and worker jobs
+
+
+def ncu_probe(calls: int = 3) -> None:
+    """Each path a few times, one eval each, between cuProfilerStart/Stop: run under
+    `ncu --profile-from-start off --metrics gpu__time_duration.sum` it gives the kernels' own
+    durations (ncu flushes the caches before each, so weights come from HBM), free of host cost."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    n, k = GEMV_N, GEMV_K
+    wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")
+    xs = {m: mx.random.normal((m, k)).astype(mx.bfloat16) for m in (1, 4, 8)}
+    e, f, d = MOE["experts"], MOE["expert_width"], MOE["hidden"]
+    rng = np.random.default_rng(5)
+    mw, ms, mg = moe_weights(e, f, d, rng)
+    x = mx.random.normal((MOE["tokens"], d)).astype(mx.bfloat16)
+    lhs, rhs = routing(MOE["tokens"], e, MOE["top_k"], rng)
+    xg = x[lhs][:, None, :]
+    paths: list[tuple[str, Callable[[], mx.array]]] = []
+    for m, xm in xs.items():
+        for cfg in (GemvConfig(2, 3), GemvConfig(2, 4)):
+            paths.append((f"gemv-custom M={m} {cfg}", lambda xm=xm, cfg=cfg: gemv_nvfp4_cuda(xm, wq, sc, None, cfg)))
+        paths.append(
+            (f"gemv-native M={m}", lambda xm=xm: mx.quantized_matmul(xm, wq, sc, transpose=True, mode="nvfp4"))
+        )
+    paths.append(("moe-custom", lambda: moe_gather_nvfp4_cuda(x, mw, ms, mg, lhs, rhs, MoeConfig(4, 1, 4))))
+    paths.append(
+        ("moe-native", lambda: mx.gather_qmm(xg, mw, ms, rhs_indices=rhs, transpose=True, mode="nvfp4",
+                                            global_scale=mg, sorted_indices=True))
+    )  # fmt: skip
+    for _, fn in paths:  # compile and warm outside the profiled range
+        mx.eval(fn())
+    mx.eval(xg)
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    for name, fn in paths:
+        for _ in range(calls):
+            print(f"PROBE {name}", flush=True)
+            mx.eval(fn())
+            mx.synchronize()
+    cuda.cuProfilerStop()
+
+
+def write_jobs(folder: Path, code_version: str) -> list[Path]:
+    """JobSpec files for `python -m workers run` on the H200: the built-in sweeps' points with the
+    issue-7 arms (qmm decode, M=8 and a 512-token prefill; the moe-gather seed shape)."""
+    import hashlib
+
+    from workers.contract import JobSpec, LockSettings
+
+    folder.mkdir(parents=True, exist_ok=True)
+    qmm_arms = ["native", "dequant-gemm", "custom", "auto"]
+    specs = [
+        ("nvfp4-prefill", "qmm", {"tokens": 1, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
+        ("nvfp4-prefill", "qmm", {"tokens": 8, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
+        ("nvfp4-prefill", "qmm", {"tokens": 512, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
+        (
+            "moe-gather",
+            "moe-gather",
+            {**MOE, "dtype": "bfloat16", "global_scale": True},
+            ["native-sorted", "native-unsorted", "custom-sorted", "auto-sorted"],
+        ),
+    ]
+    run_id = time.strftime("h200-%Y%m%dT%H%M%S", time.gmtime())
+    paths = []
+    for sweep, case, params, arms in specs:
+        content = {"sweep": sweep, "case": case, "params": params, "arms": arms, "device": "h200", "code": code_version}
+        key = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+        job = JobSpec(
+            run_id=run_id,
+            sweep=sweep,
+            job_key=key,
+            case=case,
+            case_name=case,
+            params=params,
+            arms=arms,
+            device="h200",
+            backend="cuda",
+            host="h200-lent",
+            repetitions=10,
+            warmup=3,
+            seed=int(key[:8], 16),
+            code_version=code_version,
+            lock=LockSettings(path="/tmp/orchestrate-gpu.lock", enabled=False),
+        )
+        path = folder / f"{case}-{params['tokens']}.json"
+        path.write_text(job.model_dump_json(indent=1))
+        paths.append(path)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,9 +533,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_kernels.json")
     parser.add_argument("--quick", action="store_true", help="fewer launch shapes (a smoke run)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["gemv", "moe", "qmm"])
+    parser.add_argument("--probe", action="store_true", help="only the ncu probe (run it under ncu)")
+    parser.add_argument("--jobs", metavar="CODE_VERSION", help="only write worker job files to --out")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": device_facts(), "command": " ".join(["python3 -m benchmarks.gpu_kernels", *sys.argv[1:]])}
+    if args.probe:
+        ncu_probe()
+        return 0
+    if args.jobs:
+        for p in write_jobs(args.out, args.jobs):
+            print(p)
+        return 0
+    results: dict[str, Any] = {
+        "device": device_facts(),
+        "command": " ".join(["python3 -m benchmarks.gpu_kernels", *sys.argv[1:]]),
+    }
     log(json.dumps(results["device"]))
     path = args.out / "gpu_kernels.json"
 

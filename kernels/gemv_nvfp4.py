@@ -12,7 +12,9 @@ summation order. The twin is the correctness check for the kernel and the fallba
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,9 +23,7 @@ import numpy as np
 from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
 from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
-GEMV_SOURCE = CudaKernelSource(
-    body_file="gemv_nvfp4.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",)
-)
+GEMV_SOURCE = CudaKernelSource(body_file="gemv_nvfp4.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
 MAX_ROWS = 8  # the MMA's column count: M <= 8 activation rows per call
 # Largest relative error (against a float64 reference) of the kernel and the twin: bf16 activations
 # give about 2e-3; hi + lo pairs (float32/float16 inputs) about 1e-5 plus the output's rounding.
@@ -57,11 +57,19 @@ def kernel_supports(m: int, n: int, k: int) -> str | None:
     return None
 
 
+@functools.cache
+def _constant_multiplier(global_scale: float | None) -> mx.array:
+    value = 1.0 if global_scale is None else float(global_scale) / MLX_GLOBAL_SCALE_DIVISOR
+    out = mx.array([value], dtype=mx.float32)
+    mx.eval(out)
+    return out
+
+
 def _global_multiplier(global_scale: mx.array | float | None) -> mx.array:
-    if global_scale is None:
-        return mx.array([1.0], dtype=mx.float32)
-    gs = global_scale if isinstance(global_scale, mx.array) else mx.array(global_scale)
-    return gs.astype(mx.float32).reshape(-1)[:1] / MLX_GLOBAL_SCALE_DIVISOR
+    """global_scale / 2688 as a float32 [1] (ones without); a Python number's is built once."""
+    if not isinstance(global_scale, mx.array):
+        return _constant_multiplier(global_scale)
+    return global_scale.astype(mx.float32).reshape(-1)[:1] / MLX_GLOBAL_SCALE_DIVISOR
 
 
 def dequantize_exact(w: mx.array, scales: mx.array) -> mx.array:
@@ -107,25 +115,41 @@ def gemv_nvfp4_cuda(
     if reason is not None:
         raise ValueError(f"gemv_nvfp4 kernel: {reason}")
     cfg = config or TUNED_CONFIGS.get((m, n, k), DEFAULT_CONFIG)
-    dtype_name = str(x.dtype).removeprefix("mlx.core.")
+    launch = _launcher(m, n, k, x.dtype, cfg)
+    return launch(x, w, scales, _global_multiplier(global_scale))
+
+
+@functools.cache
+def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callable[..., mx.array]:
+    """The kernel call for one shape, traced once by `mx.compile`: later calls replay the traced
+    graph instead of re-assembling the kernel source in Python and C++ (tens of microseconds a
+    call, more than the kernel itself takes at decode sizes)."""
     kernel = compiled_kernel(GEMV_SOURCE)
-    (y,) = kernel(
-        inputs=[x, w, scales, _global_multiplier(global_scale)],
-        template=[
-            ("T", x.dtype),
-            ("N", n),
-            ("K", k),
-            ("M", m),
-            ("WARPS", cfg.warps),
-            ("UNROLL", cfg.unroll),
-            ("SPLIT", dtype_name != "bfloat16"),
-        ],
-        grid=(n // 16 * 32 * cfg.warps, 1, 1),
-        threadgroup=(32 * cfg.warps, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )
-    return y
+    template: list[tuple[str, int | bool | mx.Dtype]] = [
+        ("T", dtype),
+        ("N", n),
+        ("K", k),
+        ("M", m),
+        ("WARPS", cfg.warps),
+        ("UNROLL", cfg.unroll),
+        ("SPLIT", dtype != mx.bfloat16),
+    ]
+
+    def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
+        (y,) = kernel(
+            inputs=[x, w, scales, gsv],
+            template=template,
+            grid=(n // 16 * 32 * cfg.warps, 1, 1),
+            threadgroup=(32 * cfg.warps, 1, 1),
+            output_shapes=[(m, n)],
+            output_dtypes=[dtype],
+        )
+        return y
+
+    return mx.compile(launch) if COMPILE_LAUNCH else launch
+
+
+COMPILE_LAUNCH = True  # False: assemble the kernel call afresh every call (the benchmark compares)
 
 
 def gemv_nvfp4(

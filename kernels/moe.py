@@ -18,8 +18,10 @@ Arms, as an engine runs them (mlx-lm's `SwitchGLU`):
   output row is multiplied by its expert's `global_scale / 2688` after the product (the pure-MLX
   twin). `ArmPath.route` says which ran.
 * `affine-*`: each expert's NVFP4 values re-quantized to affine 4-bit, group 64.
-* `custom-sorted`, `auto-sorted`: a hand-written kernel and its dispatcher (issue 7), unsupported
-  until then.
+* `custom-sorted`: the sorted route with issue 7's expert-batched kernel (`kernels.moe_nvfp4`, its
+  MLX twin without CUDA) in place of gather_qmm.
+* `auto-sorted`: the faster correct of native-sorted and custom-sorted, measured at build time
+  (`kernels.dispatch`); its route names the choice.
 
 The reference is NumPy float64: each routed row times the float64 weights the arm holds.
 """
@@ -34,12 +36,11 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import nvfp4
+from kernels import dispatch, nvfp4
 from kernels.qmm import (
     AFFINE_BITS,
     AFFINE_GROUP,
     MLX_DTYPES,
-    PENDING_ISSUE_7,
     affine_weights,
     mlx_backend,
     to_float64,
@@ -194,8 +195,12 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     unsupported: dict[str, str] = {}
     for arm in arms:
         kind, _, order = arm.partition("-")
-        if kind in ("custom", "auto") and order == "sorted":
-            unsupported[arm] = PENDING_ISSUE_7
+        if kind == "custom" and order == "sorted":  # issue 7: kernels.moe_nvfp4 (MLX twin without CUDA)
+            paths[arm] = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, d)
+            weights[arm] = ew.dequantized
+            continue
+        if kind == "auto" and order == "sorted":  # issue 7: built below, once inputs and reference exist
+            weights[arm] = ew.dequantized
             continue
         if kind not in ("native", "affine") or order not in ("sorted", "unsorted"):
             raise ValueError(f"moe-gather: unknown arm {arm!r}")
@@ -233,6 +238,22 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         y = gathered_reference(holds, x, indices)
         last[id(holds)] = (x, indices, y)
         return y
+
+    if "auto-sorted" in arms:  # the faster correct of native-sorted and custom-sorted, measured here
+        native_sorted = ArmPath(
+            run=lambda x, idx: run_sorted(native, x, idx),
+            tolerance=tolerance("native", dtype_name, d, backend),
+            route=f"{native_route},sorted",
+        )
+        custom_sorted = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, d)
+        paths["auto-sorted"] = dispatch.moe_auto_path(
+            native_sorted,
+            custom_sorted,
+            (e, top_k, t, d, f, dtype_name, use_gs, backend),
+            make_inputs,
+            lambda x, idx: reference("auto-sorted", x, idx),
+        )
+        paths = {a: paths[a] for a in arms if a in paths}
 
     return Workload(
         arms=paths,

@@ -18,10 +18,13 @@ weights), the kernel's correctness check and its fallback.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kernels import gemv_nvfp4
 from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
 from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
@@ -76,9 +79,10 @@ def moe_gather_nvfp4_twin(
     rhs = rhs_indices.astype(mx.uint32)
     valid = rhs < experts
     rows = activations_as_kernel_sees_them(x)[lhs_indices.astype(mx.uint32)][:, None, :]
-    y = mx.gather_mm(
-        rows, weights.swapaxes(-1, -2), rhs_indices=mx.minimum(rhs, experts - 1), sorted_indices=True
-    )[:, 0, :]
+    # a row-contiguous [E, K, N]: MLX 0.32.4's CUDA gather_mm gave wrong products on the transposed
+    # view (relative difference 1.4 on the H200), its CPU backend did not
+    w_kn = mx.contiguous(weights.swapaxes(-1, -2))
+    y = mx.gather_mm(rows, w_kn, rhs_indices=mx.minimum(rhs, experts - 1), sorted_indices=True)[:, 0, :]
     return mx.where(valid[:, None], y, mx.zeros_like(y)).astype(x.dtype)
 
 
@@ -98,36 +102,46 @@ def moe_gather_nvfp4_cuda(
     if reason is not None:
         raise ValueError(f"moe_gather_nvfp4 kernel: {reason}")
     cfg = config or DEFAULT_CONFIG
-    rows = rhs_indices.size
-    dtype_name = str(x.dtype).removeprefix("mlx.core.")
-    blocks = -(-(n // 16) // cfg.warps)
-    kernel = compiled_kernel(MOE_SOURCE)
-    (y,) = kernel(
-        inputs=[
-            x,
-            lhs_indices.astype(mx.uint32),
-            rhs_indices.astype(mx.uint32),
-            w,
-            scales,
-            expert_multipliers(global_scale, experts),
-        ],
-        template=[
-            ("T", x.dtype),
-            ("N", n),
-            ("K", k),
-            ("E", experts),
-            ("R", rows),
-            ("WARPS", cfg.warps),
-            ("UNROLL", cfg.unroll),
-            ("NT", cfg.n_tiles),
-            ("SPLIT", dtype_name != "bfloat16"),
-        ],
-        grid=(blocks * 32 * cfg.warps, experts + 1, 1),
-        threadgroup=(32 * cfg.warps, 1, 1),
-        output_shapes=[(rows, n)],
-        output_dtypes=[x.dtype],
+    launch = _launcher(experts, n, k, rhs_indices.size, x.dtype, cfg)
+    return launch(
+        x,
+        lhs_indices.astype(mx.uint32),
+        rhs_indices.astype(mx.uint32),
+        w,
+        scales,
+        expert_multipliers(global_scale, experts),
     )
-    return y
+
+
+@functools.cache
+def _launcher(experts: int, n: int, k: int, rows: int, dtype: mx.Dtype, cfg: MoeConfig) -> Callable[..., mx.array]:
+    """The kernel call for one shape, traced once by `mx.compile` (see kernels.gemv_nvfp4)."""
+    kernel = compiled_kernel(MOE_SOURCE)
+    blocks = -(-(n // 16) // cfg.warps)
+    template: list[tuple[str, int | bool | mx.Dtype]] = [
+        ("T", dtype),
+        ("N", n),
+        ("K", k),
+        ("E", experts),
+        ("R", rows),
+        ("WARPS", cfg.warps),
+        ("UNROLL", cfg.unroll),
+        ("NT", cfg.n_tiles),
+        ("SPLIT", dtype != mx.bfloat16),
+    ]
+
+    def launch(*inputs: mx.array) -> mx.array:
+        (y,) = kernel(
+            inputs=list(inputs),
+            template=template,
+            grid=(blocks * 32 * cfg.warps, experts + 1, 1),
+            threadgroup=(32 * cfg.warps, 1, 1),
+            output_shapes=[(rows, n)],
+            output_dtypes=[dtype],
+        )
+        return y
+
+    return mx.compile(launch) if gemv_nvfp4.COMPILE_LAUNCH else launch
 
 
 def moe_gather_nvfp4(

@@ -11,7 +11,10 @@ its own rounding:
   engine without NVFP4 uses), `mx.quantized_matmul(mode="affine")`.
 * `dequant-gemm`: `mx.dequantize` to the dtype, then one matmul, both inside the timed call.
 * `dense`: the NVFP4-dequantized weights held in the dtype, one matmul: the upper bound.
-* `custom`, `auto`: a hand-written kernel and its dispatcher (issue 7), unsupported until then.
+* `custom`: the hand-written kernels of issue 7 (`kernels.gemv_nvfp4` for tokens <= 8, the
+  expert-batched `kernels.moe_nvfp4` with one expert above; their MLX twins without CUDA).
+* `auto`: per shape, the fastest correct of native, dequant-gemm and custom, measured at build
+  time (`kernels.dispatch`); its route names the choice.
 
 Each arm's reference is the float64 NumPy product of x with the weights that arm really holds
 (the NVFP4 reference dequantization for native and dequant-gemm, the affine dequantization for
@@ -30,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import nvfp4
+from kernels import dispatch, nvfp4
 from kernels.registry import ArmPath, Workload
 
 AFFINE_GROUP = 64
@@ -210,8 +213,11 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 build_seconds=seconds,
             )
             weights[arm] = to_float64(wd)
-        elif arm in ("custom", "auto"):
-            unsupported[arm] = PENDING_ISSUE_7
+        elif arm == "custom":  # issue 7: kernels.gemv_nvfp4 (M <= 8) / kernels.moe_nvfp4 (one expert)
+            paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
+            weights[arm] = w_nvfp4
+        elif arm == "auto":  # issue 7: built below, once the inputs and the reference exist
+            weights[arm] = w_nvfp4
         else:
             raise ValueError(f"qmm: unknown arm {arm!r}")
 
@@ -220,6 +226,12 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     def make_inputs(gen: np.random.Generator) -> tuple[Any, ...]:
         x = gen.standard_normal((m, k), dtype=np.float32)
         return (mx.array(x).astype(dtype),)
+
+    if "auto" in arms:  # the fastest correct of native, dequant-gemm and custom, measured here
+        paths["auto"] = dispatch.qmm_auto_path(
+            wq, wscales, (m, n, k, dtype_name, backend), make_inputs, lambda x: reference("auto", x)
+        )
+        paths = {a: paths[a] for a in arms if a in paths}
 
     return Workload(
         arms=paths,
