@@ -22,6 +22,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,11 @@ def measure_peaks(
     dtype: str | None = None,
     repeats: int = 5,
 ) -> HostPeaks:
-    """Run both probes on MLX's default device (sizes default per backend, see `SIZES`)."""
-    sizes = SIZES["cpu" if fingerprint.backend == "cpu" else "gpu"]
+    """Run both probes on MLX's default device (sizes default per device kind, see `SIZES`)."""
+    import mlx.core as mx
+
+    # The device MLX really runs on decides the sizes, not the fingerprint's label.
+    sizes = SIZES["gpu" if mx.default_device() == mx.gpu else "cpu"]
     copy_mib = copy_mib or sizes["copy_mib"]
     matmul_n = matmul_n or sizes["matmul_n"]
     dtype = dtype or sizes["dtype"]
@@ -182,3 +186,38 @@ def with_peaks(table: pa.Table, peaks: HostPeaks | None) -> pa.Table:
         i = table.schema.get_field_index(name)
         table = table.set_column(i, table.schema.field(i), pa.array([value] * table.num_rows, pa.float64()))
     return table
+
+
+Dispatch = Callable[[Any, Any, Any], str]
+
+
+class PeakStamp:
+    """Measures (or loads) the host's peaks inside a job's GPU-lock window and stamps its rows.
+
+    `workers.runner` wraps the job's dispatch with `wrap` (so the probes run under the lock, at
+    most once per fingerprint and host) and passes the finished table through `stamp`. A probe
+    that fails leaves the peak columns empty; it never fails the job.
+    """
+
+    def __init__(self, fingerprint: HostFingerprint, directory: Path | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.directory = directory
+        self.peaks: HostPeaks | None = None
+        self.error: str | None = None
+
+    def wrap(self, dispatch: Dispatch) -> Dispatch:
+        """`dispatch`, preceded by the peak probes the first time it runs."""
+
+        def run(job: Any, rows: Any, context: Any) -> str:
+            if self.peaks is None and self.error is None:
+                try:
+                    self.peaks = host_peaks(self.fingerprint, self.directory)
+                except Exception as exc:  # a probe must never fail the job it rides on
+                    self.error = f"{type(exc).__name__}: {exc}"
+            return dispatch(job, rows, context)
+
+        return run
+
+    def stamp(self, table: pa.Table) -> pa.Table:
+        """The job's table with the peaks filled in (unchanged when none were measured)."""
+        return with_peaks(table, self.peaks)

@@ -27,6 +27,7 @@ from workers.contract import (
 )
 from workers.fingerprint import host_fingerprint
 from workers.measure import measure_workload
+from workers.peaks import PeakStamp
 
 Dispatch = Callable[[JobSpec, RowBuilder, JobContext], str]
 
@@ -68,8 +69,9 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
     rows = RowBuilder(job, fp, context)
     status = STATUS_FAILED
+    peaks = PeakStamp(fp)  # the host's measured copy/matrix peaks, probed under the lock once per fingerprint
     try:
-        dispatch = _dispatcher(job)
+        dispatch = peaks.wrap(_dispatcher(job))
         status = _run_guarded(job, fp.backend, dispatch, rows, context)
     except Exception as exc:
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -78,7 +80,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     if not rows.rows:
         _failed_rows(rows, job, "the case produced no rows")
         status = STATUS_FAILED
-    table = rows.table(status)
+    table = peaks.stamp(rows.table(status))
     meta = {**(table.schema.metadata or {}), META_JOB_SECONDS: f"{time.perf_counter() - t0:.6f}".encode()}
     return table.replace_schema_metadata(meta)
 

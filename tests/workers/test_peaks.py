@@ -9,8 +9,10 @@ import pytest
 
 from tests.orchestrator.synthetic_rows import job_table
 from workers import peaks as peaks_mod
+from workers.contract import JobSpec, LockSettings
 from workers.fingerprint import host_fingerprint
 from workers.peaks import host_peaks, load_peaks, peaks_path, with_peaks
+from workers.runner import run_job
 
 
 def test_probes_measure_plausible_limits_and_are_stored_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,3 +50,29 @@ def test_peaks_are_stamped_on_every_row(tmp_path: Path) -> None:
     assert stamped["peak_copy_gb_s"].to_pylist() == [peaks.copy_gb_s] * 3
     assert stamped["peak_tflop_s"].to_pylist() == [peaks.tflop_s] * 3
     assert with_peaks(table, None) is table
+
+
+def test_every_row_of_a_real_job_carries_the_hosts_peaks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `run_job`: the probes run inside the job's window, once, and stamp every row."""
+    monkeypatch.setenv("ORCHESTRATE_PEAKS_DIR", str(tmp_path / "peaks"))
+    job = JobSpec(
+        run_id="r",
+        sweep="t",
+        job_key="k",
+        case="qmm",
+        case_name="qmm",
+        params={"tokens": 4, "n": 32, "k": 64, "dtype": "float32"},
+        arms=["native", "affine"],
+        device="cpu",
+        repetitions=2,
+        warmup=1,
+        lock=LockSettings(enabled=False),
+    )
+    fp = host_fingerprint()
+    table = run_job(job, fp)
+    stored = load_peaks(fp.fingerprint_id)
+    assert stored is not None and set(table["status"].to_pylist()) == {"ok"}
+    assert set(table["peak_copy_gb_s"].to_pylist()) == {stored.copy_gb_s}
+    assert set(table["peak_tflop_s"].to_pylist()) == {stored.tflop_s}
+    again = run_job(job, fp)  # the second job reads the stored peaks
+    assert set(again["peak_copy_gb_s"].to_pylist()) == {stored.copy_gb_s}
