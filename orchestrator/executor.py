@@ -164,5 +164,14 @@ class RayExecutor:
             del pending[ref]
             with contextlib.suppress(Exception):
                 ray.cancel(ref, force=True)
-            reason = f"no live node of device kind {job.device!r} is left to run or retry it (its hosts were lost)"
+            lost = ", ".join(
+                sorted(
+                    {
+                        str((n.get("Labels") or {}).get("host", n.get("NodeManagerAddress", "?")))
+                        for n in ray.nodes()
+                        if not n.get("Alive") and (n.get("Labels") or {}).get("device-kind") == job.device
+                    }
+                )
+            )
+            reason = f"no live node of device kind {job.device!r} is left to run or retry it (lost: {lost or '?'})"
             on_done(job, lost_job_table(job, reason))
