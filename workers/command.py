@@ -180,8 +180,11 @@ def _repo_location(case: CommandCase) -> str:
     return str(path.resolve())
 
 
-def resolve_commit(case: CommandCase) -> tuple[Path, str]:
+def resolve_commit(case: CommandCase, run_id: str | None = None) -> tuple[Path, str]:
     """Mirror (or fetch) the repo into the cache and resolve `ref` to a full commit id.
+
+    The first job of a run on this host fetches and resolves; the run's later jobs reuse that commit
+    (a pin file per run), so a branch that moves during a sweep does not split the run over commits.
 
     Returns:
         The mirror's path and the commit.
@@ -192,15 +195,24 @@ def resolve_commit(case: CommandCase) -> tuple[Path, str]:
     location = _repo_location(case)
     slug = re.sub(r"[^A-Za-z0-9._-]", "_", location.rstrip("/").split("/")[-1] or "repo")
     mirror = cache_root(case) / "repos" / f"{slug}-{hashlib.sha256(location.encode()).hexdigest()[:12]}.git"
+    pin = None
+    if run_id:
+        ref_hash = hashlib.sha256(case.ref.encode()).hexdigest()[:12]
+        pin = cache_root(case) / "pins" / re.sub(r"[^A-Za-z0-9._-]", "_", run_id) / f"{mirror.stem}-{ref_hash}"
     with _file_lock(mirror.with_suffix(".lock")):
+        if pin is not None and pin.exists() and (mirror / "HEAD").exists():
+            return mirror, pin.read_text().strip()
         if (mirror / "HEAD").exists():
             _git("--git-dir", str(mirror), "fetch", "--prune", "--quiet", "origin")
         else:
             _git("clone", "--mirror", "--quiet", location, str(mirror))
-    try:
-        commit = _git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
-    except CommandCaseError:
-        raise CommandCaseError(f"ref {case.ref!r} not found in {location}") from None
+        try:
+            commit = _git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
+        except CommandCaseError:
+            raise CommandCaseError(f"ref {case.ref!r} not found in {location}") from None
+        if pin is not None:
+            pin.parent.mkdir(parents=True, exist_ok=True)
+            pin.write_text(commit + "\n")
     return mirror, commit
 
 
@@ -291,7 +303,7 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     try:
         case = CommandCase.from_options(job.options)
         parse = parser_for(case.parse)
-        mirror, commit = resolve_commit(case)
+        mirror, commit = resolve_commit(case, job.run_id)
         context.commit = commit
         build = build_commit(case, mirror, commit, {**base, "commit": commit})
     except (CommandCaseError, ValueError) as exc:

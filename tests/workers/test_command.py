@@ -121,6 +121,9 @@ def test_build_cache_hits_on_second_run_of_a_commit_and_ref_is_resolved_afresh(
     assert {dict(r["extra"])["build_cache"] for r in build} == {"hit"}
     assert all(r["value"] >= 0.2 for r in build)  # the original build time, recorded
     second = commit_speed(bench_repo, 80.0, "slower")
+    status, rows = run(job)  # same run: the commit pinned by its first job
+    assert {r["commit"] for r in rows} == {first}
+    job = job.model_copy(update={"run_id": "r2"})  # the next run resolves the ref afresh
     status, rows = run(job)
     assert {r["commit"] for r in rows} == {second}
     assert {r["value"] for r in rows if r["metric"] == "decode_tok_s" and r["arm"] == "native"} == {80.0}
