@@ -100,6 +100,7 @@ _LOAD_RE = re.compile(rf"^\[Load\]\s*wall:\s*{_NUM}\s*s(?:.*?MLX peak:\s*{_NUM}\
 _PROFILE_RE = re.compile(r"^\[Profile Results\]\s*$", re.M)
 _PHASE_RE = re.compile(rf"^\s*(Prefill|Decode):\s*{_NUM}\s*ms\s*\(\s*{_NUM}\s*tok/s\s*\)", re.M)
 _COUNT_RE = re.compile(r"^\s*(Prompt|Generated) tokens:\s*(\d+)\s*$", re.M)
+_LOG_LINE_RE = re.compile(r"^\[[A-Za-z][\w ./-]*\]")
 _PEAK_RE = re.compile(rf"^\s*MLX peak memory:\s*{_NUM}\s*([KMGT]i?B)\b", re.M | re.I)
 
 
@@ -143,7 +144,10 @@ def parse_bench_decode(output: str) -> ParsedOutput:
     if peak is not None:
         parsed.add("peak_memory_bytes", _memory_bytes(peak.group(1), peak.group(2)), "bytes")
     text_start = output.find("\n", load.end()) + 1 if load is not None else 0
-    text = output[text_start : profile.start()].strip("\n")
+    lines = output[text_start : profile.start()].split("\n")
+    while lines and _LOG_LINE_RE.match(lines[0]):  # `[Prompt] ...`-style log lines before the text
+        lines.pop(0)
+    text = "\n".join(lines).strip("\n")
     parsed.text = text if text.strip() else None
     return parsed
 

@@ -42,6 +42,8 @@ def test_bench_decode_binary_units_and_no_load_line() -> None:
     assert got["peak_memory_bytes"] == (2.0 * 2**30, "bytes")
     assert "load_seconds" not in got and "prefill_tok_s" not in got
     assert parse_bench_decode(out).text == "hi"
+    logged = "[Load] wall: 1 s\n[Prompt] 512 tokens in 3.2 ms\n[Sampler] greedy\nthe text\n\n" + out.split("\n", 1)[1]
+    assert parse_bench_decode(logged).text == "the text"
 
 
 @pytest.mark.parametrize(
