@@ -16,7 +16,7 @@ A command case names its parser with `parse`, either a string or a table:
 A JSON object is either `{"metric": "decode_tok_s", "value": 12.5, "unit": "tok/s"}` or a flat
 object of numbers (`{"decode_tok_s": 12.5, "peak_memory_bytes": 3.9e10}`); a string under
 `text`, `output` or `generated_text` is the generated text. Units of flat objects come from the
-name's suffix (`_tok_s`: tok/s, `_bytes`: bytes, `_seconds`/`_s`: s, `_ms`: ms).
+name's suffix (`_tok_s`: tok/s, `_bytes`: bytes, `_seconds`/`_s`: seconds, `_ms`: ms).
 
 Output that does not parse (empty, truncated, garbled) raises `OutputParseError` with a one-line
 reason; `workers.command` turns it into a failed row.
