@@ -609,5 +609,68 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{key}: {results[key].strip().splitlines()[-1]}")
 
 
+def markdown(results: dict[str, Any]) -> str:
+    """The H200 section of BENCHMARKS.md from a gpu_kernels.json."""
+    dev, copy = results["device"], results["copy"]
+    ceiling = copy["gb_s"]
+    lines = [
+        f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), MLX {dev['mlx_version']} CUDA backend, "
+        f"bfloat16 activations. Copy ceiling (device-to-device copy through {copy['via']}, bytes read + "
+        f"written): **{ceiling:.0f} GB/s**. Times are per call: the slope between {8} and {40} calls "
+        "(MoE: 2 and 10) inside one `mx.eval`, weights rotated over copies larger than the 60 MB L2, "
+        "median of 7. GB/s counts packed weights, E4M3 scales, x and y once each.",
+        "",
+    ]
+    gemv = results.get("gemv")
+    if gemv:
+        lines += [
+            f"### NVFP4 decode GEMV, N={gemv['n']}, K={gemv['k']} (`kernels/cuda/gemv_nvfp4.cu`)",
+            "",
+            "| M | custom us | custom GB/s | of copy | native us | native GB/s | custom / native speed-up |"
+            " rel. error custom (native) | launch |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for e in gemv["per_m"]:
+            lines.append(
+                f"| {e['m']} | {e['custom']['seconds'] * 1e6:.1f} | {e['custom_gb_s']:.0f} | "
+                f"{e['custom_fraction_of_copy']:.0%} | {e['native']['seconds'] * 1e6:.1f} | {e['native_gb_s']:.0f} | "
+                f"{e['speedup_vs_native']:.2f}x | {e['rel_error_custom']:.1e} ({e['rel_error_native']:.1e}) | "
+                f"warps {e['config']['warps']}, unroll {e['config']['unroll']} |"
+            )
+        lines.append("")
+    for e in results.get("moe", []):
+        nat = e["native_sorted_gather_qmm"]["seconds"]
+        lines += [
+            f"### NVFP4 sorted-gather MoE, {e['projection']} projection: E={e['experts']}, top-{e['top_k']}, "
+            f"{e['tokens']} tokens, weights [{e['experts']}, {e['n']}, {e['k']}] (`kernels/cuda/moe_nvfp4.cu`)",
+            "",
+            "| path | time us | GB/s | of copy | TFLOP/s | speed-up vs gather_qmm | rel. error |",
+            "|---|---|---|---|---|---|---|",
+            f"| custom (expert-batched) | {e['custom']['seconds'] * 1e6:.1f} | {e['custom_gb_s']:.0f} | "
+            f"{e['custom_fraction_of_copy']:.0%} | {e['custom_tflop_s']:.1f} | {e['speedup_vs_native']:.1f}x | "
+            f"{e['rel_error_custom']:.1e} |",
+            f"| mx.gather_qmm nvfp4 sorted | {nat * 1e6:.1f} | {e['native_gb_s']:.0f} | "
+            f"{e['native_gb_s'] / ceiling:.0%} | {e['flops'] / nat / 1e12:.1f} | 1.0x | {e['rel_error_native']:.1e} |",
+            "",
+            f"Rows routed past the last expert come back zero: {e['rows_past_last_expert_zero']}.",
+            "",
+        ]
+    prefill = results.get("qmm_prefill")
+    if prefill:
+        lines += [
+            "### qmm prefill (the `auto` arm's candidates), N=21504, K=5376",
+            "",
+            "| tokens | native ms (TFLOP/s) | dequant-gemm ms (TFLOP/s) | custom ms (TFLOP/s) |",
+            "|---|---|---|---|",
+        ]
+        for e in prefill:
+            cells = " | ".join(
+                f"{e[p]['seconds'] * 1e3:.3f} ({e[p]['tflop_s']:.0f})" for p in ("native", "dequant-gemm", "custom")
+            )
+            lines.append(f"| {e['tokens']} | {cells} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     sys.exit(main())
