@@ -202,7 +202,7 @@ def evaluate_criterion(
                 outcome, more = judge_ratio(ratio, criterion)
                 verdict.points.append(PointResult(device, case_name, point, ratio, outcome, more))
                 continue
-            measured_elsewhere = rows_here and all(r["status"] == "ok" for r in rows_here)
+            measured_elsewhere = rows_here and all(r["status"] == "ok" and not r["contended"] for r in rows_here)
             if measured_elsewhere and not any(r["metric"] == criterion.metric for r in rows_here):
                 continue  # the point ran cleanly and simply does not measure this metric
             reason = _why_missing(rows_here, criterion.arm, baseline, criterion.metric) if rows_here else "not run"

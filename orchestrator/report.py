@@ -274,13 +274,13 @@ def build_report(
         resamples: bootstrap resamples.
 
     Raises:
-        InputError: no clean rows to report on.
+        InputError: the table has no rows at all.
     """
+    if table.num_rows == 0:
+        raise InputError("no result rows to report on")
     clean = stats.clean_rows(table)
-    if clean.num_rows == 0:
-        raise InputError("no clean result rows to report on (status ok, not contended)")
     data = ReportData(table, resamples)
-    arms = sorted({k.arm for k in data.groups})
+    arms = sorted({k.arm for k in data.groups}) or sorted(set(table["arm"].to_pylist()))
     baseline = default_baseline(arms, spec.baseline if spec else None)
     sweep_names = sorted(set(table["sweep"].to_pylist()))
     runs = sorted(set(table["run_id"].to_pylist()))
@@ -300,6 +300,10 @@ def build_report(
     if spec is not None and spec.criteria:
         verdicts = evaluate_criteria(table, spec, resamples=resamples)
         parts += ["<h2>Acceptance criteria</h2>", criteria_section(verdicts)]
+    if clean.num_rows == 0:  # every row failed, was unsupported or contended: say so, plot nothing
+        parts.append("<p><b>No clean samples</b>: every row failed, was unsupported or was contended.</p>")
+        parts += ["<h2>Hosts</h2>", fingerprint_section(table), "</body></html>"]
+        return "\n".join(parts)
     result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
     parts.append("<h2>Comparison</h2>")
     for case, (heads, body) in display_rows(result).items():

@@ -146,3 +146,16 @@ def test_cli_writes_the_report_from_a_real_store(tmp_path: Path, orchestrate_bin
     assert "Report written to" in done.stdout
     doc = out_file.read_text()
     assert doc.count('<img class="plot"') == 5 and "Device h200" in doc
+
+
+def test_a_sweep_without_clean_rows_still_reports_why() -> None:
+    table = concat(
+        [
+            job_table({"native": {"seconds": [1.0, 1.1]}, "affine": {"seconds": [1.2]}}, params=point, contended=True)
+            for point in ({"tokens": 1, "n": 64, "k": 64}, {"tokens": 4096, "n": 64, "k": 64})
+        ]
+    )
+    doc = build_report(table, spec=spec())
+    assert "No clean samples" in doc and "<img" not in doc
+    assert "MISSING   cpu qmm tokens=4096: native contended; affine contended" in doc
+    assert '<tr class="AMBIGUOUS"><td>AMBIGUOUS</td><td>native prefill within 3 % of affine' in doc
