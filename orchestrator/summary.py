@@ -59,12 +59,16 @@ def summarize(table: pa.Table, *, baseline: str | None, metrics: tuple[str, ...]
         groups[key].append(row["value"])
         meta[key] = (row["backend"] or "", row["unit"] or "")
     medians = {k: float(np.median(v)) for k, v in groups.items()}
+    arms_of: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+    for device, case, params, arm, _ in groups:
+        arms_of[(device, case, params)].add(arm)
     out: list[ArmSummary] = []
     for key in sorted(groups, key=lambda k: (k[0], k[1], _natural(k[2]), k[4], k[3])):
         device, case, params, arm, metric = key
         values = np.asarray(groups[key])
         ratio = None
-        base = medians.get((device, case, params, baseline, metric)) if baseline else None
+        base_arm = baseline_arm(baseline, arms_of[(device, case, params)])
+        base = medians.get((device, case, params, base_arm, metric)) if base_arm else None
         if base and metric != "rel_error" and medians[key] > 0:
             ratio = medians[key] / base if metric in HIGHER_IS_BETTER else base / medians[key]
         out.append(
@@ -84,6 +88,14 @@ def summarize(table: pa.Table, *, baseline: str | None, metrics: tuple[str, ...]
             )
         )
     return out
+
+
+def baseline_arm(baseline: str | None, arms: set[str]) -> str | None:
+    """The sweep's baseline arm, or the case's variant of it (`affine` -> `affine-sorted`)."""
+    if baseline is None or baseline in arms:
+        return baseline
+    variants = sorted(a for a in arms if a.startswith(f"{baseline}-"))
+    return variants[0] if variants else None
 
 
 def _natural(label: str) -> list[object]:
