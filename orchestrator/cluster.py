@@ -99,6 +99,16 @@ def head_address(inventory: InventorySpec) -> str:
 # ------------------------------------------------------------------------------------- the head
 
 
+def require_head(inventory: InventorySpec, timeout: float = 3.0) -> None:
+    """Fail fast when no Ray head listens at the inventory's address (`ray.init` would hang for minutes)."""
+    head = inventory.head
+    assert head.address is not None
+    if not _listening(head.address, head.ray_port, timeout):
+        raise InfrastructureError(
+            f"no Ray head answers at {head_address(inventory)}: start the cluster with `orchestrate cluster up`"
+        )
+
+
 def _listening(address: str, port: int, timeout: float = 1.0) -> bool:
     try:
         with socket.create_connection((address, port), timeout=timeout):

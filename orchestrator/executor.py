@@ -80,9 +80,10 @@ class RayExecutor:
                     **common,
                 )
             else:
-                from orchestrator.cluster import enable_token_auth
+                from orchestrator.cluster import enable_token_auth, require_head
 
                 head = self.inventory.head
+                require_head(self.inventory)
                 enable_token_auth()  # the head's token (`orchestrate cluster up` made it)
                 ray.init(address=f"{head.address}:{head.ray_port}", **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,23 @@ def test_sweep_device_kind_without_a_host_exits_2(tmp_path: Path, orchestrate_bi
     assert proc.returncode == 2, proc.stderr
     assert f"{sweep}: field devices: device kind 'gfx1151' has no host in the inventory" in proc.stderr
     assert not (tmp_path / "r").exists() and not (tmp_path / "head").exists()
+
+
+def test_run_without_a_live_head_fails_fast_with_exit_3(tmp_path: Path, orchestrate_bin: str) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    inv = write(tmp_path, GOOD_HOSTS.format(head=tmp_path / "head").replace("46999", str(port)))
+    sweep = write(
+        tmp_path,
+        'name = "s"\n[[cases]]\ncase = "qmm"\narms = ["native"]\nparams = { tokens = 1, n = 64, k = 64 }\n',
+        "sweep.toml",
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [orchestrate_bin, "run", "--inventory", str(inv), "--sweep", str(sweep), "--results", str(tmp_path / "r")],
+        capture_output=True, text=True, env=child_env(), timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert f"no Ray head answers at 127.0.0.1:{port}: start the cluster with `orchestrate cluster up`" in proc.stderr
+    assert time.monotonic() - t0 < 30  # not Ray's minutes-long wait for a GCS that is not there
