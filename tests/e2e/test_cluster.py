@@ -347,3 +347,22 @@ def test_unreachable_host_is_reported_within_the_connect_timeout(lab: tuple[Path
         stop.set()
     assert "host 'x1' (127.0.0.5:" in proc.stderr and "within the connect timeout (2 s)" in proc.stderr
     assert elapsed < 2 + 8  # the timeout plus the CLI's own start-up
+
+
+def test_sweep_whose_kind_has_no_live_node_is_refused_before_anything_runs(cluster: Cluster) -> None:
+    # The same cluster, plus a host of kind `gamma` in the inventory whose node was never started.
+    inv = cluster.root / "with-gamma.toml"
+    inv.write_text(
+        cluster.inventory.read_text()
+        + f'[[hosts]]\nname = "g1"\nhost = "127.0.0.2"\nport = {cluster.lab.hosts[0].port}\ndevice = "gamma"\n'
+    )
+    sweep = cluster.root / "gamma.toml"
+    sweep.write_text(
+        'name = "gamma"\ndevices = ["gamma"]\n[[cases]]\ncase = "qmm"\narms = ["native"]\n'
+        'params = { tokens = 1, n = 64, k = 64, dtype = "float32" }\n'
+    )
+    results = cluster.root / "results-gamma"
+    run = cluster.orchestrate("run", "--inventory", str(inv), "--sweep", str(sweep), "-r", str(results), timeout=120)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "no live Ray node of device kind 'gamma'" in run.stderr
+    assert not list(results.rglob("*.parquet"))  # nothing ran
