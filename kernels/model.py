@@ -35,8 +35,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from kernels import nvfp4
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
 ARMS = ("native", "affine")
@@ -44,6 +46,7 @@ MODEL_TYPES = {"llama": "llama", "gemma": "gemma3_text"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 AFFINE_GROUP_SIZE = 64
 AFFINE_BITS = 4
+AFFINE_TOLERANCE = 0.3  # an affine-repacked layer against the NVFP4 reference (see check_layers)
 CHECKPOINT_FORMAT = 1  # bump when the generated layout changes (invalidates cached checkpoints)
 
 
@@ -240,6 +243,68 @@ def _load_generated(path: Path, config: dict[str, Any]) -> nn.Module:
     scaled = [(p, TensorScaledLinear(modules[p], gs)) for p, gs in tensor_scales.items()]
     model.update_modules(tree_unflatten(scaled))
     return model
+
+
+@dataclass
+class LayerCheck:
+    """How far an arm's loaded layers are from the NVFP4 reference (the worst layer)."""
+
+    rel_error: float
+    layer: str
+    layers: int
+    tolerance: float
+
+
+def _stored(path: Path) -> dict[str, mx.array]:
+    stored: dict[str, mx.array] = {}
+    for shard in sorted(path.glob("model*.safetensors")):
+        stored.update(mx.load(str(shard)))  # type: ignore[arg-type]
+    return stored
+
+
+def check_layers(model: nn.Module, path: Path, arm: str, rng: np.random.Generator, rows: int = 8) -> LayerCheck:
+    """Each NVFP4 linear of the first and last decoder block, as loaded for `arm`, against the reference.
+
+    The reference is the checkpoint's own codes and scales read back from disk and decoded by
+    `kernels.nvfp4` in float64 (global scale included where stored), times random activations:
+    independent of the loader it checks, and at the layer, where a wrong or dropped global scale
+    gives an error near 1 (Gemma's sandwich norms hide such a scale from the logits). `native`
+    may show rounding (`kernels.qmm.tolerance`); `affine` also its requantization to 4-bit g64,
+    which on these weights stays near 0.1 (`AFFINE_TOLERANCE` allows 0.3).
+    """
+    from kernels import qmm
+
+    stored = _stored(path)
+    modules = dict(model.named_modules())
+    layer_ids = sorted({int(k.split(".layers.")[1].split(".")[0]) for k in stored if ".layers." in k})
+    blocks = {f".layers.{layer_ids[0]}.", f".layers.{layer_ids[-1]}."} if layer_ids else set()
+    checked: list[tuple[float, float, str]] = []  # (relative error, tolerance, layer)
+    dtype = _model_dtype(model)
+    dtype_name = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
+    for name in sorted(stored):
+        layer = name.removesuffix(".scales")
+        if not name.endswith(".scales") or not any(b in f".{layer}." for b in blocks) or layer not in modules:
+            continue
+        scales = np.array(stored[name])
+        if scales.dtype != np.uint8 or stored[f"{layer}.weight"].shape[-1] * 8 != scales.shape[-1] * 16:
+            continue  # not NVFP4 on disk
+        gs = float(np.array(stored[f"{layer}.global_scale"])) if f"{layer}.global_scale" in stored else None
+        w = nvfp4.dequantize(nvfp4.unpack_codes(np.array(stored[f"{layer}.weight"])), scales, gs)
+        x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+        x_mx = mx.array(x).astype(dtype)
+        ref = np.array(x_mx.astype(mx.float32), dtype=np.float64) @ w.T
+        out = modules[layer](x_mx)
+        got = np.array(out.astype(mx.float32), dtype=np.float64)
+        rel = float(np.linalg.norm(got - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+        if arm == "affine":
+            tol = AFFINE_TOLERANCE
+        else:
+            tol = qmm.tolerance("native", dtype_name, w.shape[1], qmm.mlx_backend())
+        checked.append((rel if np.isfinite(rel) else float("inf"), tol, layer))
+    if not checked:
+        return LayerCheck(0.0, "", 0, 0.0)
+    rel, tol, layer = max(checked, key=lambda c: c[0] / c[1])
+    return LayerCheck(rel, layer, len(checked), tol)
 
 
 def _nvfp4_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -58,6 +58,19 @@ class SampleError:
     unsupported: bool = False
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """What the fresh process is asked to measure (sent to it as JSON)."""
+
+    checkpoint: str
+    arm: str
+    prompt_tokens: int
+    decode_tokens: int
+    warmup: int
+    seed: int
+    check: bool  # also check the loaded layers against the NVFP4 reference (once per arm)
+
+
 @dataclass
 class Sample:
     """What one fresh process measured for one arm."""
@@ -69,6 +82,9 @@ class Sample:
     greedy_digest: str
     route: str
     device: str
+    rel_error: float | None = None  # the worst checked layer against the reference
+    tolerance: float | None = None
+    checked: str = ""  # which layer was worst, of how many
 
 
 def greedy_digest(token_ids: list[int]) -> str:
@@ -76,23 +92,26 @@ def greedy_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
-def measure_sample(
-    checkpoint: Path, arm: str, prompt_tokens: int, decode_tokens: int, warmup: int, seed: int
-) -> Sample:
-    """Load, warm up, prefill and decode once in this process (meant to be a fresh one)."""
+def measure_sample(req: SampleRequest) -> Sample:
+    """Load, warm up, prefill and decode once in this process (meant to be a fresh one).
+
+    With `req.check`, after everything is measured (peak memory included), the loaded layers are
+    checked against the NVFP4 reference (`kernels.model.check_layers`).
+    """
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kernels.model import load_decoder
+    from kernels.model import check_layers, load_decoder
 
+    prompt_tokens, decode_tokens = req.prompt_tokens, req.decode_tokens
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    loaded = load_decoder(checkpoint, arm)
+    loaded = load_decoder(Path(req.checkpoint), req.arm)
     mx.synchronize()
     load_seconds = time.perf_counter() - t0
     model = loaded.model
-    prompt = mx.array(np.random.default_rng(seed).integers(0, loaded.vocab, prompt_tokens), dtype=mx.int32)
+    prompt = mx.array(np.random.default_rng(req.seed).integers(0, loaded.vocab, prompt_tokens), dtype=mx.int32)
 
     def prefill(cache: list[Any]) -> mx.array:
         for start in range(0, prompt_tokens, PREFILL_STEP):
@@ -111,7 +130,7 @@ def measure_sample(
             tokens.append(token)
         return np.array(mx.stack(tokens)).astype(np.int64).tolist()
 
-    for _ in range(warmup):
+    for _ in range(req.warmup):
         cache = make_prompt_cache(model)
         decode(prefill(cache), cache, min(decode_tokens, 4))
     cache = make_prompt_cache(model)
@@ -124,7 +143,7 @@ def measure_sample(
     ids = decode(first, cache, decode_tokens)
     mx.synchronize()
     decode_seconds = time.perf_counter() - t0
-    return Sample(
+    sample = Sample(
         load_seconds=load_seconds,
         prefill_tok_s=prompt_tokens / prefill_seconds,
         decode_tok_s=decode_tokens / decode_seconds if decode_tokens else 0.0,
@@ -133,6 +152,12 @@ def measure_sample(
         route=loaded.route,
         device=str(mx.default_device()),
     )
+    if req.check:
+        check = check_layers(model, Path(req.checkpoint), req.arm, np.random.default_rng(req.seed))
+        if check.layers:
+            sample.rel_error, sample.tolerance = check.rel_error, check.tolerance
+            sample.checked = f"{check.layer} (worst of {check.layers})"
+    return sample
 
 
 # ------------------------------------------------------------------------------ the parent side
@@ -184,18 +209,10 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
     return dest
 
 
-def _sample(job: JobSpec, path: Path, arm: str, params: dict[str, Any], timeout: float) -> Sample | SampleError:
+def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | SampleError:
     """One sample in a fresh process."""
-    spec = {
-        "checkpoint": str(path),
-        "arm": arm,
-        "prompt_tokens": int(params["prompt_tokens"]),
-        "decode_tokens": int(params["decode_tokens"]),
-        "warmup": job.warmup,
-        "seed": job.seed,
-    }
     try:
-        proc = _child(["sample", json.dumps(spec)], job.arm_env.get(arm, {}), timeout)
+        proc = _child(["sample", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
     except subprocess.TimeoutExpired:
         return SampleError(f"sample timed out after {timeout:.0f} s")
     for line in reversed(proc.stdout.splitlines()):
@@ -225,7 +242,16 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     for rep in range(job.repetitions):
         for arm in abba_order(job.arms, rep):
             if arm not in skip:
-                outcome = _sample(job, path, arm, params, timeout)
+                req = SampleRequest(
+                    checkpoint=str(path),
+                    arm=arm,
+                    prompt_tokens=int(params["prompt_tokens"]),
+                    decode_tokens=int(params["decode_tokens"]),
+                    warmup=job.warmup,
+                    seed=job.seed,
+                    check=not results[arm],  # the first sample of each arm
+                )
+                outcome = _sample(job, req, timeout)
                 results[arm].append((rep, outcome))
                 if isinstance(outcome, SampleError):
                     skip.add(arm)  # an arm that failed or is unsupported once is not retried
@@ -233,6 +259,18 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     if STATUS_FAILED in statuses:
         return STATUS_FAILED
     return STATUS_OK if STATUS_OK in statuses else STATUS_UNSUPPORTED
+
+
+def _extra(sample: Sample, checkpoint: str) -> dict[str, str]:
+    return {"greedy_digest": sample.greedy_digest, "checkpoint": checkpoint, "mlx_device": sample.device}
+
+
+def _check_error(sample: Sample) -> str | None:
+    """The failure of a sample's layer check, or None when it passed."""
+    rel, tol = sample.rel_error, sample.tolerance
+    if rel is None or tol is None or rel <= tol:
+        return None
+    return f"rel_error {rel:.3g} over tolerance {tol:.3g} at {sample.checked}"  # NaN fails too
 
 
 def _arm_rows(rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError]], checkpoint: str) -> str:
@@ -243,11 +281,17 @@ def _arm_rows(rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | Sam
         return STATUS_UNSUPPORTED
     digests = sorted({s.greedy_digest for _, s in samples})
     error = errors[0][1].message if errors else None
+    checked = next((s for _, s in samples if s.rel_error is not None), None)
+    error = (checked and _check_error(checked)) or error
     if len(digests) > 1:
         error = f"greedy output changed between samples of one arm (digests {', '.join(digests)})"
     status = STATUS_FAILED if error else STATUS_OK
+    if checked is not None:
+        extra = _extra(checked, checkpoint) | {"tolerance": repr(checked.tolerance), "layer": checked.checked}
+        value = checked.rel_error
+        rows.add(arm, "rel_error", value, "ratio", status=status, error=error, route=checked.route, extra=extra)
     for rep, s in samples:
-        extra = {"greedy_digest": s.greedy_digest, "checkpoint": checkpoint, "mlx_device": s.device}
+        extra = _extra(s, checkpoint)
         for metric, unit in METRICS:
             value = getattr(s, metric)
             rows.add(arm, metric, value, unit, sample=rep, status=status, error=error, route=s.route, extra=extra)
@@ -274,14 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernels.model import ArmUnsupported
 
     try:
-        sample = measure_sample(
-            Path(spec["checkpoint"]),
-            spec["arm"],
-            spec["prompt_tokens"],
-            spec["decode_tokens"],
-            spec["warmup"],
-            spec["seed"],
-        )
+        sample = measure_sample(SampleRequest(**spec))
     except ArmUnsupported as exc:
         print(RESULT_MARK + json.dumps({"unsupported": str(exc)}), flush=True)
         return 0

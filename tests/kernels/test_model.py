@@ -14,9 +14,11 @@ from mlx.utils import tree_flatten
 from kernels import nvfp4
 from kernels.model import (
     AFFINE_GROUP_SIZE,
+    AFFINE_TOLERANCE,
     ArmUnsupported,
     DecoderConfig,
     TensorScaledLinear,
+    check_layers,
     load_decoder,
     write_checkpoint,
 )
@@ -141,6 +143,25 @@ def test_a_dropped_global_scale_is_not_the_same_model(tmp_path: Path) -> None:
         if isinstance(module, TensorScaledLinear):
             module.decode_scale = mx.array(1.0)
     assert _rel(_logits(native.model), truth) > 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_check_passes_both_arms_and_catches_a_wrong_global_scale(tmp_path: Path, dtype: str) -> None:
+    dest = write_checkpoint(DecoderConfig(architecture="gemma", dtype=dtype, **TINY), 0, tmp_path / "ckpt")
+    native = check_layers(load_decoder(dest, "native").model, dest, "native", np.random.default_rng(0))
+    assert native.layers == 2 * 7  # every NVFP4 linear of the first and the last block
+    assert native.rel_error <= native.tolerance
+    assert native.rel_error < (1e-5 if dtype == "float32" else 3e-2)
+    affine = check_layers(load_decoder(dest, "affine").model, dest, "affine", np.random.default_rng(0))
+    assert affine.tolerance == AFFINE_TOLERANCE
+    assert 0.02 < affine.rel_error < AFFINE_TOLERANCE  # 4-bit g64 requantization, not rounding
+    # ModelOpt's decode scale (amax / 2688) where MLX's (amax) belongs: the classic bug.
+    model = load_decoder(dest, "native").model
+    for _, module in model.named_modules():
+        if isinstance(module, TensorScaledLinear):
+            module.decode_scale = module.decode_scale / nvfp4.MLX_GLOBAL_SCALE_DIVISOR
+    broken = check_layers(model, dest, "native", np.random.default_rng(0))
+    assert broken.rel_error > 0.99 and broken.rel_error > broken.tolerance
 
 
 def _mlx_lm_checkpoint(path: Path, mode: str) -> Path:

@@ -64,12 +64,17 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
     assert isinstance(table, pa.Table)
     assert (table.schema.metadata or {})[META_JOB_STATUS] == STATUS_OK.encode()
     rows = table.to_pylist()
-    assert len(rows) == 2 * 2 * len(METRICS)  # arms x samples x metrics, one row per sample
+    # arms x samples x metrics, one row per sample, and one layer check per arm
+    assert len(rows) == 2 * 2 * len(METRICS) + 2
     assert {r["status"] for r in rows} == {STATUS_OK}
     units = {r["metric"]: r["unit"] for r in rows}
     assert units == {"load_seconds": "seconds", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s"} | {
-        "peak_memory_bytes": "bytes"
+        "peak_memory_bytes": "bytes",
+        "rel_error": "ratio",
     }
+    checks = {r["arm"]: r for r in rows if r["metric"] == "rel_error"}
+    assert checks["native"]["value"] < 1e-5 and checks["native"]["sample"] == -1  # float32, same weights
+    assert 0.02 < checks["affine"]["value"] < float(dict(checks["affine"]["extra"])["tolerance"])
     ckpt_bytes = sum(p.stat().st_size for p in (model_cache_root(job)).glob("*/model.safetensors"))
     assert ckpt_bytes > 100_000  # the generated checkpoint is on disk under the host spool
     for arm in ("native", "affine"):
@@ -87,9 +92,8 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
         assert {r["prompt_tokens"] for r in rows} == {PROMPT}
     native_route = {r["route"] for r in rows if r["arm"] == "native"}
     affine_route = {r["route"] for r in rows if r["arm"] == "affine"}
-    assert "nvfp4" in native_route.pop() and "affine" in affine_route.pop()
-    # The affine fallback repacks at load time: it holds a dense copy of a layer at a time.
-    assert min(r["value"] for r in _by(rows, "affine", "load_seconds")) > 0
+    assert len(native_route) == 1 and "nvfp4" in native_route.pop()
+    assert len(affine_route) == 1 and "repacked from NVFP4" in affine_route.pop()
 
 
 def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_path: Path) -> None:
@@ -146,3 +150,22 @@ def test_unknown_architecture_fails_the_job_cleanly(tmp_path: Path, arms: list[s
     status, rows = _run(_job(tmp_path, arms=arms, reps=1, architecture="mamba"))
     assert status == STATUS_FAILED
     assert all("architecture" in r["error"] for r in rows)
+
+
+def test_an_arm_over_its_layer_tolerance_fails_all_its_rows(tmp_path: Path) -> None:
+    """A check over tolerance fails the arm's timing rows too: a wrong model is not a fast one."""
+    from workers.model_runner import Sample, _arm_rows
+
+    job = _job(tmp_path, arms=["native"])
+    rows = RowBuilder(job, host_fingerprint(), JobContext(started_at=dt.datetime.now(dt.UTC)))
+    common = dict(load_seconds=1.0, prefill_tok_s=100.0, decode_tok_s=10.0, peak_memory_bytes=1e6)
+    good = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu")  # type: ignore[arg-type]
+    bad = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu", rel_error=0.99, tolerance=0.01)  # type: ignore[arg-type]
+    bad.checked = "model.layers.0.mlp.up_proj (worst of 14)"
+    assert _arm_rows(rows, "native", [(0, bad), (1, good)], "/ckpt") == STATUS_FAILED
+    assert {r["status"] for r in rows.rows} == {STATUS_FAILED}
+    assert all("rel_error 0.99 over tolerance 0.01 at model.layers.0.mlp.up_proj" in r["error"] for r in rows.rows)
+    rows.rows.clear()
+    flaky = Sample(**common, greedy_digest="b" * 16, route="r", device="cpu")  # type: ignore[arg-type]
+    assert _arm_rows(rows, "native", [(0, good), (1, flaky)], "/ckpt") == STATUS_FAILED
+    assert all("greedy output changed" in r["error"] for r in rows.rows)
