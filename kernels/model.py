@@ -269,8 +269,9 @@ def check_layers(model: nn.Module, path: Path, arm: str, rng: np.random.Generato
     `kernels.nvfp4` in float64 (global scale included where stored), times random activations:
     independent of the loader it checks, and at the layer, where a wrong or dropped global scale
     gives an error near 1 (Gemma's sandwich norms hide such a scale from the logits). `native`
-    may show rounding (`kernels.qmm.tolerance`); `affine` also its requantization to 4-bit g64,
-    which on these weights stays near 0.1 (`AFFINE_TOLERANCE` allows 0.3).
+    may show rounding (`kernels.qmm.tolerance`, plus 2 u where the tensor scale is one more
+    multiply in the dtype); `affine` also its requantization to 4-bit g64, which on these weights
+    stays near 0.1 (`AFFINE_TOLERANCE` allows 0.3).
     """
     from kernels import qmm
 
@@ -300,6 +301,8 @@ def check_layers(model: nn.Module, path: Path, arm: str, rng: np.random.Generato
             tol = AFFINE_TOLERANCE
         else:
             tol = qmm.tolerance("native", dtype_name, w.shape[1], qmm.mlx_backend())
+            if isinstance(modules[layer], TensorScaledLinear):
+                tol += 2 * qmm.UNIT_ROUNDOFF[dtype_name]  # the scale and its product rounded to the dtype
         checked.append((rel if np.isfinite(rel) else float("inf"), tol, layer))
     if not checked:
         return LayerCheck(0.0, "", 0, 0.0)
