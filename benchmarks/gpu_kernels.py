@@ -40,16 +40,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels import gemv_nvfp4, nvfp4
+from kernels import gemv_nvfp4, moe_nvfp4, nvfp4
 from kernels.gemv_nvfp4 import GemvConfig, gemv_nvfp4_cuda, gemv_nvfp4_twin
 from kernels.moe_nvfp4 import MoeConfig, moe_gather_nvfp4_cuda, moe_gather_nvfp4_twin
 
 L2_BYTES = 60e6
 REPEATS = 7
+L1, L2 = 20, 200  # GEMV calls per eval: time per call = slope between the two
 GEMV_N, GEMV_K = 21504, 5376
 MOE = {"experts": 128, "top_k": 6, "tokens": 512, "hidden": 2688, "expert_width": 1856}
 GEMV_CONFIGS = [
-    GemvConfig(2, 3), GemvConfig(2, 4), GemvConfig(2, 5), GemvConfig(3, 3), GemvConfig(4, 2), GemvConfig(1, 4),
+    GemvConfig(4, 2), GemvConfig(2, 3), GemvConfig(3, 3), GemvConfig(4, 1),
+    GemvConfig(4, 2, True), GemvConfig(2, 3, True), GemvConfig(3, 3, True), GemvConfig(4, 1, True),
 ]  # fmt: skip
 MOE_CONFIGS = [MoeConfig(4, 1, 4), MoeConfig(4, 1, 3), MoeConfig(2, 1, 4), MoeConfig(4, 2, 4)]
 
@@ -188,15 +190,20 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
     for m in (1, 8):
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         results = []
+        want = to_np(gemv_nvfp4_twin(x, *weights[0], None))
         for cfg in GEMV_CONFIGS[:2] if quick else GEMV_CONFIGS:
             try:
-                t = per_call_seconds(custom(x, cfg), 8, 40, repeats=3)["seconds"]
+                diff = rel_error(to_np(gemv_nvfp4_cuda(x, *weights[0], None, cfg)), want)
+                if not diff < 1e-3:
+                    log(f"gemv M={m} {cfg}: WRONG, rel. difference {diff:.2e} from the twin")
+                    continue
+                t = per_call_seconds(custom(x, cfg), L1, L2, repeats=3)["seconds"]
             except Exception as exc:
                 log(f"gemv M={m} {cfg}: {exc}")
                 continue
             results.append((t, cfg))
-            log(f"gemv tune M={m} warps={cfg.warps} unroll={cfg.unroll}: {t * 1e6:.1f} us")
-        tuning[str(m)] = [{"warps": c.warps, "unroll": c.unroll, "seconds": t} for t, c in results]
+            log(f"gemv tune M={m} {cfg}: {t * 1e6:.1f} us")
+        tuning[str(m)] = [{**vars(c), "seconds": t} for t, c in results]
         best[m] = min(results, key=lambda r: r[0])[1]
     out["tuning"] = tuning
 
@@ -214,11 +221,11 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
             y_gs = gemv_nvfp4_cuda(x, wq, sc, 300.0, cfg)
             gs_check = rel_error(to_np(y_gs)[:, rows], ref * 300.0 / nvfp4.MLX_GLOBAL_SCALE_DIVISOR)
         nbytes = wbytes + m * k * 2 + m * n * 2
-        t_custom = per_call_seconds(custom(x, cfg), 8, 40)
-        t_native = per_call_seconds(native(x), 8, 40)
+        t_custom = per_call_seconds(custom(x, cfg), L1, L2)
+        t_native = per_call_seconds(native(x), L1, L2)
         entry = {
             "m": m,
-            "config": {"warps": cfg.warps, "unroll": cfg.unroll},
+            "config": vars(cfg),
             "bytes": nbytes,
             "rel_error_custom": rel_error(to_np(y)[:, rows], ref),
             "rel_error_native": rel_error(to_np(y_native)[:, rows], ref),
@@ -239,7 +246,8 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         log(
             f"gemv M={m}: custom {t_custom['seconds'] * 1e6:.1f} us {entry['custom_gb_s']:.0f} GB/s "
             f"({entry['custom_fraction_of_copy']:.0%}) native {t_native['seconds'] * 1e6:.1f} us "
-            f"err {entry['rel_error_custom']:.2e}/{entry['rel_error_native']:.2e} twin {entry['rel_diff_custom_vs_twin_all']:.1e}"
+            f"err {entry['rel_error_custom']:.2e}/{entry['rel_error_native']:.2e} "
+            f"twin {entry['rel_diff_custom_vs_twin_all']:.1e}"
         )
     # the host's share: the same kernel with its call assembled afresh each time (no mx.compile)
     overhead = {}
@@ -248,7 +256,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         gemv_nvfp4.COMPILE_LAUNCH = False
         gemv_nvfp4._launcher.cache_clear()
         try:
-            overhead[str(m)] = per_call_seconds(custom(x, best[1] if m <= 4 else best[8]), 8, 40)
+            overhead[str(m)] = per_call_seconds(custom(x, best[1] if m <= 4 else best[8]), L1, L2)
         finally:
             gemv_nvfp4.COMPILE_LAUNCH = True
             gemv_nvfp4._launcher.cache_clear()
@@ -387,7 +395,6 @@ def moe_projection(
         f"x{entry['speedup_vs_native']:.1f}; err {entry['rel_error_custom']:.2e}/{entry['rel_error_native']:.2e} "
         f"twin {entry['rel_diff_custom_vs_twin_all']:.1e} past-zero {past_zero} rest {past_rest:.1e}"
     )
-    del wq, sc, gs, y_twin
     return entry
 
 
@@ -424,7 +431,8 @@ def qmm_prefill_section(tokens_list: list[int]) -> list[dict[str, Any]]:
                 "tflop_s": entry["flops"] / timing["seconds"] / 1e12,
             }
             log(
-                f"qmm tokens={m} {name}: {timing['seconds'] * 1e3:.3f} ms ({entry[name]['tflop_s']:.0f} TFLOP/s) diff {diff:.1e}"
+                f"qmm tokens={m} {name}: {timing['seconds'] * 1e3:.3f} ms "
+                f"({entry[name]['tflop_s']:.0f} TFLOP/s) diff {diff:.1e}"
             )
         out.append(entry)
     return out
@@ -528,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_kernels.json")
     parser.add_argument("--quick", action="store_true", help="fewer launch shapes (a smoke run)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["gemv", "moe", "qmm"])
+    parser.add_argument("--moe-fixed", action="store_true", help="MoE: up projection, default launch shape only")
     parser.add_argument("--probe", action="store_true", help="only the ncu probe (run it under ncu)")
     parser.add_argument("--jobs", metavar="CODE_VERSION", help="only write worker job files to --out")
     args = parser.parse_args(argv)
@@ -563,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
                 results["gemv"] = gemv_section(ceiling, args.quick)
             elif section == "moe":
                 f, d = MOE["expert_width"], MOE["hidden"]
-                up = moe_projection("up", f, d, ceiling, args.quick, rng, MOE_CONFIGS)
+                configs = [moe_nvfp4.DEFAULT_CONFIG] if args.moe_fixed else MOE_CONFIGS
+                up = moe_projection("up", f, d, ceiling, args.quick, rng, configs)
                 results["moe"] = [up]
                 save()
-                if not args.quick:  # the K % 128 tail; the up projection's launch shape
+                if not (args.quick or args.moe_fixed):  # the K % 128 tail; the up projection's launch shape
                     best = MoeConfig(**up["config"])
                     results["moe"].append(moe_projection("down", d, f, ceiling, args.quick, rng, [best]))
             else:
@@ -599,7 +609,8 @@ def print_table(results: dict[str, Any]) -> None:
             f"MoE {e['projection']} [{e['n']}x{e['k']}]: custom {e['custom']['seconds'] * 1e6:7.1f} us "
             f"{e['custom_gb_s']:5.0f} GB/s {e['custom_tflop_s']:5.1f} TFLOP/s | gather_qmm "
             f"{e['native_sorted_gather_qmm']['seconds'] * 1e6:7.1f} us | x{e['speedup_vs_native']:.1f} | "
-            f"err {e['rel_error_custom']:.1e} (native {e['rel_error_native']:.1e}) zero-past {e['rows_past_last_expert_zero']}"
+            f"err {e['rel_error_custom']:.1e} (native {e['rel_error_native']:.1e}) "
+            f"zero-past {e['rows_past_last_expert_zero']}"
         )
     for e in results.get("qmm_prefill", []):
         cells = " | ".join(f"{p} {e[p]['seconds'] * 1e3:.3f} ms" for p in ("native", "dequant-gemm", "custom"))
@@ -616,7 +627,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), MLX {dev['mlx_version']} CUDA backend, "
         f"bfloat16 activations. Copy ceiling (device-to-device copy through {copy['via']}, bytes read + "
-        f"written): **{ceiling:.0f} GB/s**. Times are per call: the slope between {8} and {40} calls "
+        f"written): **{ceiling:.0f} GB/s**. Times are per call: the slope between {L1} and {L2} calls "
         "(MoE: 2 and 10) inside one `mx.eval`, weights rotated over copies larger than the 60 MB L2, "
         "median of 7. GB/s counts packed weights, E4M3 scales, x and y once each.",
         "",
@@ -635,7 +646,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {e['m']} | {e['custom']['seconds'] * 1e6:.1f} | {e['custom_gb_s']:.0f} | "
                 f"{e['custom_fraction_of_copy']:.0%} | {e['native']['seconds'] * 1e6:.1f} | {e['native_gb_s']:.0f} | "
                 f"{e['speedup_vs_native']:.2f}x | {e['rel_error_custom']:.1e} ({e['rel_error_native']:.1e}) | "
-                f"warps {e['config']['warps']}, unroll {e['config']['unroll']} |"
+                f"warps {e['config']['warps']}, unroll {e['config']['unroll']}"
+                f"{', cvt scales' if e['config'].get('cvt_scales') else ''} |"
             )
         lines.append("")
     for e in results.get("moe", []):

@@ -35,10 +35,12 @@ _E4M3 = mx.array(decode_e4m3(np.arange(256, dtype=np.uint8)))
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape: warps per 16-row block (they split K) and code loads in flight per warp."""
+    """Launch shape: warps per 16-row block (they split K), code loads in flight per warp, and
+    whether the E4M3 scales go through the hardware conversion (sm_89+) or integer bit tricks."""
 
     warps: int = 2
     unroll: int = 3
+    cvt_scales: bool = False
 
 
 # Measured on the H200 (benchmarks/gpu_kernels.py); other shapes take DEFAULT_CONFIG.
@@ -133,6 +135,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
         ("WARPS", cfg.warps),
         ("UNROLL", cfg.unroll),
         ("SPLIT", dtype != mx.bfloat16),
+        ("CVT_SCALES", cfg.cvt_scales),
     ]
 
     def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:

@@ -12,7 +12,7 @@ contract. `w` [E, N, K/8] uint32 and `scales` [E, N, K/16] uint8 are MLX's nvfp4
 On MLX's CUDA backend this runs `kernels/cuda/moe_nvfp4.cu`: one block per (expert, 16 x WARPS
 weight rows) finds its expert's run of sorted rows by binary search and reads those weights once
 per run of up to 8 x NT rows, feeding each decoded code word to NT tensor-core MMAs. Elsewhere it
-runs `moe_gather_nvfp4_twin` (the same function through `mx.gather_mm` on exactly dequantized
+runs `moe_gather_nvfp4_twin` (the same function, expert by expert, on exactly dequantized
 weights), the kernel's correctness check and its fallback.
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from kernels import gemv_nvfp4
 from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
@@ -42,11 +43,11 @@ class MoeConfig:
     """Launch shape: warps (16 weight rows each) per block, code loads in flight, 8-row MMA tiles."""
 
     warps: int = 4
-    unroll: int = 2
+    unroll: int = 1
     n_tiles: int = 4
 
 
-DEFAULT_CONFIG = MoeConfig()
+DEFAULT_CONFIG = MoeConfig()  # the fastest of 6 launch shapes on the H200 (benchmarks/gpu_kernels.py)
 
 
 def kernel_supports(n: int, k: int) -> str | None:
@@ -73,17 +74,31 @@ def moe_gather_nvfp4_twin(
     lhs_indices: mx.array,
     rhs_indices: mx.array,
 ) -> mx.array:
-    """The kernel's function in MLX ops (`mx.gather_mm` on exactly dequantized weights)."""
+    """The kernel's function in MLX ops: expert by expert over the sorted runs, one matmul each on
+    exactly dequantized weights; rows routed past the last expert are zero.
+
+    Plain matmuls, not `mx.gather_mm`: on the H200, MLX 0.32.4's CUDA `gather_mm` (sorted, one row
+    per batch) returned wrong products (relative difference 1.4 against this kernel and against
+    `gather_qmm`, which agree with the float64 reference), while its CPU backend was right.
+
+    Raises:
+        ValueError: if `rhs_indices` is not sorted ascending.
+    """
     experts = w.shape[0]
-    weights = dequantize_exact(w, scales) * expert_multipliers(global_scale, experts)[:, None, None]
-    rhs = rhs_indices.astype(mx.uint32)
-    valid = rhs < experts
-    rows = activations_as_kernel_sees_them(x)[lhs_indices.astype(mx.uint32)][:, None, :]
-    # a row-contiguous [E, K, N]: MLX 0.32.4's CUDA gather_mm gave wrong products on the transposed
-    # view (relative difference 1.4 on the H200), its CPU backend did not
-    w_kn = mx.contiguous(weights.swapaxes(-1, -2))
-    y = mx.gather_mm(rows, w_kn, rhs_indices=mx.minimum(rhs, experts - 1), sorted_indices=True)[:, 0, :]
-    return mx.where(valid[:, None], y, mx.zeros_like(y)).astype(x.dtype)
+    rhs = np.array(rhs_indices.astype(mx.uint32)).astype(np.int64)
+    if np.any(np.diff(rhs) < 0):
+        raise ValueError("moe_gather_nvfp4: rhs_indices must be sorted ascending")
+    bounds = np.searchsorted(rhs, np.arange(experts + 1), side="left")
+    mult = expert_multipliers(global_scale, experts)
+    rows = activations_as_kernel_sees_them(x)[lhs_indices.astype(mx.uint32)]
+    pieces = []
+    for e in range(experts):
+        lo, hi = int(bounds[e]), int(bounds[e + 1])
+        if hi > lo:
+            pieces.append((rows[lo:hi] @ dequantize_exact(w[e], scales[e]).T) * mult[e])
+    past = rhs.size - int(bounds[experts])
+    pieces.append(mx.zeros((past, w.shape[1]), dtype=mx.float32))
+    return mx.concatenate(pieces, axis=0).astype(x.dtype)
 
 
 def moe_gather_nvfp4_cuda(
@@ -163,4 +178,4 @@ def route(n: int, k: int) -> str:
     """What `moe_gather_nvfp4` runs for these weights here (recorded in a row's `route`)."""
     if cuda_backend_available() and kernel_supports(n, k) is None:
         return "cuda_kernel(moe_nvfp4_expert_batched)"
-    return "mlx-twin(gather_mm on dequantize_exact)"
+    return "mlx-twin(expert-by-expert matmul on dequantize_exact)"

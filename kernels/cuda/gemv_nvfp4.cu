@@ -4,7 +4,7 @@
 // Inputs:  x [M, K] T, w [N, K/8] uint32 (E2M1 codes, MLX layout), scales [N, K/16] uint8 (E4M3),
 //          gsv [1] float (global_scale / 2688, or 1 without one).
 // Output:  y [M, N] T.
-// Template constants: N, K, M, WARPS, UNROLL, SPLIT (bool), T.
+// Template constants: N, K, M, WARPS, UNROLL, SPLIT (bool), CVT_SCALES (bool), T.
 // Launch:  grid (N / 16 * 32 * WARPS) threads, threadgroup 32 * WARPS: one block per 16 rows; its
 //          warps split K in 128-wide steps (step s goes to warp s % WARPS) and add up in shared memory.
 //
@@ -50,10 +50,16 @@ for (int s0 = warp; s0 < STEPS; s0 += WARPS * UNROLL) {
     if (s0 + u * WARPS >= STEPS) break;  // warp-uniform: MMAs need the whole warp
     const int k0 = (s0 + u * WARPS) * 128 + t * 32;
     const bool kvalid = k0 < K;  // only in a partial last step (K % 128 != 0)
-    const uint32_t sa_lo = nvfp4::e4m3_scale_splat(ra[u] & 0xFFu);
-    const uint32_t sa_hi = nvfp4::e4m3_scale_splat(ra[u] >> 8);
-    const uint32_t sb_lo = nvfp4::e4m3_scale_splat(rb[u] & 0xFFu);
-    const uint32_t sb_hi = nvfp4::e4m3_scale_splat(rb[u] >> 8);
+    uint32_t sa_lo, sa_hi, sb_lo, sb_hi;
+    if constexpr (CVT_SCALES) {  // hardware E4M3 conversion (sm_89+)
+      nvfp4::e4m3x2_scale_splats(ra[u], sa_lo, sa_hi);
+      nvfp4::e4m3x2_scale_splats(rb[u], sb_lo, sb_hi);
+    } else {
+      sa_lo = nvfp4::e4m3_scale_splat(ra[u] & 0xFFu);
+      sa_hi = nvfp4::e4m3_scale_splat(ra[u] >> 8);
+      sb_lo = nvfp4::e4m3_scale_splat(rb[u] & 0xFFu);
+      sb_hi = nvfp4::e4m3_scale_splat(rb[u] >> 8);
+    }
     const uint32_t qaw[4] = {qa[u].x, qa[u].y, qa[u].z, qa[u].w};
     const uint32_t qbw[4] = {qb[u].x, qb[u].y, qb[u].z, qb[u].w};
 #pragma unroll

@@ -74,6 +74,24 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return d;
 }
 
+// Two E4M3 scales (bits 0-7: the first group's, bits 8-15: the second's) -> their bf16x2 splats
+// times 2^64, exactly: one hardware conversion (sm_89+) to f16x2, then f32 and bf16 (4 significant
+// bits survive every step). Fewer integer instructions than two e4m3_scale_splat calls.
+__device__ __forceinline__ void e4m3x2_scale_splats(uint32_t r, uint32_t& lo, uint32_t& hi) {
+  uint32_t h2;
+  const unsigned short pair = static_cast<unsigned short>(r & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+  const unsigned short h_lo = static_cast<unsigned short>(h2 & 0xFFFFu);
+  const unsigned short h_hi = static_cast<unsigned short>(h2 >> 16);
+  float f_lo, f_hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f_lo) : "h"(h_lo));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f_hi) : "h"(h_hi));
+  f_lo *= 18446744073709551616.0f;  // 2^64
+  f_hi *= 18446744073709551616.0f;
+  lo = pack_bf16x2(f_lo, f_lo);
+  hi = pack_bf16x2(f_hi, f_hi);
+}
+
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
 

@@ -262,7 +262,7 @@ def _moe_case(
     rng: np.random.Generator, e: int, n: int, k: int, tokens: int, top_k: int, with_gs: bool
 ) -> tuple[mx.array, mx.array, mx.array, mx.array | None, list[np.ndarray], np.ndarray, np.ndarray]:
     w_codes, w_scales, w64, gss = [], [], [], []
-    for i in range(e):
+    for _ in range(e):
         w = (rng.standard_normal((n, k)) * 10.0 ** rng.uniform(-1, 1)).astype(np.float32)
         gs = float(nvfp4.natural_global_scale(w)) if with_gs else None
         codes, scales = nvfp4.quantize(w, gs)
@@ -313,14 +313,23 @@ def test_moe_twin_applies_each_expert_s_own_global_scale() -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) for the offline compile check")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dtype", "cvt_scales"), [("bfloat16", False), ("bfloat16", True), ("float32", False)])
+def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: bool, tmp_path: Path) -> None:
     split = dtype != "bfloat16"
     sources = {
         "gemv.cu": GEMV_SOURCE.standalone_source(
             {"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"},
             {"y": dtype},
-            {"T": dtype, "N": 21504, "K": 5376, "M": 8, "WARPS": 2, "UNROLL": 3, "SPLIT": split},
+            {
+                "T": dtype,
+                "N": 21504,
+                "K": 5376,
+                "M": 8,
+                "WARPS": 2,
+                "UNROLL": 3,
+                "SPLIT": split,
+                "CVT_SCALES": cvt_scales,
+            },
         ),
         "moe.cu": MOE_SOURCE.standalone_source(
             {"x": dtype, "lhs": "uint32", "rhs": "uint32", "w": "uint32", "scales": "uint8", "gsv": "float32"},
