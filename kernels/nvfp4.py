@@ -20,8 +20,12 @@ to the nearest E2M1 value. MLX's backends differ in the details, and `like` pick
 the reciprocal scale, ties to even, the sign kept on zero, code 8) or "mlx-cpu" (the CPU backend:
 arithmetic in the weights' dtype, a true division, ties toward zero, +0). They differ only at
 exact ties, which random float32 weights almost never hit but bfloat16 weights do (a few per
-thousand); the sign of zero never changes a value. Checked bit for bit on MLX's CPU backend and
-on CUDA (H200) for float32, bfloat16 and float16 weights, with and without a global scale.
+thousand); the sign of zero never changes a value. A block whose E4M3 scale rounds to zero
+(amax / 6, times 2688 / global_scale, at most 2^-10: half E4M3's smallest subnormal) decodes to
+zeros whatever its codes: the reference writes code 0 there, as MLX's CPU and Metal kernels do;
+MLX's CUDA kernel writes ±6 (it multiplies by 1/0). Checked bit for bit against MLX 0.32.4 on
+its CPU backend and on CUDA (H200) for float32, bfloat16 and float16 weights, with and without
+a global scale.
 
 `pack_codes` / `unpack_codes` convert between one code per uint8 and MLX's layout (eight codes per
 uint32, element 0 in the lowest 4 bits), so an arm can be built from the reference's own codes.

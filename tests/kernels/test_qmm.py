@@ -94,7 +94,7 @@ def test_broken_arms_are_over_tolerance() -> None:
     # the dense arm is checked against the weights it holds, not against the unquantized ones
     w_true = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
     dense_unquantized = x @ mx.array(w_true).T
-    assert rel_error(dense_unquantized, wl.reference("dense", x)) > 100 * wl.arms["dense"].tolerance
+    assert rel_error(dense_unquantized, wl.reference("dense", x)) > 20 * wl.arms["dense"].tolerance
 
 
 def test_flops_bytes_tokens_by_hand() -> None:
