@@ -6,6 +6,9 @@ bootstrap intervals and, for every side but the baseline, the ratio of medians t
 with its interval and verdict. `by` can also be `run_id`, `code_version` or `device`, to compare
 two runs, two commits or two machines on the same points.
 
+`arms` and `metrics` narrow the comparison to the named arms (in that order, the baseline first)
+and metrics; which of the computed metrics a table shows by default is `compare_render`'s choice.
+
 `cross_device(table)` is the fair view across machines: achieved bandwidth and FLOP rate beside
 their fraction of each device's own measured peak (`peak_copy_gb_s`, `peak_tflop_s`, stamped on
 the rows by the worker from `workers.peaks`).
@@ -14,10 +17,11 @@ the rows by the worker from `workers.peaks`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from orchestrator import stats
 from orchestrator.errors import InputError
@@ -64,6 +68,13 @@ class CompareResult:
     varying: dict[str, list[str]]  # case -> the parameters that change across its points
     case_sides: dict[str, list[str]] = field(default_factory=dict)  # case -> its sides, baseline first
     case_baselines: dict[str, str] = field(default_factory=dict)
+    threshold: float = stats.THRESHOLD
+    left_out: list[str] = field(default_factory=list)  # points without a clean sample, and why
+
+    def metrics_of(self, case: str) -> list[str]:
+        """The metrics a case measures (any side, any point), in `metrics` order."""
+        have = {m for r in self.rows if r.case_name == case for m, _ in r.values}
+        return [m for m in self.metrics if m in have]
 
     def sides_of(self, case: str) -> list[str]:
         """The sides a case has, its baseline first."""
@@ -112,6 +123,38 @@ def default_baseline(sides: list[str], preferred: str | None) -> str:
     return sides[0]
 
 
+def _only(rows: pa.Table, column: str, wanted: Sequence[str] | None, option: str) -> pa.Table:
+    """The rows whose `column` is one of `wanted` (all when None); an unknown value is an input error."""
+    if not wanted:
+        return rows
+    have = set(rows[column].to_pylist())
+    missing = [w for w in wanted if w not in have]
+    if missing:
+        raise InputError(f"{option} {','.join(missing)}: no clean rows of it (there are: {', '.join(sorted(have))})")
+    return rows.filter(pc.is_in(rows[column], value_set=pa.array(list(wanted), pa.string())))
+
+
+def left_out_points(table: pa.Table, clean: pa.Table) -> list[str]:
+    """The (case, device, point)s of `table` with no clean sample, each with why: `qmm cpu tokens=1: contended`."""
+    have = {
+        (c, d, stats.point_of(p))
+        for c, d, p in zip(*(clean[k].to_pylist() for k in ("case_name", "device", "params")), strict=True)
+    }
+    why: dict[tuple[str, str, Point], set[str]] = {}
+    cols = [table[k].to_pylist() for k in ("case_name", "device", "params", "status", "contended")]
+    for case_name, device, params, status, contended in zip(*cols, strict=True):
+        key = (case_name, device, stats.point_of(params))
+        if key not in have:
+            reason = str(status) if status != "ok" else "contended" if contended else "no finite value"
+            why.setdefault(key, set()).add(reason)
+    out = []
+    for case_name, device, point in sorted(why, key=lambda k: (k[0], k[1], point_sort_key(k[2]))):
+        shown = varying_params(k[2] for k in [*have, *why] if k[0] == case_name)
+        where = " ".join(f"{k}={v}" for k, v in point if k in shown)
+        out.append(f"{case_name} {device} {where}: {', '.join(sorted(why[(case_name, device, point)]))}")
+    return out
+
+
 def compare_results(
     table: pa.Table,
     *,
@@ -119,6 +162,8 @@ def compare_results(
     baseline: str | None = None,
     threshold: float = stats.THRESHOLD,
     resamples: int = stats.RESAMPLES,
+    arms: Sequence[str] | None = None,
+    metrics: Sequence[str] | None = None,
 ) -> CompareResult:
     """Build the comparison table from stored rows.
 
@@ -128,12 +173,15 @@ def compare_results(
         baseline: the side the others are compared with (default: `affine` or the first side).
         threshold: the smallest relative change a verdict calls a difference.
         resamples: bootstrap resamples.
+        arms: only these arms (None: all); with `by="arm"` they are the sides, in this order.
+        metrics: only these metrics, in this order (None: every metric, in `METRIC_ORDER`).
 
     Returns:
         The comparison, one row per case, point and remaining dimension.
 
     Raises:
-        InputError: `by` is unknown, there are no clean rows, or the baseline is not a side.
+        InputError: `by` is unknown, there are no clean rows, an arm or metric has none, or the
+            baseline is not a side.
     """
     if by not in SIDE_COLUMNS:
         raise InputError(f"--by {by!r} is not one of {', '.join(SIDE_COLUMNS)}")
@@ -142,6 +190,9 @@ def compare_results(
     rows = stats.clean_rows(table)
     if rows.num_rows == 0:
         raise InputError("no clean result rows to compare (status ok, not contended)")
+    rows = _only(_only(rows, "arm", arms, "--arms"), "metric", metrics, "--metric")
+    chosen = table if not arms else table.filter(pc.is_in(table["arm"], value_set=pa.array(list(arms), pa.string())))
+    left_out = left_out_points(chosen, stats.clean_rows(chosen))
     cols = {c: rows[c].to_pylist() for c in {"case_name", "params", "metric", "value", side_col, *row_dims}}
     samples: dict[tuple[str, Point, tuple[str, ...], str, str], list[float]] = {}
     sides_seen: list[str] = []
@@ -157,7 +208,7 @@ def compare_results(
             side,
         )
         samples.setdefault(key, []).append(float(cols["value"][i]))
-    sides = sides_seen if by != "arm" else sorted(sides_seen)
+    sides = sides_seen if by != "arm" else list(arms) if arms else sorted(sides_seen)
     base = default_baseline(sides, baseline)
     if baseline is not None and baseline not in sides:
         raise InputError(f"baseline {baseline!r} has no clean rows (sides: {', '.join(sides)})")
@@ -173,7 +224,8 @@ def compare_results(
         for case, have in case_sides.items()
     }
     metrics_seen = {k[3] for k in samples}
-    metrics = [m for m in METRIC_ORDER if m in metrics_seen] + sorted(metrics_seen - set(METRIC_ORDER))
+    order = list(metrics) if metrics else [*METRIC_ORDER, *sorted(metrics_seen - set(METRIC_ORDER))]
+    metric_list = [m for m in order if m in metrics_seen]
 
     by_row: dict[tuple[str, Point, tuple[str, ...]], CompareRow] = {}
     for (case_name, point, dims, metric, side), values in samples.items():
@@ -199,7 +251,7 @@ def compare_results(
         case: varying_params(r.point for r in ordered if r.case_name == case)
         for case in dict.fromkeys(r.case_name for r in ordered)
     }
-    return CompareResult(by, base, sides, metrics, ordered, varying, case_sides, case_base)
+    return CompareResult(by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out)
 
 
 # ---------------------------------------------------------------------------------- cross-device

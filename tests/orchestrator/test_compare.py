@@ -7,15 +7,17 @@ import csv
 import datetime as dt
 import io
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from rich.console import Console
 
 from orchestrator.compare import compare_results, cross_device, select_results
-from orchestrator.compare_render import render_text
+from orchestrator.compare_render import case_tables, print_comparison, render_text
 from orchestrator.errors import InputError
 from orchestrator.stats import Verdict
 from orchestrator.store import ResultStore
@@ -84,13 +86,23 @@ def test_the_first_seeds_table_is_rebuilt() -> None:
 
     md = render_text(result, "md")
     header = md.splitlines()[2]
-    assert header.startswith("| device | prompt_tokens | affine prefill tok/s | native prefill tok/s |")
+    # The seed's columns, in its order (peak and load per arm, without a ratio column, as the seed has).
+    assert header == (
+        "| device | prompt_tokens | affine prefill tok/s | native prefill tok/s | native prefill gap "
+        "| affine decode tok/s | native decode tok/s | native decode speedup | affine peak | native peak "
+        "| affine load | native load |"
+    )
     line_512 = next(line for line in md.splitlines() if line.startswith("| cpu | 512 |"))
-    assert "-3.0% [" in line_512 and "SLOWER" in line_512
-    assert "2.67x [" in line_512 and "FASTER" in line_512
-    assert "40.44 GB" in line_512 and "37.17 GB" in line_512 and "229.8s" in line_512 and "LOWER" in line_512
+    cells = [c.strip() for c in line_512.strip("|").split("|")]
+    assert len(cells) == 12
+    assert re.fullmatch(r"-3\.0% \[-3\.\d,-2\.\d\] SLOWER", cells[4]), cells[4]
+    assert re.fullmatch(r"2\.67x \[2\.6\d,2\.[67]\d\] FASTER", cells[7]), cells[7]
+    assert cells[8:] == ["40.44 GB", "37.17 GB", "229.8s", "82.6s"]
     line_2048 = next(line for line in md.splitlines() if line.startswith("| cpu | 2048 |"))
     assert "-8.8% [" in line_2048
+    assert "] AMBIGUOUS" not in md and "(1)" not in md  # 9 samples at 0.05 % noise settle every gap
+    # The memory verdict is still computed: CSV and JSON carry it.
+    assert render_text(result, "json").count('"native/affine.peak_memory_bytes.verdict": "FASTER"') == 6
 
 
 def test_csv_and_json_carry_every_number() -> None:
@@ -250,8 +262,11 @@ def test_each_case_has_its_own_arms_and_baseline() -> None:
     c = moe_row.comparisons[("seconds", "native-sorted")]
     assert c.ratio.ratio == pytest.approx(2 / 3, rel=0.02) and c.verdict is Verdict.FASTER
     md = render_text(result, "md")
-    assert "### moe-gather (baseline: affine-sorted)" in md and "native-sorted/affine-sorted time" in md
-    assert "| device | tokens | affine time | native time | native/affine time |" in md
+    # A case measuring none of the seeds' metrics shows its time, with the ratio to its own baseline.
+    assert "### moe-gather (baseline: affine-sorted)" in md
+    assert "| device | tokens | affine-sorted time | native-sorted time | native-sorted time ratio |" in md
+    assert "| device | tokens | affine time | native time | native time ratio |" in md
+    assert re.search(r"\| 0\.6\dx \[0\.6\d,0\.\d\d\] FASTER \|", md)
 
 
 def test_cli_cross_device_view_and_commit_comparison(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -296,3 +311,217 @@ def test_cli_cross_device_view_and_commit_comparison(tmp_path: Path, orchestrate
     assert {r["device"] for r in rows} == {"cpu", "h200"}
     assert all(r["bbb222/aaa111.gb_per_s.verdict"] == "FASTER" for r in rows)
     assert all(r["bbb222/aaa111.gb_per_s.ratio"] == pytest.approx(1.1, rel=0.02) for r in rows)
+
+
+# ------------------------------------------------------------------------ the readable table
+
+KERNEL_ARMS = {"native": 0.5, "affine": 1.0, "dequant-gemm": 1.25, "dense": 1.01}  # time relative to affine
+
+
+def kernel_table(devices: tuple[str, ...] = ("cpu",), *, n: int = 5) -> pa.Table:
+    """A qmm-like kernel case as the worker writes it: four arms, every kernel metric, tokens 1..16384.
+
+    Tokens 1 measures decode tok/s, longer prompts prefill tok/s; `dense` is within the noise of
+    `affine` (5 %, 5 samples), so its verdicts are AMBIGUOUS and need more samples.
+    """
+    rng = np.random.default_rng(11)
+    tables = []
+    for device in devices:
+        for tokens in (1, 512, 4096, 16384):
+            values: dict[str, dict[str, list[float]]] = {}
+            for arm, rel in KERNEL_ARMS.items():
+                seconds = noisy(rng, 1e-3 * tokens**0.5 * rel, 0.05, n)
+                rate = "decode_tok_s" if tokens == 1 else "prefill_tok_s"
+                values[arm] = {
+                    "seconds": seconds,
+                    rate: [tokens / s for s in seconds],
+                    "gb_per_s": [0.1 / s for s in seconds],
+                    "tflop_per_s": [2e-3 / s for s in seconds],
+                    "rel_error": [1e-7 * (1 + rel)],
+                    "peak_memory_bytes": [2e6 * (2 if arm == "dequant-gemm" else 1)],
+                    "build_seconds": [0.5],
+                }
+            params = {"tokens": tokens, "n": 256, "k": 512, "dtype": "float32"}
+            tables.append(job_table(values, params=params, device=device, peaks=(400.0, 8.0), sweep="seed1"))
+    return concat(tables)
+
+
+def md_tables(md: str) -> dict[str, list[list[str]]]:
+    """Each Markdown table of a comparison as rows of cells (the header first, no rule), by its case."""
+    out: dict[str, list[list[str]]] = {}
+    case = ""
+    for line in md.splitlines():
+        if line.startswith("### "):
+            case = line[4:].split(" (")[0]
+        elif line.startswith("| ") and case:
+            out.setdefault(case, []).append([c.strip() for c in line.strip("|").split("|")])
+    return out
+
+
+def test_model_and_kernel_cases_show_the_seeds_metrics_they_measure() -> None:
+    """The seed's command case shows prefill, decode, peak and load; a kernel case shows what it
+    measures of them (no load time), never its time, bandwidth, FLOP rate, error or build time."""
+    result = compare_results(concat([seed1_table(), kernel_table()]), baseline="affine")
+    tables = md_tables(render_text(result, "md"))
+    model_head, kernel_head = tables["bench-decode"][0], tables["qmm"][0]
+    assert model_head[2:] == [
+        "affine prefill tok/s", "native prefill tok/s", "native prefill gap",
+        "affine decode tok/s", "native decode tok/s", "native decode speedup",
+        "affine peak", "native peak", "affine load", "native load",
+    ]  # fmt: skip
+    arms = ["affine", "dense", "dequant-gemm", "native"]
+    assert kernel_head == [
+        "device", "tokens",
+        *[f"{a} prefill tok/s" for a in arms], *[f"{a} prefill gap" for a in arms[1:]],
+        *[f"{a} decode tok/s" for a in arms], *[f"{a} decode speedup" for a in arms[1:]],
+        *[f"{a} peak" for a in arms],
+    ]  # fmt: skip
+    assert not any(word in " ".join(kernel_head) for word in ("load", "time", "GB/s", "TFLOP/s", "rel err"))
+    by_tokens = {row[1]: row for row in tables["qmm"][1:]}
+    assert list(by_tokens) == ["1", "512", "4096", "16384"]
+    # Tokens 1 is a decode point: its prefill cells are empty, its decode speedup is native's 2x.
+    assert by_tokens["1"][2:9] == ["-"] * 7
+    assert re.fullmatch(r"[12]\.\d\dx \[\d\.\d\d,\d\.\d\d\] FASTER", by_tokens["1"][15]), by_tokens["1"][15]
+    assert re.fullmatch(r"\+\d+\.\d% \[\+\d+\.\d,\+\d+\.\d\] FASTER", by_tokens["512"][8]), by_tokens["512"][8]
+    assert re.fullmatch(r"-2\d\.\d% \[-\d+\.\d,-\d+\.\d\] SLOWER", by_tokens["4096"][7]), by_tokens["4096"][7]
+    assert by_tokens["512"][-4:] == ["2.00 MB", "2.00 MB", "4.00 MB", "2.00 MB"]
+
+
+def test_an_ambiguous_verdict_is_short_and_its_samples_go_to_a_footnote() -> None:
+    result = compare_results(kernel_table(), baseline="affine")
+    md = render_text(result, "md")
+    rows = md_tables(md)["qmm"][1:]
+    dense_gaps = [row[6] for row in rows[1:]]  # dense vs affine prefill, tokens 512..16384
+    assert any("AMBIGUOUS" in cell for cell in dense_gaps)
+    notes = re.findall(r"^\((\d+)\) (.*?)  $", md, re.M)
+    assert notes, md
+    for cell in dense_gaps:
+        if "AMBIGUOUS" in cell:
+            match = re.fullmatch(r"[+-]\d+\.\d% \[[+-]\d+\.\d,[+-]\d+\.\d\] AMBIGUOUS \((\d+)\)", cell)
+            assert match, cell
+            number, text = notes[int(match[1]) - 1]
+            assert number == match[1] and "dense vs affine prefill tok/s: about " in text
+            assert re.search(r"about \d+ more samples per arm would settle it$", text)
+    assert "more samples" not in "".join(cell for row in rows for cell in row)
+    # CSV keeps every field: the verdict and the samples it needs, per comparison.
+    csv_rows = list(csv.DictReader(io.StringIO(render_text(result, "csv"))))
+    ambiguous = [r for r in csv_rows if r["dense/affine.prefill_tok_s.verdict"] == "AMBIGUOUS"]
+    assert ambiguous and all(int(r["dense/affine.prefill_tok_s.more_samples"]) > 0 for r in ambiguous)
+    assert {"native/affine.gb_per_s.ratio", "native/affine.rel_error.verdict"} <= set(csv_rows[0])
+
+
+def test_metrics_and_arms_are_chosen() -> None:
+    result = compare_results(kernel_table(), arms=["native", "affine"], metrics=["seconds", "gb_per_s", "rel_error"])
+    assert result.sides == ["affine", "native"] and result.metrics == ["seconds", "gb_per_s", "rel_error"]
+    (table,) = md_tables(render_text(result, "md", metrics=result.metrics)).values()
+    assert table[0] == [
+        "device", "tokens", "affine time", "native time", "native time ratio",
+        "affine GB/s", "native GB/s", "native GB/s ratio", "affine rel err", "native rel err",
+    ]  # fmt: skip
+    assert all(re.fullmatch(r"0\.\d\dx \[0\.\d\d,0\.\d\d\] FASTER", row[4]) for row in table[1:])
+    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] FASTER", row[7]) for row in table[1:])
+    # Without the sweep's baseline, the first named arm is it.
+    alone = compare_results(kernel_table(), arms=["native", "dense"])
+    assert alone.sides == ["native", "dense"] and alone.baseline == "native"
+    with pytest.raises(InputError, match=r"--arms fast: no clean rows of it \(there are: affine, dense"):
+        compare_results(kernel_table(), arms=["fast"])
+    with pytest.raises(InputError, match="--metric joules"):
+        compare_results(kernel_table(), metrics=["joules"])
+
+
+def write_store(root: Path, table: pa.Table) -> None:
+    store = ResultStore(root)
+    for i, key in enumerate(sorted(set(table["job_key"].to_pylist()))):
+        part = table.filter(pa.compute.equal(table["job_key"], key))
+        store.write(
+            part, sweep="seed1", date=dt.date(2026, 11, 30), device=part["device"][0].as_py(), run_id="run1",
+            job_key=f"j{i}",
+        )  # fmt: skip
+
+
+def in_order(line: str, cells: list[str]) -> bool:
+    """Every cell appears in the line, in order."""
+    at = 0
+    for cell in cells:
+        at = line.find(cell, at)
+        if at < 0:
+            return False
+        at += len(cell)
+    return True
+
+
+@pytest.mark.parametrize("extra", [[], ["-m", "prefill_tok_s", "-m", "seconds", "-m", "gb_per_s", "-m", "tflop_per_s"]])
+def test_cli_table_off_a_terminal_keeps_each_row_on_one_line(
+    tmp_path: Path, orchestrate_bin: str, extra: list[str]
+) -> None:
+    """Piped (not a terminal), the table is as wide as it needs: every data row is one line with all
+    its cells -- the seed's case, and a four-arm kernel case far wider than 200 columns."""
+    table = concat([seed1_table(), kernel_table(("cpu", "h200"))])
+    root = tmp_path / "results"
+    write_store(root, table)
+    out = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), *extra],
+        capture_output=True, text=True, env=child_env(COLUMNS="80"), timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    metrics = [extra[i + 1] for i in range(0, len(extra), 2)] or None
+    expected = case_tables(compare_results(table, baseline="affine", metrics=metrics), metrics)
+    assert {t.case for t in expected} == {"qmm", "bench-decode"}
+    for t in expected:
+        for cells in t.rows:
+            matching = [line for line in lines if in_order(line, cells)]
+            assert len(matching) == 1, (cells, out.stdout)
+        assert sum(1 for line in lines if line.lstrip().startswith(("cpu ", "h200 "))) >= len(t.rows)
+    assert max(len(line) for line in lines) > 200  # the wide kernel table overflows rather than folds
+    for t in expected:
+        for i, note in enumerate(t.notes, 1):
+            assert f"({i}) {note}" in lines
+    # Two devices: the share-of-peak view follows the arms' table.
+    assert "across devices: share of each device's measured peak" in out.stdout
+    assert re.search(r"qmm .* native +GB/s +\d+\.\d+ \(\d+% of 400\.00\)", out.stdout)
+
+
+def test_a_narrow_console_is_widened_not_folded() -> None:
+    result = compare_results(kernel_table(), baseline="affine")
+    buf = io.StringIO()
+    print_comparison(Console(file=buf, width=80, force_terminal=False, highlight=False), result)
+    lines = buf.getvalue().splitlines()
+    (t,) = case_tables(result)
+    for cells in t.rows:
+        assert sum(in_order(line, cells) for line in lines) == 1, buf.getvalue()
+    assert "across devices" not in buf.getvalue()  # one device: no cross-device view unless asked
+    assert render_text(result, "md").count("across devices") == 0
+
+
+def test_a_point_without_clean_samples_is_named_not_silently_dropped() -> None:
+    contended = job_table(
+        {arm: {"prefill_tok_s": [1.0, 2.0]} for arm in KERNEL_ARMS},
+        params={"tokens": 2048, "n": 256, "k": 512, "dtype": "float32"},
+        contended=True,
+        sweep="seed1",
+    )
+    result = compare_results(concat([kernel_table(), contended]), baseline="affine")
+    assert result.left_out == ["qmm cpu tokens=2048: contended"]
+    assert "2048" not in [r.point[-1][1] for r in result.rows]
+    assert "Left out, no clean sample: qmm cpu tokens=2048: contended." in render_text(result, "md")
+    assert json.loads(render_text(result, "json"))["left_out"] == ["qmm cpu tokens=2048: contended"]
+
+
+def test_cli_arms_without_the_sweeps_baseline(tmp_path: Path, orchestrate_bin: str) -> None:
+    root = tmp_path / "results"
+    write_store(root, kernel_table())
+    out = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--arms", "native,dense", "-m", "seconds", "-f", "md"],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (table,) = md_tables(out.stdout).values()
+    assert "### qmm (baseline: native)" in out.stdout
+    assert table[0] == ["device", "tokens", "native time", "dense time", "dense time ratio"]
+    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] SLOWER", row[4]) for row in table[1:]), table
+    bad = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--arms", "native,fast"],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--arms fast: no clean rows of it" in bad.stderr
