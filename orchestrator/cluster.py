@@ -9,23 +9,17 @@ SFTP and starts `ray start --block` there in its own process group, with the lab
 log says it joined. Each started process's pid is kept in a file beside it, so `cluster_down`
 stops exactly what `cluster_up` started (never `ray stop`, which kills every Ray on a machine).
 
-The token is never printed or logged: it lives in a 0600 file on the head (Ray's own default,
-`~/.ray/auth_token`, or `$RAY_AUTH_TOKEN_PATH`) and in `<workdir>/auth_token` on each host.
+The token (see `orchestrator.head`) is never printed or logged; each host keeps its copy in
+`<workdir>/auth_token`, mode 0600.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import platform
-import secrets
 import shlex
-import signal
-import socket
-import subprocess
-import sys
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,156 +27,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.errors import InfrastructureError
+from orchestrator.head import (
+    HEAD_LOG,
+    JOINED,
+    RAY_CLI,
+    enable_token_auth,
+    ensure_token,
+    head_address,
+    listening,
+    start_head,
+    stop_head,
+    token_path,
+)
 from orchestrator.hostprobe import HostProbe, last_job, lock_holder, probe, probe_host, version_problems
 from orchestrator.specs import HostSpec, InventorySpec
 from orchestrator.ssh import RemoteShell, SshTarget, command_line, shell_path
 
-RAY_CLI = ["-m", "ray.scripts.scripts"]
 NODE_PID = "ray-node.pid"
 NODE_LOG = "ray-node.log"
 TOKEN_FILE = "auth_token"
-HEAD_PID = "head.pid"
-HEAD_LOG = "head.log"
-JOINED = "Ray runtime started."
 
 Log = Callable[[str], None]
 
 
 def _quiet(_: str) -> None:
     pass
-
-
-# ------------------------------------------------------------------------------------ the token
-
-
-def token_path() -> Path:
-    """Where the head keeps Ray's token: `$RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token`."""
-    raw = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    return Path(raw).expanduser() if raw else Path.home() / ".ray" / "auth_token"
-
-
-def ensure_token() -> Path:
-    """The head's token file, created (mode 0600, 256 random bits) when missing."""
-    path = token_path()
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
-    return path
-
-
-def enable_token_auth() -> None:
-    """Make this process (and its children) use Ray's token authentication with the head's token."""
-    path = token_path()
-    if not path.exists():
-        raise InfrastructureError(f"no Ray token at {path}: start the cluster with `orchestrate cluster up`")
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ.setdefault("RAY_AUTH_TOKEN_PATH", str(path))
-    try:  # Ray caches the token per process; a test or a second inventory may point elsewhere.
-        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
-    except (ImportError, AttributeError):
-        pass
-
-
-def head_address(inventory: InventorySpec) -> str:
-    """`address:port` of the inventory's Ray head."""
-    if inventory.head.address is None:
-        raise InfrastructureError("the inventory has no [head] address: it runs on an embedded local Ray instance")
-    return f"{inventory.head.address}:{inventory.head.ray_port}"
-
-
-# ------------------------------------------------------------------------------------- the head
-
-
-def require_head(inventory: InventorySpec, timeout: float = 3.0) -> None:
-    """Fail fast when no Ray head listens at the inventory's address (`ray.init` would hang for minutes)."""
-    head = inventory.head
-    assert head.address is not None
-    if not _listening(head.address, head.ray_port, timeout):
-        raise InfrastructureError(
-            f"no Ray head answers at {head_address(inventory)}: start the cluster with `orchestrate cluster up`"
-        )
-
-
-def _listening(address: str, port: int, timeout: float = 1.0) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def start_head(inventory: InventorySpec, *, timeout: float = 60.0) -> bool:
-    """Start the Ray head on this machine unless one listens already; True when we started it."""
-    head = inventory.head
-    assert head.address is not None
-    if _listening(head.address, head.ray_port):
-        return False
-    workdir = Path(head.workdir).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    ip = head.node_ip or head.address
-    argv = [
-        sys.executable, *RAY_CLI, "start", "--head", "--block", "--port", str(head.ray_port),
-        "--node-ip-address", ip, "--temp-dir", str(workdir / "ray"), "--num-cpus", "0",
-        "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
-        "--include-dashboard", "true" if head.dashboard else "false",
-        "--dashboard-port", str(head.dashboard_port), "--dashboard-host", ip,
-    ]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(ensure_token())}
-    with (workdir / HEAD_LOG).open("ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    (workdir / HEAD_PID).write_text(f"{proc.pid}\n")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (workdir / HEAD_LOG).read_text(errors="replace").strip().splitlines()[-1:]
-            raise InfrastructureError(f"the Ray head exited at start ({' '.join(tail)}); log: {workdir / HEAD_LOG}")
-        if _listening(head.address, head.ray_port, 0.5) and JOINED in (workdir / HEAD_LOG).read_text(errors="replace"):
-            return True
-        time.sleep(0.3)
-    raise InfrastructureError(f"the Ray head did not start within {timeout:g} s; log: {workdir / HEAD_LOG}")
-
-
-def stop_head(inventory: InventorySpec, *, grace: float = 5.0) -> bool:
-    """Stop the head `start_head` started (by its process group); True when one was stopped."""
-    pidfile = Path(inventory.head.workdir).expanduser() / HEAD_PID
-    pid = _read_pid(pidfile)
-    if pid is None:
-        return False
-    stopped = _pid_alive(pid)
-    if stopped:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _pid_alive(pid):
-            time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):  # reap it when it is our child
-            os.waitpid(pid, os.WNOHANG)
-    pidfile.unlink(missing_ok=True)
-    return stopped
 
 
 # ------------------------------------------------------------------------------------ the nodes
@@ -386,7 +255,7 @@ def ray_nodes(inventory: InventorySpec) -> dict[str, bool] | None:
     """Ray's view from the head: inventory host name -> node alive (None: no head answers)."""
     head = inventory.head
     assert head.address is not None
-    if not _listening(head.address, head.ray_port):
+    if not listening(head.address, head.ray_port):
         return None
     import ray
 
@@ -427,3 +296,40 @@ def cluster_status(inventory: InventorySpec) -> list[HostState]:
         return state
 
     return _each_host(inventory, status)
+
+
+NODE_LOGS = ("raylet.out", "raylet.err")  # from the node's Ray session, beside `ray start`'s own log
+
+
+def cluster_logs(inventory: InventorySpec, out: Path) -> list[HostState]:
+    """Copy each host's node logs (and the head's log) under `out/<host>/`; a lost host is noted."""
+    _remote_hosts(inventory)
+    head_log = Path(inventory.head.workdir).expanduser() / HEAD_LOG
+    if head_log.exists():
+        (out / "head").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(head_log, out / "head" / HEAD_LOG)
+
+    def fetch(host: HostSpec) -> HostState:
+        state = HostState(host.name, host.device, f"{host.host}:{host.port}")
+        try:
+            with RemoteShell.connect(SshTarget.from_host(host)) as shell:
+                home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
+                paths = _paths(host, home)
+                logs = f"{paths['workdir']}/ray/session_latest/logs"
+                wanted = [paths["log"], *(f"{logs}/{name}" for name in NODE_LOGS)]
+                (out / host.name).mkdir(parents=True, exist_ok=True)
+                fetched = []
+                for remote in wanted:
+                    name = remote.rsplit("/", 1)[-1]
+                    try:
+                        shell.get(remote, out / host.name / name)
+                        fetched.append(name)
+                    except OSError:
+                        state.notes.append(f"no {remote}")
+                state.node = f"{len(fetched)} logs"
+        except InfrastructureError as exc:
+            state.node = "unreachable"
+            state.notes.append(exc.message)
+        return state
+
+    return _each_host(inventory, fetch)

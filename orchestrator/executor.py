@@ -80,7 +80,7 @@ class RayExecutor:
                     **common,
                 )
             else:
-                from orchestrator.cluster import enable_token_auth, require_head
+                from orchestrator.head import enable_token_auth, require_head
 
                 head = self.inventory.head
                 require_head(self.inventory)

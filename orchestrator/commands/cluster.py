@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from orchestrator.cluster import ClusterCheckError, HostState, cluster_down, cluster_status, cluster_up
+from orchestrator.cluster import ClusterCheckError, HostState, cluster_down, cluster_logs, cluster_status, cluster_up
 from orchestrator.console import console
 from orchestrator.specs import load_inventory
 
@@ -79,3 +79,13 @@ def register(app: typer.Typer) -> None:
         inv = load_inventory(inventory)
         out = console()
         out.print(hosts_table(cluster_status(inv), f"cluster {inventory}"))
+
+    @cluster.command("logs")
+    def logs(
+        inventory: Path = INVENTORY,
+        out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
+    ) -> None:
+        """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
+        inv = load_inventory(inventory)
+        states = cluster_logs(inv, out)
+        console().print(hosts_table(states, f"cluster {inventory}: logs in {out}"))

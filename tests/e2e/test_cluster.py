@@ -190,6 +190,17 @@ def test_status_then_sweep_over_two_kinds_puts_rows_on_the_right_hosts_and_colle
         line = next(ln for ln in status.stdout.splitlines() if ln.strip(" │|").startswith(name))
         assert any(key in line for key in set(table.column("job_key").to_pylist())), status.stdout
 
+    logs = cluster.root / "logs"
+    got = cluster.orchestrate("cluster", "logs", "--inventory", str(cluster.inventory), "--out", str(logs))
+    assert got.returncode == 0, got.stdout + got.stderr
+    secret = token.read_text()
+    assert "Ray runtime started." in (logs / "head" / "head.log").read_text()
+    for name in HOSTS:
+        node_log = (logs / name / "ray-node.log").read_text()
+        raylet = (logs / name / "raylet.out").read_text()
+        assert "Ray runtime started." in node_log and HOSTS[name][0] in raylet
+        assert secret not in node_log + raylet  # the token is never logged
+
 
 def wait_for(predicate: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
@@ -243,11 +254,16 @@ def test_head_killed_mid_sweep_then_rerun_runs_only_missing_jobs(cluster: Cluste
     sweep = cluster.sweep("resume", tokens=[1, 2, 3, 4, 5, 6], n=64, reps=3)
     results = cluster.root / "results-3"
     argv = [ORCHESTRATE, "run", "--inventory", str(cluster.inventory), "--sweep", str(sweep), "-r", str(results)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=cluster.env)
+    log = cluster.root / "resume-1.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
     try:
-        wait_for(lambda: any(results.rglob("part-*.parquet")), 120, "the first stored fragment")
+        wait_for(lambda: any(results.rglob("part-*.parquet")) or proc.poll() is not None, 240, "a stored fragment")
+        assert proc.poll() is None, log.read_text()  # still running: the head is killed mid-sweep
         proc.send_signal(signal.SIGKILL)
     finally:
+        if proc.poll() is None:
+            proc.kill()
         proc.wait(30)
     first = {f.job_key for f in ResultStore(results).fragments() if f.job_status == "ok"}
     assert 1 <= len(first) < 12
