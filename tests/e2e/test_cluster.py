@@ -250,25 +250,29 @@ def test_host_killed_mid_sweep_retries_on_its_kind_or_fails_with_the_reason(clus
         assert "a1: started" in up.stdout and "b1: started" in up.stdout and "a2: running" in up.stdout
 
 
-def test_head_killed_mid_sweep_then_rerun_runs_only_missing_jobs(cluster: Cluster) -> None:
-    sweep = cluster.sweep("resume", tokens=[1, 2, 3, 4, 5, 6], n=64, reps=3)
-    results = cluster.root / "results-3"
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_head_killed_mid_sweep_then_rerun_runs_only_missing_jobs(cluster: Cluster, sig: signal.Signals) -> None:
+    name = f"resume-{sig.name.lower()}"
+    sweep = cluster.sweep(name, tokens=[1, 2, 3, 4, 5, 6], n=64, reps=3)
+    results = cluster.root / f"results-{name}"
     argv = [ORCHESTRATE, "run", "--inventory", str(cluster.inventory), "--sweep", str(sweep), "-r", str(results)]
-    log = cluster.root / "resume-1.log"
+    log = cluster.root / f"{name}.log"
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=cluster.env)
     try:
         wait_for(lambda: any(results.rglob("part-*.parquet")) or proc.poll() is not None, 240, "a stored fragment")
-        assert proc.poll() is None, log.read_text()  # still running: the head is killed mid-sweep
-        proc.send_signal(signal.SIGKILL)
+        assert proc.poll() is None, log.read_text()  # still running: the head is stopped mid-sweep
+        proc.send_signal(sig)
+        code = proc.wait(30)
+        assert code == (130 if sig == signal.SIGINT else -signal.SIGKILL), log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.wait(30)
+            proc.wait(30)
     first = {f.job_key for f in ResultStore(results).fragments() if f.job_status == "ok"}
     assert 1 <= len(first) < 12
     rerun = cluster.orchestrate(*argv[1:])
-    versions = set(ResultStore(results).read(sweep="resume").column("code_version").to_pylist())
+    versions = set(ResultStore(results).read(sweep=name).column("code_version").to_pylist())
     if len(versions) > 1:  # the job key includes the code version: another commit or edit landed
         pytest.skip(f"the checkout changed between the two runs ({', '.join(sorted(versions))})")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
