@@ -43,8 +43,11 @@ class GemvConfig:
     cvt_scales: bool = False
 
 
-# Measured on the H200 (benchmarks/gpu_kernels.py); other shapes take DEFAULT_CONFIG.
-TUNED_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# Measured on the H200 (benchmarks/gpu_kernels.py, BENCHMARKS.md): the fastest of 6 launch shapes at
+# M=1 (used for M <= 4) and at M=8 (used above) on the decode shape; other shapes take DEFAULT_CONFIG.
+TUNED_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (m, 21504, 5376): GemvConfig(4, 2) if m <= 4 else GemvConfig(2, 3) for m in range(1, MAX_ROWS + 1)
+}
 DEFAULT_CONFIG = GemvConfig()
 
 
