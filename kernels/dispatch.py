@@ -229,10 +229,16 @@ def qmm_auto_path(
     )
 
 
-def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, hidden: int) -> ArmPath:
+def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, shape: tuple[int, int, int]) -> ArmPath:
     """The moe-gather case's `custom-sorted` arm: the sorted route of `kernels.moe.run_sorted`
     (pairs sorted by expert, rows scattered back, all inside the call) with the expert-batched
-    kernel (MLX twin without CUDA) in place of `gather_qmm`."""
+    kernel (MLX twin without CUDA) in place of `gather_qmm`.
+
+    Args:
+        wq, scales, global_scales: the experts' packed codes, E4M3 scales and global scales.
+        dtype_name: the activations' dtype.
+        shape: (tokens, top_k, hidden); the first call at this shape (NVRTC compile) is the build.
+    """
     import mlx.core as mx
 
     from kernels import gemv_nvfp4, moe_nvfp4
@@ -246,10 +252,14 @@ def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, h
         y = moe_nvfp4.moe_gather_nvfp4(x, wq, scales, global_scales, lhs, flat[order])
         return y[inverse].reshape(t, top_k, -1)
 
+    tokens, top_k, hidden = shape
+    t0 = time.perf_counter()
+    mx.eval(run(mx.zeros((tokens, hidden), dtype=getattr(mx, dtype_name)), mx.zeros((tokens, top_k), dtype=mx.uint32)))
     return ArmPath(
         run=run,
         tolerance=gemv_nvfp4.TOLERANCE[dtype_name],
         route=moe_nvfp4.route(wq.shape[1], hidden) + ",sorted",
+        build_seconds=time.perf_counter() - t0,
     )
 
 

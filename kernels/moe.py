@@ -196,7 +196,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     for arm in arms:
         kind, _, order = arm.partition("-")
         if kind == "custom" and order == "sorted":  # issue 7: kernels.moe_nvfp4 (MLX twin without CUDA)
-            paths[arm] = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, d)
+            paths[arm] = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
             weights[arm] = ew.dequantized
             continue
         if kind == "auto" and order == "sorted":  # issue 7: built below, once inputs and reference exist
@@ -245,7 +245,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             tolerance=tolerance("native", dtype_name, d, backend),
             route=f"{native_route},sorted",
         )
-        custom_sorted = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, d)
+        custom_sorted = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
         paths["auto-sorted"] = dispatch.moe_auto_path(
             native_sorted,
             custom_sorted,

@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import nvfp4
+from kernels import dispatch, moe, nvfp4, qmm
 from kernels.cuda import cuda_backend_available, read_source
-from kernels.gemv_nvfp4 import GEMV_SOURCE, gemv_nvfp4, gemv_nvfp4_twin, kernel_supports
+from kernels.gemv_nvfp4 import (
+    GEMV_SOURCE,
+    GemvConfig,
+    gemv_nvfp4,
+    gemv_nvfp4_cuda,
+    gemv_nvfp4_twin,
+    kernel_supports,
+)
 from kernels.moe_nvfp4 import MOE_SOURCE, moe_gather_nvfp4, moe_gather_nvfp4_twin
+from kernels.registry import ArmPath
 
 needs_cuda = pytest.mark.skipif(not cuda_backend_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 
@@ -374,3 +383,98 @@ def test_moe_kernel_matches_its_twin_on_cuda() -> None:
     want = moe_gather_nvfp4_twin(x, wq, sc, gs, lhs_mx, mx.array(rhs))
     assert np.all(np.array(got.astype(mx.float32))[-5:] == 0.0)
     assert _rel(got, np.array(want.astype(mx.float32)).astype(np.float64)) < 1e-2
+
+
+# ------------------------------------------------------------------- dispatch and case arms
+
+
+def _fixed_path(value: float, delay: float, tolerance: float = 1e-6, route: str = "r") -> ArmPath:
+    """A path returning `value` everywhere after sleeping `delay` seconds per call (host side)."""
+
+    def run(x: mx.array) -> mx.array:
+        time.sleep(delay)
+        return mx.full(x.shape, value)
+
+    return ArmPath(run=run, tolerance=tolerance, route=route)
+
+
+def test_calibrate_picks_the_fastest_correct_path_and_rejects_wrong_ones() -> None:
+    x = mx.ones((2, 3))
+    candidates = {
+        "slow": _fixed_path(1.0, 0.004, route="slow-route"),
+        "fast-but-wrong": _fixed_path(2.0, 0.0),
+        "fast": _fixed_path(1.0, 0.001, route="fast-route"),
+        "raises": ArmPath(run=lambda x: 1 / 0, tolerance=1.0, route="boom"),
+    }
+    choice = dispatch.calibrate(candidates, (x,), lambda name, x: np.ones((2, 3)), calls=2, repeats=2)
+    assert choice.chosen == "fast"
+    assert set(choice.seconds) == {"slow", "fast"}
+    assert "over tolerance" in choice.rejected["fast-but-wrong"]
+    assert "ZeroDivisionError" in choice.rejected["raises"]
+    route = choice.describe("fast-route")
+    assert route.startswith("auto:fast[fast-route] fast=") and "fast-but-wrong:rejected" in route
+
+
+def test_calibrate_without_a_correct_path_raises() -> None:
+    with pytest.raises(ValueError, match="no correct candidate"):
+        dispatch.calibrate({"bad": _fixed_path(3.0, 0.0)}, (mx.ones((1,)),), lambda name, x: np.ones(1))
+
+
+def test_auto_path_calibrates_once_per_key() -> None:
+    dispatch.forget_choices()
+    calls = {"n": 0}
+
+    def make_inputs(rng: np.random.Generator) -> tuple[mx.array, ...]:
+        calls["n"] += 1
+        return (mx.ones((1, 2)),)
+
+    cands = {"a": _fixed_path(1.0, 0.0, route="A")}
+    first = dispatch.auto_path(("k", 1), cands, make_inputs, lambda n, x: np.ones((1, 2)), np.random.default_rng(0))
+    second = dispatch.auto_path(("k", 1), cands, make_inputs, lambda n, x: np.ones((1, 2)), np.random.default_rng(0))
+    assert calls["n"] == 1 and first.route == second.route and first.route.startswith("auto:a[A]")
+    dispatch.forget_choices()
+
+
+@pytest.mark.parametrize("tokens", [2, 12])
+def test_qmm_custom_and_auto_arms_are_within_tolerance_and_say_what_ran(tokens: int) -> None:
+    rng = np.random.default_rng(tokens)
+    wl = qmm.build({"tokens": tokens, "n": 32, "k": 96, "dtype": "float32"}, ["native", "custom", "auto"], rng)
+    assert list(wl.arms) == ["native", "custom", "auto"] and not wl.unsupported
+    (x,) = wl.make_inputs(rng)
+    for arm, path in wl.arms.items():
+        got = np.array(path.run(x)).astype(np.float64)
+        err = float(np.linalg.norm(got - wl.reference(arm, x)) / np.linalg.norm(wl.reference(arm, x)))
+        assert err <= path.tolerance, (arm, err)
+    route = wl.arms["custom"].route
+    if tokens <= 8:
+        assert route in ("cuda_kernel(gemv_nvfp4_mma)", "mlx-twin(dequantize_exact @ x)")
+    else:
+        assert route.endswith("[one expert]")
+    assert wl.arms["auto"].route.startswith("auto:")
+    assert wl.arms["custom"].build_seconds > 0
+
+
+def test_moe_custom_sorted_and_auto_sorted_arms_match_the_reference() -> None:
+    rng = np.random.default_rng(5)
+    params = {"experts": 4, "top_k": 2, "tokens": 5, "hidden": 64, "expert_width": 32, "dtype": "float32"}
+    wl = moe.build(params, ["native-sorted", "custom-sorted", "auto-sorted"], rng)
+    x, idx = wl.make_inputs(rng)
+    for arm, path in wl.arms.items():
+        ref = wl.reference(arm, x, idx)
+        got = np.array(path.run(x, idx)).astype(np.float64)
+        assert got.shape == ref.shape == (5, 2, 32)
+        assert float(np.linalg.norm(got - ref) / np.linalg.norm(ref)) <= path.tolerance, arm
+    assert wl.arms["custom-sorted"].route.endswith(",sorted")
+    assert wl.arms["auto-sorted"].route.startswith("auto:")
+    assert wl.arms["custom-sorted"].build_seconds > 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_gemv_hardware_scale_conversion_matches_the_bit_trick_on_cuda() -> None:
+    rng = np.random.default_rng(11)
+    wq, sc, _ = _nvfp4_mlx(rng.standard_normal((128, 512)).astype(np.float32), None)
+    x = mx.array(rng.standard_normal((3, 512)).astype(np.float32)).astype(mx.bfloat16)
+    a = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig(2, 2, False))
+    b = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig(2, 2, True))
+    assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
