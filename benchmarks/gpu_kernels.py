@@ -27,6 +27,7 @@ slope between L1 and L2 launches (which removes the fixed cost of an eval), the 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -64,7 +65,7 @@ def log(msg: str) -> None:
 def device_facts() -> dict[str, Any]:
     """GPU name and driver (nvidia-smi), MLX version and device, Python."""
     facts: dict[str, Any] = {
-        "mlx_version": mx.__version__,
+        "mlx_version": str(getattr(mx, "__version__", "unknown")),
         "mlx_device": str(mx.default_device()),
         "backend": "cuda" if mx.cuda.is_available() else "cpu",
         "python": platform.python_version(),
@@ -109,7 +110,7 @@ def copy_ceiling_gb_s(nbytes: int = 4 << 30) -> dict[str, Any]:
     for _ in range(10):
         mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(mx.array(a, copy=True) if hasattr(mx.array, "copy") else a + 0)
+        mx.eval(a + 0)
         mx.synchronize()
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
@@ -146,7 +147,8 @@ def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
     got = np.asarray(got, dtype=np.float64)
     if not np.all(np.isfinite(got)):
         return float("inf")
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
+    denom = float(np.linalg.norm(ref))
+    return float(np.linalg.norm(got - ref)) / max(denom, 1e-300)
 
 
 def to_np(a: mx.array) -> np.ndarray:
@@ -170,7 +172,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
     copies = max(1, int(np.ceil(4 * L2_BYTES / wbytes)))
     weights = []
     for _ in range(copies):
-        wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")
+        wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")[:2]
         mx.eval(wq, sc)
         weights.append((wq, sc))
     rng = np.random.default_rng(7)
@@ -223,7 +225,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         nbytes = wbytes + m * k * 2 + m * n * 2
         t_custom = per_call_seconds(custom(x, cfg), L1, L2)
         t_native = per_call_seconds(native(x), L1, L2)
-        entry = {
+        entry: dict[str, Any] = {
             "m": m,
             "config": vars(cfg),
             "bytes": nbytes,
@@ -240,7 +242,11 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         entry["native_fraction_of_copy"] = entry["native_gb_s"] / ceiling
         entry["speedup_vs_native"] = t_native["seconds"] / t_custom["seconds"]
         if m in (1, 8):
-            dq = lambda i, x=x: x @ mx.dequantize(*weights[i % copies], mode="nvfp4", dtype=x.dtype).T  # noqa: E731
+
+            def dq(i: int, x: mx.array = x) -> mx.array:
+                wq_i, sc_i = weights[i % copies]
+                return x @ mx.dequantize(wq_i, sc_i, mode="nvfp4", dtype=x.dtype).T
+
             entry["dequant_gemm"] = per_call_seconds(dq, 4, 20)
         out["per_m"].append(entry)
         log(
@@ -276,7 +282,7 @@ def moe_weights(e: int, n: int, k: int, rng: np.random.Generator) -> tuple[mx.ar
     for i in range(e):
         w = mx.random.normal((n, k)) * float(mags[i])
         gs = mx.max(mx.abs(w))
-        wq, sc = mx.quantize(w, mode="nvfp4", global_scale=gs)
+        wq, sc = mx.quantize(w, mode="nvfp4", global_scale=gs)[:2]
         codes.append(wq)
         scales.append(sc)
         gss.append(gs)
@@ -292,7 +298,15 @@ def routing(tokens: int, experts: int, top_k: int, rng: np.random.Generator) -> 
     return mx.array((order // top_k).astype(np.uint32)), mx.array(idx[order])
 
 
-def moe_reference(x, wq, sc, gs, lhs, rhs, experts_checked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def moe_reference(
+    x: mx.array,
+    wq: mx.array,
+    sc: mx.array,
+    gs: mx.array,
+    lhs: mx.array,
+    rhs: mx.array,
+    experts_checked: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
     """float64 rows of y for the routed rows of some experts: (row indices, their reference)."""
     lhs_np, rhs_np = np.array(lhs), np.array(rhs)
     x64 = to_np(x)
@@ -338,7 +352,8 @@ def moe_projection(
     results = []
     for cfg in configs[:2] if quick else configs:
         try:
-            tt = per_call_seconds(lambda i, cfg=cfg: moe_gather_nvfp4_cuda(x, wq, sc, gs, lhs, rhs, cfg), 2, 10, 3)
+            call = functools.partial(lambda i, c: moe_gather_nvfp4_cuda(x, wq, sc, gs, lhs, rhs, c), c=cfg)
+            tt = per_call_seconds(call, 2, 10, 3)
         except Exception as exc:
             log(f"moe {name} {cfg}: {exc}")
             continue
@@ -365,7 +380,7 @@ def moe_projection(
     t_custom = per_call_seconds(lambda i: moe_gather_nvfp4_cuda(x, wq, sc, gs, lhs, rhs, cfg), 2, 10)
     t_native = per_call_seconds(native, 2, 6)
     t_native_prepared = per_call_seconds(native_prepared(), 2, 6)
-    entry = {
+    entry: dict[str, Any] = {
         "projection": name,
         "n": n,
         "k": k,
@@ -401,10 +416,22 @@ def moe_projection(
 # ------------------------------------------------------------------------------------ qmm prefill
 
 
+def prefill_paths(
+    x: mx.array, lhs: mx.array, rhs: mx.array, weights: tuple[mx.array, mx.array, mx.array, mx.array]
+) -> dict[str, Callable[[int], mx.array]]:
+    """The three qmm prefill candidates on one input (weights: packed, scales, and both as one expert)."""
+    wq, sc, w3, s3 = weights
+    return {
+        "native": lambda i: mx.quantized_matmul(x, wq, sc, transpose=True, mode="nvfp4"),
+        "dequant-gemm": lambda i: x @ mx.dequantize(wq, sc, mode="nvfp4", dtype=x.dtype).T,
+        "custom": lambda i: moe_gather_nvfp4_cuda(x, w3, s3, None, lhs, rhs),
+    }
+
+
 def qmm_prefill_section(tokens_list: list[int]) -> list[dict[str, Any]]:
     """Native, dequant-gemm and the custom kernel (MoE kernel, one expert) at prefill sizes."""
     n, k = GEMV_N, GEMV_K
-    wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")
+    wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")[:2]
     w3, s3 = wq[None], sc[None]
     mx.eval(wq, sc, w3, s3)
     out = []
@@ -413,11 +440,7 @@ def qmm_prefill_section(tokens_list: list[int]) -> list[dict[str, Any]]:
         lhs = mx.arange(m, dtype=mx.uint32)
         rhs = mx.zeros((m,), dtype=mx.uint32)
         mx.eval(x, lhs, rhs)
-        paths = {
-            "native": lambda i, x=x: mx.quantized_matmul(x, wq, sc, transpose=True, mode="nvfp4"),
-            "dequant-gemm": lambda i, x=x: x @ mx.dequantize(wq, sc, mode="nvfp4", dtype=x.dtype).T,
-            "custom": lambda i, x=x, lhs=lhs, rhs=rhs: moe_gather_nvfp4_cuda(x, w3, s3, None, lhs, rhs),
-        }
+        paths = prefill_paths(x, lhs, rhs, (wq, sc, w3, s3))
         ref = paths["dequant-gemm"](0)
         entry: dict[str, Any] = {"tokens": m, "n": n, "k": k, "flops": 2.0 * m * n * k}
         for name, fn in paths.items():
@@ -449,7 +472,7 @@ def ncu_probe(calls: int = 3) -> None:
 
     cuda = ctypes.CDLL("libcuda.so.1")
     n, k = GEMV_N, GEMV_K
-    wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")
+    wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")[:2]
     xs = {m: mx.random.normal((m, k)).astype(mx.bfloat16) for m in (1, 4, 8)}
     e, f, d = MOE["experts"], MOE["expert_width"], MOE["hidden"]
     rng = np.random.default_rng(5)
@@ -460,10 +483,8 @@ def ncu_probe(calls: int = 3) -> None:
     paths: list[tuple[str, Callable[[], mx.array]]] = []
     for m, xm in xs.items():
         for cfg in (GemvConfig(2, 3), GemvConfig(2, 4)):
-            paths.append((f"gemv-custom M={m} {cfg}", lambda xm=xm, cfg=cfg: gemv_nvfp4_cuda(xm, wq, sc, None, cfg)))
-        paths.append(
-            (f"gemv-native M={m}", lambda xm=xm: mx.quantized_matmul(xm, wq, sc, transpose=True, mode="nvfp4"))
-        )
+            paths.append((f"gemv-custom M={m} {cfg}", functools.partial(gemv_nvfp4_cuda, xm, wq, sc, None, cfg)))
+        paths.append((f"gemv-native M={m}", functools.partial(mx.quantized_matmul, xm, wq, sc, mode="nvfp4")))
     paths.append(("moe-custom", lambda: moe_gather_nvfp4_cuda(x, mw, ms, mg, lhs, rhs, MoeConfig(4, 1, 4))))
     paths.append(
         ("moe-native", lambda: mx.gather_qmm(xg, mw, ms, rhs_indices=rhs, transpose=True, mode="nvfp4",
@@ -491,7 +512,7 @@ def write_jobs(folder: Path, code_version: str) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     qmm_arms = ["native", "dequant-gemm", "custom", "auto"]
-    specs = [
+    specs: list[tuple[str, str, dict[str, int | float | str | bool], list[str]]] = [
         ("nvfp4-prefill", "qmm", {"tokens": 1, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
         ("nvfp4-prefill", "qmm", {"tokens": 8, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
         ("nvfp4-prefill", "qmm", {"tokens": 512, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
@@ -625,7 +646,7 @@ def markdown(results: dict[str, Any]) -> str:
     dev, copy = results["device"], results["copy"]
     ceiling = copy["gb_s"]
     lines = [
-        f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), MLX {dev['mlx_version']} CUDA backend, "
+        f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), MLX {dev['mlx_version']} {dev['backend']} backend, "
         f"bfloat16 activations. Copy ceiling (device-to-device copy through {copy['via']}, bytes read + "
         f"written): **{ceiling:.0f} GB/s**. Times are per call: the slope between {L1} and {L2} calls "
         "(MoE: 2 and 10) inside one `mx.eval`, weights rotated over copies larger than the 60 MB L2, "
