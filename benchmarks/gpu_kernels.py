@@ -646,7 +646,8 @@ def markdown(results: dict[str, Any]) -> str:
     dev, copy = results["device"], results["copy"]
     ceiling = copy["gb_s"]
     lines = [
-        f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), MLX {dev['mlx_version']} {dev['backend']} backend, "
+        f"Device: {dev.get('gpu')} (driver {dev.get('gpu_driver')}), "
+        f"MLX {dev['mlx_version']} {dev['backend']} backend, "
         f"bfloat16 activations. Copy ceiling (device-to-device copy through {copy['via']}, bytes read + "
         f"written): **{ceiling:.0f} GB/s**. Times are per call: the slope between {L1} and {L2} calls "
         "(MoE: 2 and 10) inside one `mx.eval`, weights rotated over copies larger than the 60 MB L2, "
