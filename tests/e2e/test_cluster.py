@@ -1,8 +1,9 @@
 """Many hosts, end to end: real sshd hosts on loopback addresses, a real Ray head here and a real
 Ray worker node on each host, all started by `orchestrate cluster up` and driven through the CLI.
 
-Three hosts: `a1` and `a2` of device kind `alpha`, `b1` of kind `beta`. The Ray head runs on
-127.0.0.1; each node on its own loopback address with its own work dir, lock and spool.
+Three hosts: `a1` and `a2` of device kind `alpha`, `b1` of kind `beta` (reached over SSH through
+a ProxyJump via a1's sshd). The Ray head runs on 127.0.0.1; each node on its own loopback address
+with its own work dir, lock and spool.
 """
 
 from __future__ import annotations
@@ -115,7 +116,11 @@ def lab() -> Iterator[tuple[Path, SshLab]]:
 @pytest.fixture(scope="module")
 def cluster(lab: tuple[Path, SshLab]) -> Iterator[Cluster]:
     root, sshd = lab
-    hosts = {name: {"sshd": i, "device": kind} for i, (name, (_, kind)) in enumerate(HOSTS.items())}
+    hosts: dict[str, dict[str, object]] = {
+        name: {"sshd": i, "device": kind} for i, (name, (_, kind)) in enumerate(HOSTS.items())
+    }
+    jump = sshd.hosts[0]
+    hosts["b1"]["proxy_jump"] = f"{jump.user}@{jump.address}:{jump.port}"  # b1's SSH goes through a1's sshd
     inv = root / "lab.toml"
     inv.write_text(inventory_toml(root, sshd, free_port("127.0.0.1"), hosts))
     home = root / "home"
