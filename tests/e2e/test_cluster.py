@@ -135,8 +135,8 @@ def cluster(lab: tuple[Path, SshLab]) -> Iterator[Cluster]:
         yield c
     finally:
         down = c.orchestrate("cluster", "down", "--inventory", str(inv))
-        for name in HOSTS:  # a safety net: nothing this module started may outlive it
-            pidfile = root / name / "ray-node.pid"
+        for pidfile in [root / name / "ray-node.pid" for name in HOSTS] + [root / "head" / "head.pid"]:
+            # a safety net: nothing this module started may outlive it
             if pidfile.exists():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.killpg(int(pidfile.read_text()), signal.SIGKILL)
