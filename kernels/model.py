@@ -20,6 +20,9 @@ tensor's absolute maximum; the layer decodes `raw * global_scale / 2688`, see ML
 
 Any mlx-lm checkpoint directory (e.g. an `-nvfp4` conversion) loads through `mlx_lm` as it is;
 `native` then needs NVFP4 layers in it and says so with `ArmUnsupported` when there are none.
+
+`check_layers` is the case's correctness check: the loaded layers of the first and last block
+against the checkpoint's codes and scales read back from disk and decoded by `kernels.nvfp4`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ and a digest of the greedy token ids. Arms are interleaved ABBA across repetitio
 
 The prompt is `prompt_tokens` random token ids from the job's seed, the same for every arm and
 sample. The digest must be the same in every sample of an arm (same weights, same greedy
-tokens); an arm whose digest changes between samples is failed.
+tokens); an arm whose digest changes between samples is failed. The first sample of each arm
+also checks the loaded layers against the NVFP4 reference (`kernels.model.check_layers`, after
+everything else is measured): one `rel_error` row per arm, and an arm over its tolerance has all
+its rows failed, however fast it was.
 
 The `checkpoint` parameter names a local mlx-lm model directory, used as it is; when it is absent
 every row says `unsupported` and why. Without it, the decoder described by the parameters is
