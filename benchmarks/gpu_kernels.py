@@ -5,8 +5,8 @@
 Run on MLX's CUDA backend (the H200 of issue 7; `../shared/device/mlx-cuda.sh` prepares MLX for
 it). One call does everything and writes `DIR/gpu_kernels.json`, then prints a short table:
 
-* the card's copy ceiling: a large device-to-device copy through PyTorch (CuPy, then MLX, where
-  PyTorch is missing), bytes read plus written, the median of several copies;
+* the card's copy ceiling: a large device-to-device copy through PyTorch (MLX's own `a + 0`, a
+  lower bound, where PyTorch is missing), bytes read plus written, the median of several copies;
 * the decode GEMV (N=21504, K=5376, bfloat16, M = 1..8): the custom kernel's launch shapes tuned
   at M = 1 and 8, then every M: relative error against a float64 NumPy reference on sampled rows
   (and the whole output against the MLX twin), time per call, GB/s over the minimum bytes (packed
@@ -16,8 +16,11 @@ it). One call does everything and writes `DIR/gpu_kernels.json`, then prints a s
   scale; the up projection and, for the K % 128 tail, the down projection): the same figures
   against `mx.gather_qmm(nvfp4, sorted_indices=True)`, plus a check that rows routed past the last
   expert come back zero;
-* qmm prefill points (tokens 512, 2048) for the `auto` arm's table: native, dequant-gemm and the
-  custom kernel (the MoE kernel with one expert), time per call.
+* qmm prefill points (tokens 512, 2048), the `auto` arm's candidates there: native, dequant-gemm
+  and the custom kernel (the MoE kernel with one expert), time per call.
+
+`--probe` (run under `ncu`) launches each kernel a few times for Nsight Compute's durations;
+`--jobs COMMIT` writes JobSpec files for `python -m workers run` on the same machine.
 
 Timing: each path is called L times inside one `mx.eval` (rotating over weight copies larger than
 the 60 MB L2 where one copy is smaller than 4x L2), synchronised around; the time per call is the
