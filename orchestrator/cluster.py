@@ -20,6 +20,7 @@ import logging
 import platform
 import shlex
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from orchestrator.head import (
 from orchestrator.hostprobe import HostProbe, last_job, lock_holder, probe, probe_host, version_problems
 from orchestrator.specs import HostSpec, InventorySpec
 from orchestrator.ssh import RemoteShell, SshTarget, command_line, shell_path
+from orchestrator.workerenv import install_worker_packages, installable, source_archive
 
 NODE_PID = "ray-node.pid"
 NODE_LOG = "ray-node.log"
@@ -171,8 +173,12 @@ class ClusterCheckError(InfrastructureError):
         self.states = states
 
 
-def check_hosts(inventory: InventorySpec) -> list[HostState]:
-    """Reach and probe every host; raise `ClusterCheckError` listing every problem at once."""
+def check_hosts(inventory: InventorySpec, *, install_from: Path | None = None, log: Log = _quiet) -> list[HostState]:
+    """Reach and probe every host; raise `ClusterCheckError` listing every problem at once.
+
+    With `install_from` (a source archive, see `orchestrator.workerenv`), a host whose only
+    problems are missing or mismatched packages gets them installed and is probed again.
+    """
     _remote_hosts(inventory)
     head_python, head_ray = platform.python_version(), _ray_version()
 
@@ -180,6 +186,16 @@ def check_hosts(inventory: InventorySpec) -> list[HostState]:
         state = HostState(host.name, host.device, f"{host.host}:{host.port}")
         state.probe = probe_host(host)
         state.notes += version_problems(state.probe, head_python, head_ray)
+        if state.notes and install_from is not None and installable(state.probe, head_python):
+            log(f"{host.name}: installing orchestrate ({'; '.join(state.notes)})")
+            try:
+                install_worker_packages(host, state.probe, install_from)
+            except InfrastructureError as exc:
+                state.notes = [exc.message]
+                return state
+            state.probe = probe_host(host)
+            state.notes = version_problems(state.probe, head_python, head_ray)
+            log(f"{host.name}: installed" if not state.notes else f"{host.name}: still {'; '.join(state.notes)}")
         return state
 
     states = _each_host(inventory, check)
@@ -196,9 +212,16 @@ def _ray_version() -> str:
     return str(ray.__version__)
 
 
-def cluster_up(inventory: InventorySpec, *, join_timeout: float = 90.0, log: Log = _quiet) -> list[HostState]:
-    """Check every host, start the head here if needed, then start a Ray worker node on each host."""
-    states = check_hosts(inventory)
+def cluster_up(
+    inventory: InventorySpec, *, join_timeout: float = 90.0, install: bool = False, log: Log = _quiet
+) -> list[HostState]:
+    """Check every host (installing the worker packages where asked), start the head here if
+    needed, then start a Ray worker node on each host."""
+    if install:
+        with tempfile.TemporaryDirectory(prefix="orchestrate-install-") as tmp:
+            states = check_hosts(inventory, install_from=source_archive(Path(tmp)), log=log)
+    else:
+        states = check_hosts(inventory)
     ensure_token()
     if start_head(inventory):
         log(f"started the Ray head at {head_address(inventory)}")

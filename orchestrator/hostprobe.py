@@ -76,7 +76,10 @@ def version_problems(found: HostProbe, head_python: str, head_ray: str) -> list[
     elif found.ray != head_ray:
         problems.append(f"Ray {found.ray} != head {head_ray}")
     if found.workers is False:
-        problems.append("orchestrate's worker packages (workers, kernels) are not installed for that Python")
+        problems.append(
+            "orchestrate's worker packages (workers, kernels) are not installed for that Python "
+            "(`cluster up --install` installs them)"
+        )
     return problems
 
 

@@ -53,12 +53,15 @@ def register(app: typer.Typer) -> None:
     def up(
         inventory: Path = INVENTORY,
         join_timeout: float = typer.Option(90.0, "--join-timeout", help="seconds each node may take to join"),
+        install: bool = typer.Option(
+            False, "--install", help="pip-install this commit of orchestrate (and its pins) where it is missing"
+        ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
         inv = load_inventory(inventory)
         out = console()
         try:
-            states = cluster_up(inv, join_timeout=join_timeout, log=out.print)
+            states = cluster_up(inv, join_timeout=join_timeout, install=install, log=out.print)
         except ClusterCheckError as exc:
             started = any(s.node in ("started", "running") for s in exc.states)
             out.print(hosts_table(exc.states, f"cluster {inventory}" + ("" if started else ": nothing started")))

@@ -391,3 +391,51 @@ def test_sweep_whose_kind_has_no_live_node_is_refused_before_anything_runs(clust
     assert run.returncode == 3, run.stdout + run.stderr
     assert "no live Ray node of device kind 'gamma'" in run.stderr
     assert not list(results.rglob("*.parquet"))  # nothing ran
+
+
+def test_install_puts_the_worker_packages_on_a_bare_host_then_it_runs_jobs(lab: tuple[Path, SshLab]) -> None:
+    root, sshd = lab
+    work = root / "install"
+    work.mkdir()
+    # A bare venv with the head's Python. It borrows the shared venv's third-party packages (Ray,
+    # MLX, ...) through a .pth so that nothing is downloaded; orchestrate itself is not there.
+    bare = work / "venv"
+    subprocess.run([str(BIN / "python"), "-m", "venv", str(bare)], check=True)
+    purelib = subprocess.run(
+        [str(bare / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    shared = subprocess.run(
+        [str(BIN / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    Path(purelib, "shared-venv.pth").write_text(shared + "\n")
+    inv = work / "inv.toml"
+    inv.write_text(
+        inventory_toml(
+            work, sshd, free_port("127.0.0.1"), {"x1": {"sshd": 0, "device": "alpha", "python": bare / "bin/python"}}
+        )
+    )
+    env = child_env(HOME=str(work), RAY_AUTH_TOKEN_PATH=str(work / "token"))
+    for key in ("ORCHESTRATE_SPOOL", "ORCHESTRATE_LOCK_PATH", "RAY_AUTH_MODE"):
+        env.pop(key, None)
+
+    def orchestrate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([ORCHESTRATE, *args], capture_output=True, text=True, env=env, timeout=600, cwd=work)
+
+    plain = orchestrate("cluster", "up", "--inventory", str(inv))
+    assert plain.returncode == 3 and "`cluster up --install` installs them" in plain.stderr, plain.stderr
+    try:
+        up = orchestrate("cluster", "up", "--inventory", str(inv), "--install")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "x1: installed" in up.stdout and "x1: started" in up.stdout
+        assert (Path(purelib) / "workers" / "task.py").exists()  # a real install, not the checkout
+        sweep = work / "tiny.toml"
+        sweep.write_text(SWEEP.format(name="installed", tokens=[1], n=64, reps=2))
+        run = orchestrate("run", "--inventory", str(inv), "--sweep", str(sweep), "-r", str(work / "results"))
+        assert run.returncode == 0, run.stdout + run.stderr
+        table = ResultStore(work / "results").read(sweep="installed")
+        assert set(table.column("host").to_pylist()) == {"x1"} and set(table.column("status").to_pylist()) == {"ok"}
+    finally:
+        down = orchestrate("cluster", "down", "--inventory", str(inv))
+        assert down.returncode == 0, down.stdout + down.stderr
