@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import select
 import shlex
 import time
@@ -27,6 +28,12 @@ from orchestrator.errors import InfrastructureError
 from orchestrator.specs import HostSpec
 
 DEFAULT_COMMAND_TIMEOUT = 60.0
+
+# paramiko logs a failed handshake (a silent host, a refused key) as an ERROR with its traceback;
+# that reason reaches the user as one `InfrastructureError` line instead, so its logger stays quiet.
+_paramiko_log = logging.getLogger("paramiko")
+_paramiko_log.addHandler(logging.NullHandler())
+_paramiko_log.propagate = False
 
 
 @dataclass(frozen=True)

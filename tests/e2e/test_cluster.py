@@ -371,6 +371,7 @@ def test_unreachable_host_is_reported_within_the_connect_timeout(lab: tuple[Path
     finally:
         stop.set()
     assert "host 'x1' (127.0.0.5:" in proc.stderr and "within the connect timeout (2 s)" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1  # one line, no noise
     assert elapsed < 2 + 8  # the timeout plus the CLI's own start-up
 
 
