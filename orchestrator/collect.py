@@ -3,7 +3,9 @@
 Every job's fragment stays in its host's spool (`workers.spool`) after the head stored it. A
 fragment whose `part-<run>-<job>.parquet` is not in the store (the head was killed, the
 connection dropped, the head's disk was full) is copied over SFTP and imported into the store;
-fragments already there are left alone, so `collect` can run any number of times.
+fragments already there are left alone, so `collect` can run any number of times. A fragment of
+a job that is already complete in the store (a later run measured it again) is left alone too:
+importing it would count that job's samples twice.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def collect_spooled(inventory: InventorySpec, store: ResultStore) -> list[HostCo
     """For each host: list its spool, fetch and import each fragment the store lacks."""
     store.ensure_writable()
     have = stored_names(store)
+    complete = store.complete_job_keys()
     remote = [h for h in inventory.hosts if h.host is not None]
     if not remote:
         raise InfrastructureError("the inventory has no SSH hosts: an embedded run stores its rows itself")
@@ -57,7 +60,8 @@ def collect_spooled(inventory: InventorySpec, store: ResultStore) -> list[HostCo
                 with tempfile.TemporaryDirectory(prefix="orchestrate-collect-") as tmp:
                     for path in paths:
                         name = path.rsplit("/", 1)[-1]
-                        if name in have:
+                        parsed = parse_fragment_name(name)
+                        if name in have or (parsed is not None and parsed[1] in complete):
                             continue
                         local = Path(tmp) / name
                         shell.get(path, local)

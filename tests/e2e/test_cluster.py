@@ -189,6 +189,10 @@ def test_status_then_sweep_over_two_kinds_puts_rows_on_the_right_hosts_and_colle
     assert back.num_rows == original.num_rows and back.column("value").equals(original.column("value"))
     again = cluster.orchestrate("collect", "--inventory", str(cluster.inventory), "-r", str(results))
     assert "collected 0 fragments" in again.stdout
+    # The same job stored complete under another run (a rerun measured it): not imported twice.
+    victim.path.rename(victim.path.with_name(f"part-20991231T000000Z-beef-{victim.job_key}.parquet"))
+    dupes = cluster.orchestrate("collect", "--inventory", str(cluster.inventory), "-r", str(results))
+    assert "collected 0 fragments" in dupes.stdout, dupes.stdout
 
     status = cluster.orchestrate("cluster", "status", "--inventory", str(cluster.inventory))
     for name in HOSTS:  # each host's last job is one of this sweep's
