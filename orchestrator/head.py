@@ -116,9 +116,14 @@ def start_head(inventory: InventorySpec, *, timeout: float = 60.0) -> bool:
     assert head.address is not None
     if listening(head.address, head.ray_port):
         return False
+    try:  # Ray wants an IP address for the node, not a host name
+        ip = head.node_ip or socket.gethostbyname(head.address)
+    except OSError:
+        raise InfrastructureError(
+            f"cannot resolve the head address {head.address!r}; set [head] node_ip to this machine's IP"
+        ) from None
     workdir = Path(head.workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    ip = head.node_ip or head.address
     argv = [
         sys.executable, *RAY_CLI, "start", "--head", "--block", "--port", str(head.ray_port),
         "--node-ip-address", ip, "--temp-dir", str(workdir / "ray"), "--num-cpus", "0",
