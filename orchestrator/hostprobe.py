@@ -89,7 +89,10 @@ def lock_holder(shell: RemoteShell, host: HostSpec) -> str:
     if not res.ok or not res.stdout.strip():
         return "free"
     fields = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
-    return f"pid {fields.get('pid', '?')} ({fields.get('mode', '?')}: {fields.get('cmd', '?')})"
+    pid = fields.get("pid", "?")
+    if pid.isdigit() and not shell.run(["kill", "-0", pid]).ok:
+        return f"free (stale holder file: pid {pid} is gone)"
+    return f"pid {pid} ({fields.get('mode', '?')}: {fields.get('cmd', '?')})"
 
 
 def last_job(shell: RemoteShell, spool: str) -> str:
