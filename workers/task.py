@@ -20,14 +20,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workers.contract import STATUS_FAILED, JobContext, JobSpec, RowBuilder
-
-DEFAULT_SPOOL = "~/.orchestrate/spool"
+from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
+from workers.spool import fragment_name, spool_root
 
 
 def spool_dir(job: JobSpec) -> Path:
     """Where this host keeps the job's files: the job's spool dir, or the host default."""
-    raw = os.environ.get("ORCHESTRATE_SPOOL") or job.spool_dir or DEFAULT_SPOOL
-    path = Path(raw).expanduser() / job.sweep / job.run_id
+    path = spool_root(job.spool_dir) / job.sweep / job.run_id
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -47,7 +46,7 @@ def execute_job(job_json: str, timeout: float | None = None) -> pa.Table:
     job = localise(JobSpec.model_validate_json(job_json))
     spool = spool_dir(job)
     job_file = spool / f"{job.job_key}.json"
-    out = spool / f"part-{job.run_id}-{job.job_key}.parquet"
+    out = spool / fragment_name(job.run_id, job.job_key)
     job_file.write_text(job.model_dump_json())
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
