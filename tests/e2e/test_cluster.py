@@ -233,6 +233,11 @@ def test_host_killed_mid_sweep_retries_on_its_kind_or_fails_with_the_reason(clus
         wait_for(lambda: all(p.exists() for p in holders.values()), 120, "jobs running on a1 and b1")
         for host in holders:
             os.killpg(cluster.node_pid(host), signal.SIGKILL)
+        # the holder file names the job each lost host was running: `cmd=<sweep>/<case>/<job key>`
+        running = {
+            host: next(ln for ln in p.read_text().splitlines() if ln.startswith("cmd=")).rsplit("/", 1)[-1]
+            for host, p in holders.items()
+        }
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -246,7 +251,9 @@ def test_host_killed_mid_sweep_retries_on_its_kind_or_fails_with_the_reason(clus
         # Every alpha job finished ok (the one on a1 was retried on a2); no finished row was lost.
         assert set(alpha.column("status").to_pylist()) == {"ok"}
         assert len(set(alpha.column("job_key").to_pylist())) == 3
-        assert "a2" in set(alpha.column("host").to_pylist())
+        # The job that was running on a1 when it died was run again, to the end, on a2.
+        lost_job = alpha.filter(pc.equal(alpha.column("job_key"), running["a1"]))
+        assert lost_job.num_rows > 0 and set(lost_job.column("host").to_pylist()) == {"a2"}
         # Every beta job is recorded as failed, with the reason.
         assert len(set(beta.column("job_key").to_pylist())) == 3
         assert set(beta.column("status").to_pylist()) == {"failed"}
