@@ -7,6 +7,7 @@ Ray refuses a node whose Python (to the patch level) or Ray version differs from
 from __future__ import annotations
 
 import datetime as dt
+import stat
 from dataclasses import dataclass
 
 from orchestrator.errors import InfrastructureError
@@ -107,7 +108,7 @@ def last_job(shell: RemoteShell, spool: str) -> str:
         except OSError:
             continue
         for entry in entries:
-            if entry.st_mode is not None and entry.st_mode & 0o040000:
+            if entry.st_mode is not None and stat.S_ISDIR(entry.st_mode):
                 stack.append(f"{top}/{entry.filename}")
                 continue
             parsed = parse_fragment_name(entry.filename)

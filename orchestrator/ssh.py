@@ -16,6 +16,7 @@ import hashlib
 import logging
 import select
 import shlex
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -321,7 +322,7 @@ class RemoteShell:
                 continue
             for entry in entries:
                 path = f"{top}/{entry.filename}"
-                if entry.st_mode is not None and entry.st_mode & 0o040000:
+                if entry.st_mode is not None and stat.S_ISDIR(entry.st_mode):
                     stack.append(path)
                 elif path.endswith(suffix):
                     out.append(path)
