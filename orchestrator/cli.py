@@ -33,6 +33,7 @@ COMMAND_MODULES = [
     "orchestrator.commands.history",
     "orchestrator.commands.cluster",
     "orchestrator.commands.collect",
+    "orchestrator.commands.plan",
 ]
 
 for _name in COMMAND_MODULES:

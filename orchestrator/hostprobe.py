@@ -7,12 +7,11 @@ Ray refuses a node whose Python (to the patch level) or Ray version differs from
 from __future__ import annotations
 
 import datetime as dt
-import stat
 from dataclasses import dataclass
 
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import HostSpec
-from orchestrator.ssh import RemoteShell, SshTarget, sftp_path, shell_path
+from orchestrator.ssh import RemoteShell, SshTarget, shell_path
 from workers.spool import parse_fragment_name
 
 # One quick look that imports nothing heavy: find_spec and package metadata only.
@@ -98,22 +97,11 @@ def lock_holder(shell: RemoteShell, host: HostSpec) -> str:
 
 def last_job(shell: RemoteShell, spool: str) -> str:
     """The newest fragment in the host's spool: `<job key> <UTC time>` (or `-`)."""
-    sftp = shell.sftp()
     newest: tuple[float, str] | None = None
-    stack = [sftp_path(spool)]
-    while stack:
-        top = stack.pop()
-        try:
-            entries = sftp.listdir_attr(top)
-        except OSError:
-            continue
-        for entry in entries:
-            if entry.st_mode is not None and stat.S_ISDIR(entry.st_mode):
-                stack.append(f"{top}/{entry.filename}")
-                continue
-            parsed = parse_fragment_name(entry.filename)
-            if parsed and entry.st_mtime is not None and (newest is None or entry.st_mtime > newest[0]):
-                newest = (float(entry.st_mtime), parsed[1])
+    for _, entry in shell.walk(spool):
+        parsed = parse_fragment_name(entry.filename)
+        if parsed and entry.st_mtime is not None and (newest is None or entry.st_mtime > newest[0]):
+            newest = (float(entry.st_mtime), parsed[1])
     if newest is None:
         return "-"
     when = dt.datetime.fromtimestamp(newest[0], dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")

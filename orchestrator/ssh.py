@@ -309,10 +309,10 @@ class RemoteShell:
         path = shell_path(remote)
         self.run_script(f"mkdir -p {path} && chmod {mode:o} {path}", check=True, what="mkdir")
 
-    def walk_files(self, remote: str, suffix: str = "") -> list[str]:
-        """Every file under a remote directory (SFTP paths), empty when it does not exist."""
+    def walk(self, remote: str) -> list[tuple[str, paramiko.SFTPAttributes]]:
+        """Every file under a remote directory with its attributes (SFTP paths); empty when absent."""
         sftp = self.sftp()
-        out: list[str] = []
+        out: list[tuple[str, paramiko.SFTPAttributes]] = []
         stack = [sftp_path(remote)]
         while stack:
             top = stack.pop()
@@ -324,9 +324,13 @@ class RemoteShell:
                 path = f"{top}/{entry.filename}"
                 if entry.st_mode is not None and stat.S_ISDIR(entry.st_mode):
                     stack.append(path)
-                elif path.endswith(suffix):
-                    out.append(path)
-        return sorted(out)
+                else:
+                    out.append((path, entry))
+        return out
+
+    def walk_files(self, remote: str, suffix: str = "") -> list[str]:
+        """Every file under a remote directory (SFTP paths) ending in `suffix`, sorted."""
+        return sorted(path for path, _ in self.walk(remote) if path.endswith(suffix))
 
 
 def _left(deadline: float) -> float:

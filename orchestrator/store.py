@@ -79,7 +79,12 @@ class ResultStore:
 
     def import_fragment(self, source: Path) -> Path:
         """Copy a fragment written elsewhere (another host, a worker's spool) into the store."""
-        table = pq.read_table(source)
+        try:
+            table = pq.read_table(source)
+        except (OSError, pa.ArrowException) as exc:
+            raise InputError(
+                f"not a readable Parquet fragment: {str(exc).splitlines()[0]}", where=str(source)
+            ) from None
         meta = table.schema.metadata or {}
         first = table.slice(0, 1).to_pylist()
         if not first or META_JOB_KEY not in meta:

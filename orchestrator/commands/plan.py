@@ -1,0 +1,69 @@
+"""`orchestrate plan` and `orchestrate import`: run a sweep's jobs where no Ray node can reach.
+
+`plan` writes each job of a sweep as a JobSpec JSON file for one device kind; on that host,
+`python -m workers run JOB.json --out FILE.parquet` runs it with no Ray and no head; `import`
+stores the Parquet files it wrote in this machine's results, where `compare` sees them beside
+everything else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from orchestrator.commands.run import results_root
+from orchestrator.errors import InputError
+from orchestrator.plan import code_version, expand, new_run_id
+from orchestrator.specs import InventorySpec, load_sweep
+from orchestrator.store import ResultStore
+
+
+def write_jobs(sweep_name: str, device: str, backend: str, out: Path, lock_path: str | None) -> list[Path]:
+    """Write every job of the sweep on `device` as `<out>/<case>-<key>.json`."""
+    sweep = load_sweep(sweep_name)
+    host = {"name": device, "device": device, "backend": backend}
+    if lock_path:
+        host["lock"] = lock_path
+    inventory = InventorySpec.model_validate({"hosts": [host]})
+    jobs = expand(sweep, inventory, [device], run_id=new_run_id(), version=code_version())
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the jobs directory: {exc.strerror}", where=str(out)) from None
+    paths = []
+    for job in jobs:
+        path = out / f"{job.case_name}-{job.job_key}.json"
+        path.write_text(job.model_dump_json(indent=1))
+        paths.append(path)
+    return paths
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan(
+        sweep: str = typer.Option("smoke", "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
+        device: str = typer.Option(..., "--device", help="the device kind the jobs are for, e.g. h200"),
+        backend: str = typer.Option("cuda", "--backend", help="cpu, cuda, metal or rocm"),
+        out: Path = typer.Option(..., "--out", help="directory for the job files"),
+        lock: str | None = typer.Option(None, "--lock", help="the GPU lock path on that host"),
+    ) -> None:
+        """Write a sweep's jobs as JSON files, to run with `python -m workers run` on a host."""
+        paths = write_jobs(sweep, device, backend, out, lock)
+        for path in paths:
+            print(path)
+        print(f"{len(paths)} jobs; on the host: python -m workers run JOB.json --out JOB.parquet")
+
+    @app.command("import")
+    def import_(
+        files: list[Path] = typer.Argument(..., help="Parquet fragments written by `python -m workers run`"),
+        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+    ) -> None:
+        """Store fragments from another host in the results (atomic; the same job twice is one file)."""
+        store = ResultStore(results_root(results))
+        store.ensure_writable()
+        for f in files:
+            if not f.is_file():
+                raise InputError("no such file", where=str(f))
+        for f in files:
+            print(store.import_fragment(f))
