@@ -63,6 +63,7 @@ class RayExecutor:
     def start(self) -> None:
         """Start the embedded Ray instance, or connect to the inventory's head."""
         import ray
+        from ray.exceptions import RayError
 
         if ray.is_initialized():
             self._started = False
@@ -70,7 +71,11 @@ class RayExecutor:
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
+                from orchestrator.head import ensure_token
+
                 host = self.inventory.hosts[0]
+                if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+                    ensure_token()  # Ray would refuse a token path naming a missing file; make it (0600)
                 ray.init(
                     address="local",
                     labels={"device-kind": host.device, "backend": host.backend, "host": host.name},
@@ -86,7 +91,7 @@ class RayExecutor:
                 require_head(self.inventory)
                 enable_token_auth()  # the head's token (`orchestrate cluster up` made it)
                 ray.init(address=f"{head.address}:{head.ray_port}", **common)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+        except (ConnectionError, RuntimeError, ValueError, RayError) as exc:
             hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"
             raise InfrastructureError(f"cannot start or reach Ray: {exc}{hint}") from None
         self._started = True
