@@ -6,7 +6,7 @@ Overhead per job = (wall time of a sweep of N jobs - the work they measured) / N
 they measured" is the sum of every timed sample (seconds x calls per sample). A second figure
 subtracts the workers' whole in-process job time instead (footer `orchestrate.job_seconds`), which
 leaves what the orchestrator itself adds: Ray start, scheduling, the worker subprocess and the
-Parquet write. Each figure is the median of `--rounds` runs, each in a fresh temp dir.
+Parquet write. Each figure is the median of `--rounds` runs, each with fresh results and spool dirs.
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ def tiny_sweep(n_jobs: int) -> SweepSpec:
 
 def one_round(sweep: SweepSpec) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["HOME"] = tmp
-        os.environ["RAY_AUTH_TOKEN_PATH"] = f"{tmp}/.ray/auth_token"
         os.environ["ORCHESTRATE_SPOOL"] = f"{tmp}/spool"
+        os.environ["ORCHESTRATE_LOCK_PATH"] = f"{tmp}/gpu.lock"
         store = ResultStore(Path(tmp) / "results")
         t0 = time.perf_counter()
         summary = run_sweep(sweep, load_inventory(None), store, force=True)
@@ -73,6 +72,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke-rounds", type=int, default=3)
     args = parser.parse_args()
+    # One HOME for the whole process: Ray caches its auth token per process.
+    home = tempfile.mkdtemp(prefix="orchestrate-bench-")
+    os.environ["HOME"] = home
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     rounds = [one_round(tiny_sweep(args.jobs)) for _ in range(args.rounds)]
     for r in rounds:
