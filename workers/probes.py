@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.contract import LockSettings
-from workers.gpulock import LockBusyError, is_descendant, nesting_pid, pid_alive, process_name
+from workers.gpulock import LockBusyError, nesting_pid
+from workers.processes import is_descendant, pid_alive, process_name
 
 
 class ProbeUnavailableError(Exception):

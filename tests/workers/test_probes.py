@@ -280,8 +280,8 @@ def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sle
 
 def test_the_ps_process_table_used_off_linux_agrees_with_proc() -> None:
     # macOS has no /proc: the CPU gate and the ancestry walk read `ps`, which procps has here too.
-    from workers.gpulock import _ps_parent_pid, parent_pid
     from workers.probes import _proc_cpu_times, _ps_cpu_times, _ps_seconds
+    from workers.processes import _ps_parent_pid, parent_pid
 
     assert [_ps_seconds(t) for t in ("0:01.50", "01:02:03", "2-00:00:01")] == [1.5, 3723.0, 172801.0]
     proc, ps = _proc_cpu_times(), _ps_cpu_times()
