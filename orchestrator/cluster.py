@@ -41,6 +41,7 @@ from orchestrator.head import (
     token_path,
 )
 from orchestrator.hostprobe import HostProbe, last_job, lock_holder, probe, probe_host, version_problems
+from orchestrator.plan import lock_settings
 from orchestrator.specs import HostSpec, InventorySpec
 from orchestrator.ssh import RemoteShell, SshTarget, command_line, shell_path
 from orchestrator.workerenv import install_worker_packages, installable, source_archive
@@ -100,6 +101,7 @@ def node_env(host: HostSpec, paths: dict[str, str], os_name: str) -> dict[str, s
         "RAY_AUTH_TOKEN_PATH": paths["token"],
         "ORCHESTRATE_HOST": host.name,
         "ORCHESTRATE_LOCK_PATH": host.lock,
+        "ORCHESTRATE_LOCK": lock_settings(host).model_dump_json(),
         "ORCHESTRATE_SPOOL": f"{paths['workdir']}/spool",
     }
     if os_name == "Darwin":

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from orchestrator.specs import CaseEntry, InventorySpec, SweepSpec
+from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
 from workers.contract import JobSpec, LockSettings
 
 OPTION_FIELDS = ("repo", "ref", "build", "run", "parse", "timeout")
@@ -93,9 +93,21 @@ def job_key(content: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def lock_settings(host: HostSpec) -> LockSettings:
+    """How jobs take the GPU lock on `host` (its inventory entry)."""
+    return LockSettings(
+        path=host.lock,
+        max_wait=host.max_wait,
+        idle_secs=host.idle_secs,
+        max_attempts=host.max_attempts,
+        cpu_busy_threshold=host.cpu_busy_threshold,
+        kfd_proc=host.kfd_proc,
+    )
+
+
 def _lock_for(inventory: InventorySpec, kind: str) -> LockSettings:
-    host = next(h for h in inventory.hosts if h.device == kind)
-    return LockSettings(path=host.lock, max_wait=host.max_wait, idle_secs=host.idle_secs)
+    """The first host of a kind's settings; each node applies its own (`workers.task.localise`)."""
+    return lock_settings(next(h for h in inventory.hosts if h.device == kind))
 
 
 def expand(

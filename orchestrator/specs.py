@@ -220,6 +220,9 @@ class HostDefaults(Strict):
     lock: str = "/tmp/orchestrate-gpu.lock"
     max_wait: float = Field(default=0.0, ge=0)
     idle_secs: float = Field(default=0.0, ge=0)
+    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
+    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
+    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
     connect_timeout: float = Field(default=10.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     num_cpus: int | None = Field(default=None, ge=1)
@@ -242,6 +245,9 @@ class HostSpec(Strict):
     lock: str = "/tmp/orchestrate-gpu.lock"
     max_wait: float = Field(default=0.0, ge=0)
     idle_secs: float = Field(default=0.0, ge=0)
+    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
+    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
+    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
     connect_timeout: float = Field(default=10.0, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers.contract import STATUS_FAILED, JobContext, JobSpec, RowBuilder
+from workers.contract import STATUS_FAILED, JobContext, JobSpec, LockSettings, RowBuilder
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
@@ -32,12 +32,20 @@ def spool_dir(job: JobSpec) -> Path:
 
 
 def localise(job: JobSpec) -> JobSpec:
-    """Apply this host's own settings, set when its Ray node was started (lock path, name)."""
+    """Apply this host's own settings, set when its Ray node was started: its name and its GPU
+    lock settings (`ORCHESTRATE_LOCK`, JSON), the lock path alone (`ORCHESTRATE_LOCK_PATH`) last."""
     update: dict[str, Any] = {}
     if os.environ.get("ORCHESTRATE_HOST"):
         update["host"] = os.environ["ORCHESTRATE_HOST"]
+    lock = job.lock
+    if os.environ.get("ORCHESTRATE_LOCK"):
+        lock = LockSettings.model_validate_json(os.environ["ORCHESTRATE_LOCK"]).model_copy(
+            update={"enabled": job.lock.enabled}
+        )
     if os.environ.get("ORCHESTRATE_LOCK_PATH"):
-        update["lock"] = job.lock.model_copy(update={"path": os.environ["ORCHESTRATE_LOCK_PATH"]})
+        lock = lock.model_copy(update={"path": os.environ["ORCHESTRATE_LOCK_PATH"]})
+    if lock != job.lock:
+        update["lock"] = lock
     return job.model_copy(update=update) if update else job
 
 

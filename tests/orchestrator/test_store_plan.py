@@ -96,3 +96,32 @@ def test_unwritable_store_is_an_input_error(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(InputError, match="not writable"):
         ResultStore(blocker / "r").ensure_writable()
+
+
+def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.task import localise
+
+    inv = InventorySpec.model_validate(
+        {
+            "defaults": {"max_attempts": 3, "cpu_busy_threshold": 80.0},
+            "hosts": [
+                {"name": "a", "device": "cpu", "lock": "/tmp/a.lock", "max_wait": 30, "idle_secs": 2},
+                {"name": "b", "device": "cpu", "lock": "/tmp/b.lock", "kfd_proc": "/tmp/kfd", "max_attempts": 1},
+            ],
+        }
+    )
+    job = expand(_sweep(), inv, ["cpu"], run_id="r", version="v", digest="d")[0]
+    assert (job.lock.path, job.lock.max_wait, job.lock.idle_secs) == ("/tmp/a.lock", 30, 2)
+    assert (job.lock.max_attempts, job.lock.cpu_busy_threshold) == (3, 80.0)
+    # on host b's node, `cluster up` exported b's settings: the job takes b's lock as b says
+    from orchestrator.plan import lock_settings
+
+    monkeypatch.delenv("ORCHESTRATE_LOCK_PATH", raising=False)
+    monkeypatch.setenv("ORCHESTRATE_LOCK", lock_settings(inv.hosts[1]).model_dump_json())
+    monkeypatch.setenv("ORCHESTRATE_HOST", "b")
+    local = localise(job)
+    assert local.host == "b"
+    assert (local.lock.path, local.lock.kfd_proc, local.lock.max_attempts) == ("/tmp/b.lock", "/tmp/kfd", 1)
+    assert local.lock.cpu_busy_threshold == 80.0  # b inherits the defaults
+    monkeypatch.setenv("ORCHESTRATE_LOCK_PATH", "/tmp/override.lock")
+    assert localise(job).lock.path == "/tmp/override.lock"
