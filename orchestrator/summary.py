@@ -90,6 +90,21 @@ def summarize(table: pa.Table, *, baseline: str | None, metrics: tuple[str, ...]
     return out
 
 
+def left_out(table: pa.Table) -> str | None:
+    """Why rows are not in the summary: how many are contended, failed or unsupported (or None)."""
+    status = table.column("status").to_pylist()
+    contended = table.column("contended").to_pylist()
+    counts = {
+        "contended (a foreign process used the device during the measurement)": sum(
+            1 for st, c in zip(status, contended, strict=True) if st == "ok" and c
+        ),
+        "failed": status.count("failed"),
+        "unsupported": status.count("unsupported"),
+    }
+    parts = [f"{n} {why}" for why, n in counts.items() if n]
+    return f"left out: {', '.join(parts)}" if parts else None
+
+
 def baseline_arm(baseline: str | None, arms: set[str]) -> str | None:
     """The sweep's baseline arm, or the case's variant of it (`affine` -> `affine-sorted`)."""
     if baseline is None or baseline in arms:

@@ -12,7 +12,7 @@ from orchestrator.errors import InputError, OrchestratorError
 from orchestrator.query import run_query
 from orchestrator.specs import builtin_sweeps, load_sweep
 from orchestrator.store import ResultStore
-from orchestrator.summary import summarize
+from orchestrator.summary import left_out, summarize
 
 
 def _baseline_for(sweep: str | None, given: str | None) -> str | None:
@@ -39,6 +39,9 @@ def register(app: typer.Typer) -> None:
         base = _baseline_for(sweep, baseline)
         out = console()
         out.print(summary_table(summarize(table, baseline=base), base, f"{table.num_rows} rows in {store.root}"))
+        note = left_out(table)
+        if note:
+            out.print(note)
         out.print(f"rows: {table.num_rows}")
         for path, reason in store.broken:
             out.print(f"warning: skipped broken fragment {path}: {reason}")

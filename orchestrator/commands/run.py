@@ -13,7 +13,7 @@ from orchestrator.criteria import judge_stored, validate_criteria
 from orchestrator.errors import EXIT_LOCK_TIMEOUT
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
-from orchestrator.summary import summarize
+from orchestrator.summary import left_out, summarize
 from orchestrator.sweep import JobOutcome, RunSummary, run_sweep
 from workers.contract import JobSpec
 
@@ -85,6 +85,9 @@ def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None
     table = store.read(sweep=summary.sweep)
     lines = summarize(table, baseline=baseline)
     out.print(summary_table(lines, baseline, f"sweep {summary.sweep}: {table.num_rows} rows"))
+    note = left_out(table)
+    if note:
+        out.print(note)
     for path, reason in store.broken:
         out.print(f"warning: skipped broken fragment {path}: {reason}")
 

@@ -125,3 +125,23 @@ def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypa
     assert local.lock.cpu_busy_threshold == 80.0  # b inherits the defaults
     monkeypatch.setenv("ORCHESTRATE_LOCK_PATH", "/tmp/override.lock")
     assert localise(job).lock.path == "/tmp/override.lock"
+
+
+def test_summary_names_what_it_leaves_out() -> None:
+    import pyarrow as pa
+
+    from orchestrator.summary import left_out, summarize
+
+    ok = _table("k1", STATUS_OK)
+    failed = _table("k2", STATUS_FAILED)
+    rows = ok.to_pylist() + failed.to_pylist()  # type: ignore[attr-defined]
+    for r in rows[3:]:
+        r["status"] = "failed"
+    rows[0]["contended"] = True
+    table = pa.Table.from_pylist(rows, schema=ok.schema)  # type: ignore[attr-defined]
+    assert left_out(table) == (
+        "left out: 1 contended (a foreign process used the device during the measurement), 3 failed"
+    )
+    (line,) = summarize(table, baseline=None)
+    assert line.n == 2 and line.median == 0.0025  # the two clean samples of 1, 2, 3 ms
+    assert left_out(ok) is None  # type: ignore[arg-type]
