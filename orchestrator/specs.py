@@ -268,6 +268,21 @@ class HostSpec(Strict):
     def _names(cls, v: str) -> str:
         return _check_name(v, "name")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, data: Any) -> Any:
+        """`device = "auto"` / `backend = "auto"` on this machine: what MLX runs on here."""
+        if isinstance(data, dict) and not data.get("host") and "auto" in (data.get("device"), data.get("backend")):
+            from workers.fingerprint import local_device
+
+            kind, backend = local_device()
+            data = {**data}
+            if data.get("device") == "auto":
+                data["device"] = kind
+            if data.get("backend", "auto") == "auto":
+                data["backend"] = backend
+        return data
+
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -123,3 +124,21 @@ def host_fingerprint() -> HostFingerprint:
         threads=threads,
         fingerprint_id=hashlib.sha256(stable.encode()).hexdigest()[:16],
     )
+
+
+VENDOR_WORDS = {"apple", "nvidia", "geforce", "amd", "radeon", "graphics", "tesla"}
+
+
+def device_kind_slug(gpu_name: str) -> str:
+    """A device kind from a GPU's name: `Apple M1 Ultra` -> `m1-ultra`, `NVIDIA H200` -> `h200`."""
+    words = [w for w in re.split(r"[^a-z0-9]+", gpu_name.lower()) if w and w not in VENDOR_WORDS]
+    return "-".join(words) or "gpu"
+
+
+def local_device() -> tuple[str, str]:
+    """This machine's (device kind, backend) as MLX runs here: `cpu` where MLX has no GPU backend."""
+    backend = detect_backend()
+    if backend == "cpu":
+        return "cpu", "cpu"
+    fp = host_fingerprint()
+    return device_kind_slug(fp.gpu or backend), backend
