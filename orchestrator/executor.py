@@ -9,7 +9,6 @@ labels from `inventories/local.toml`.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,7 +17,7 @@ import pyarrow as pa
 
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
-from workers.contract import STATUS_FAILED, HostFingerprint, JobContext, JobSpec, RowBuilder
+from workers.contract import HostFingerprint, JobSpec, failed_job_table
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 2.0  # how often a waiting sweep checks that each pending job's kind still has a node
@@ -26,23 +25,7 @@ LIVENESS_POLL_S = 2.0  # how often a waiting sweep checks that each pending job'
 
 def lost_job_table(job: JobSpec, error: str) -> pa.Table:
     """Failed rows for a job whose host or worker was lost (no host fingerprint is known)."""
-    unknown = HostFingerprint(
-        hostname="unknown",
-        os="unknown",
-        machine="unknown",
-        cpu="unknown",
-        cpu_count=0,
-        memory_bytes=0,
-        mlx_version="unknown",
-        mlx_device="unknown",
-        backend=job.backend,
-        threads=0,
-        fingerprint_id="unknown",
-    )
-    rows = RowBuilder(job, unknown, JobContext(started_at=dt.datetime.now(dt.UTC)))
-    for arm in job.arms:
-        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
-    return rows.table(STATUS_FAILED)
+    return failed_job_table(job, HostFingerprint.unknown(job.backend), error)
 
 
 class RayExecutor:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
+from workers.processes import pid_alive
 
 RAY_CLI = ["-m", "ray.scripts.scripts"]
 HEAD_PID = "head.pid"
@@ -91,16 +92,6 @@ def listening(address: str, port: int, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read_pid(path: Path) -> int | None:

@@ -96,6 +96,14 @@ class HostFingerprint(BaseModel):
     threads: int
     fingerprint_id: str
 
+    @classmethod
+    def unknown(cls, backend: str) -> HostFingerprint:
+        """For rows of a job whose host was lost before it could say what it is."""
+        return cls(
+            hostname="unknown", os="unknown", machine="unknown", cpu="unknown", cpu_count=0, memory_bytes=0,
+            mlx_version="unknown", mlx_device="unknown", backend=backend, threads=0, fingerprint_id="unknown",
+        )  # fmt: skip
+
 
 SCHEMA = pa.schema(
     [
@@ -238,6 +246,12 @@ class RowBuilder:
             row[name] = raw
         self.rows.append(row)
 
+    def fail_all(self, error: str) -> None:
+        """Replace the rows with one failed row per arm carrying `error` (the job did not run)."""
+        self.rows.clear()
+        for arm in self.job.arms:
+            self.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+
     def table(self, job_status: str) -> pa.Table:
         """All rows so far as one Arrow table in `SCHEMA`, the job status in its metadata.
 
@@ -263,3 +277,10 @@ def rows_to_table(rows: list[dict[str, Any]], *, job_key: str, job_status: str) 
     meta[META_JOB_KEY] = job_key.encode()
     meta[META_JOB_STATUS] = job_status.encode()
     return table.replace_schema_metadata(meta)
+
+
+def failed_job_table(job: JobSpec, fingerprint: HostFingerprint, error: str) -> pa.Table:
+    """The rows of a job that could not run: one failed row per arm, with the reason."""
+    rows = RowBuilder(job, fingerprint, JobContext(started_at=dt.datetime.now(dt.UTC)))
+    rows.fail_all(error)
+    return rows.table(STATUS_FAILED)

@@ -56,12 +56,6 @@ def _dispatcher(job: JobSpec) -> Dispatch:
     return fn
 
 
-def _failed_rows(rows: RowBuilder, job: JobSpec, error: str) -> None:
-    rows.rows.clear()
-    for arm in job.arms:
-        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
-
-
 def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
     """Run `job` under the host's GPU lock and return its rows (never raises for job errors)."""
     t0 = time.perf_counter()
@@ -75,10 +69,10 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
         status = _run_guarded(job, fp.backend, dispatch, rows, context)
     except Exception as exc:
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        _failed_rows(rows, job, last)
+        rows.fail_all(last)
         status = STATUS_FAILED
     if not rows.rows:
-        _failed_rows(rows, job, "the case produced no rows")
+        rows.fail_all("the case produced no rows")
         status = STATUS_FAILED
     table = peaks.stamp(rows.table(status))
     meta = {**(table.schema.metadata or {}), META_JOB_SECONDS: f"{time.perf_counter() - t0:.6f}".encode()}

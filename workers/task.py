@@ -9,7 +9,6 @@ and `orchestrate collect` can fetch it from there.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers.contract import STATUS_FAILED, JobContext, JobSpec, LockSettings, RowBuilder
+from workers.contract import JobSpec, LockSettings, failed_job_table
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
@@ -81,7 +80,4 @@ def failed_table(job: JobSpec, error: str) -> pa.Table:
     """Rows for a job whose worker died: one failed row per arm, with the reason."""
     from workers.fingerprint import host_fingerprint
 
-    rows = RowBuilder(job, host_fingerprint(), JobContext(started_at=dt.datetime.now(dt.UTC)))
-    for arm in job.arms:
-        rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
-    return rows.table(STATUS_FAILED)
+    return failed_job_table(job, host_fingerprint(), error)
