@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,12 @@ from orchestrator.history import (
     unjudged,
 )
 from orchestrator.store import ResultStore
+from tests.orchestrator.bench_repo import bench_script, git
 from workers.command import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
 # A benchmark whose speed is in speed.txt, with a deterministic +-2 % wobble from a call counter.
-BENCH = """#!/usr/bin/env bash
-set -eu
-n=$(cat "$COUNTER" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNTER"
-awk -v s="$(cat speed.txt)" -v n="$n" 'BEGIN {
-  printf "[engine-bench] {\\"decode_tok_s\\": %.3f, \\"text\\": \\"out\\"}\\n", s * (1 + 0.02 * sin(n * 1.7)) }'
-"""
-
-
-def git(repo: Path, *args: str) -> str:
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@e", "HOME": str(repo.parent), "PATH": "/usr/bin:/bin"}  # fmt: skip
-    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+BENCH = bench_script(0.02)
 
 
 def fingerprint(fid: str) -> HostFingerprint:

@@ -25,6 +25,7 @@ from orchestrator.schedule import (
     remove_schedule,
     run_now,
 )
+from tests.orchestrator.bench_repo import bench_script, git
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,18 +143,7 @@ def test_second_start_while_one_runs_exits_at_once(tmp_path: Path, config: Path)
         pass
 
 
-BENCH = """#!/usr/bin/env bash
-set -eu
-n=$(cat "$COUNTER" 2>/dev/null || echo 0); echo $((n + 1)) > "$COUNTER"
-awk -v s="$(cat speed.txt)" -v n="$n" 'BEGIN {
-  printf "[engine-bench] {\\"decode_tok_s\\": %.3f, \\"text\\": \\"out\\"}\\n", s * (1 + 0.01 * sin(n * 1.7)) }'
-"""
-
-
-def git(repo: Path, *args: str) -> str:
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@e", "HOME": str(repo.parent), "PATH": "/usr/bin:/bin"}  # fmt: skip
-    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True, text=True).stdout.strip()
+BENCH = bench_script(0.01)
 
 
 @pytest.mark.slow
