@@ -22,8 +22,9 @@ from kernels.moe_nvfp4 import MoeConfig, moe_gather_nvfp4_cuda, moe_gather_nvfp4
 GEMV_N, GEMV_K = 21504, 5376
 MOE = {"experts": 128, "top_k": 6, "tokens": 512, "hidden": 2688, "expert_width": 1856}
 GEMV_CONFIGS = [
-    GemvConfig(4, 2), GemvConfig(2, 3), GemvConfig(3, 3), GemvConfig(4, 1),
-    GemvConfig(4, 2, True), GemvConfig(2, 3, True), GemvConfig(3, 3, True), GemvConfig(4, 1, True),
+    GemvConfig("stream", warps=12), GemvConfig("stream", warps=16), GemvConfig("stream", warps=20),
+    GemvConfig("stream", warps=8), GemvConfig("stream", warps=12, stages=3),
+    GemvConfig("ksplit", warps=4, unroll=2), GemvConfig("ksplit", warps=2, unroll=3),
 ]  # fmt: skip
 MOE_CONFIGS = [MoeConfig(4, 1, 4), MoeConfig(4, 1, 3), MoeConfig(2, 1, 4), MoeConfig(4, 2, 4)]
 
@@ -59,7 +60,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         results = []
         want = to_np(gemv_nvfp4_twin(x, *weights[0], None))
-        for cfg in GEMV_CONFIGS[:2] if quick else GEMV_CONFIGS:
+        for cfg in GEMV_CONFIGS[:1] + GEMV_CONFIGS[-1:] if quick else GEMV_CONFIGS:
             try:
                 diff = rel_error(to_np(gemv_nvfp4_cuda(x, *weights[0], None, cfg)), want)
                 if not diff < 1e-3:
@@ -71,7 +72,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
                 continue
             results.append((t, cfg))
             log(f"gemv tune M={m} {cfg}: {t * 1e6:.1f} us")
-        tuning[str(m)] = [{**vars(c), "seconds": t} for t, c in results]
+        tuning[str(m)] = [{**vars(c), "label": str(c), "seconds": t} for t, c in results]
         best[m] = min(results, key=lambda r: r[0])[1]
     out["tuning"] = tuning
 
@@ -93,7 +94,7 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
         t_native = per_call_seconds(native(x), L1, L2)
         entry: dict[str, Any] = {
             "m": m,
-            "config": vars(cfg),
+            "config": {**vars(cfg), "label": str(cfg)},
             "bytes": nbytes,
             "rel_error_custom": rel_error(to_np(y)[:, rows], ref),
             "rel_error_native": rel_error(to_np(y_native)[:, rows], ref),

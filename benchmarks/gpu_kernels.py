@@ -78,7 +78,7 @@ def ncu_probe(calls: int = 3) -> None:
     xg = x[lhs][:, None, :]
     paths: list[tuple[str, Callable[[], mx.array]]] = []
     for m, xm in xs.items():
-        for cfg in (GemvConfig(2, 3), GemvConfig(2, 4)):
+        for cfg in (GemvConfig("stream"), GemvConfig("ksplit", warps=2, unroll=3)):
             paths.append((f"gemv-custom M={m} {cfg}", functools.partial(gemv_nvfp4_cuda, xm, wq, sc, None, cfg)))
         paths.append((f"gemv-native M={m}", functools.partial(mx.quantized_matmul, xm, wq, sc, mode="nvfp4")))
     paths.append(("moe-custom", lambda: moe_gather_nvfp4_cuda(x, mw, ms, mg, lhs, rhs, MoeConfig(4, 1, 4))))
@@ -264,8 +264,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {e['m']} | {e['custom']['seconds'] * 1e6:.1f} | {e['custom_gb_s']:.0f} | "
                 f"{e['custom_fraction_of_copy']:.0%} | {e['native']['seconds'] * 1e6:.1f} | {e['native_gb_s']:.0f} | "
                 f"{e['speedup_vs_native']:.2f}x | {e['rel_error_custom']:.1e} ({e['rel_error_native']:.1e}) | "
-                f"warps {e['config']['warps']}, unroll {e['config']['unroll']}"
-                f"{', cvt scales' if e['config'].get('cvt_scales') else ''} |"
+                f"{e['config'].get('label', e['config'])} |"
             )
         lines.append("")
     for e in results.get("moe", []):

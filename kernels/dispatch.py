@@ -5,7 +5,7 @@ native-sorted, custom-sorted), checks each once against the case's float64 refer
 inputs (a path over its own tolerance, or one that raises, is never chosen), times the correct
 ones (`calls` calls per evaluation, the median of `repeats`, the device synchronised around), and
 returns an `ArmPath` that runs the fastest. Its `route` names the choice and the measured times,
-e.g. `auto:custom[cuda_kernel(gemv_nvfp4_mma)] custom=2.1e-05s native=6.5e-05s`, so every row of
+e.g. `auto:custom[cuda_kernel(gemv_nvfp4_stream)] custom=2.1e-05s native=6.5e-05s`, so every row of
 the arm says what it really ran. Choices are cached per key (case, shape, dtype, backend) for the
 life of the process; the calibration time is part of the arm's build time.
 """
@@ -170,7 +170,7 @@ def qmm_custom_path(wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: st
         def run(x: Any) -> Any:
             return gemv_nvfp4.gemv_nvfp4(x, wq, scales)
 
-        route = gemv_nvfp4.route(m, n, k)
+        route = gemv_nvfp4.route(m, n, k, dtype_name)
     else:
         w3, s3 = wq[None], scales[None]
         lhs = mx.arange(m, dtype=mx.uint32)

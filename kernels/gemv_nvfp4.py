@@ -2,12 +2,22 @@
 
 `gemv_nvfp4(x, w, scales, global_scale)` computes `x @ dequant(w)^T` for weights in MLX's nvfp4
 layout (`mx.quantize(..., mode="nvfp4")`: uint32 codes [N, K/8], uint8 E4M3 scales [N, K/16], an
-optional MLX-convention global scale). On MLX's CUDA backend it runs `kernels/cuda/gemv_nvfp4.cu`
-(tensor-core MMAs on weights decoded exactly to bf16, fp32 accumulation); elsewhere, or where the
-shape is outside the kernel's limits, it runs `gemv_nvfp4_twin`, which computes the same function
-with MLX array ops: the same exactly-dequantized weights and the same rounding of the activations
-(to bf16, or to a bf16 pair hi + lo for float32/float16 inputs), so the two agree to fp32
-summation order. The twin is the correctness check for the kernel and the fallback without CUDA.
+optional MLX-convention global scale). On MLX's CUDA backend it runs one of two kernels, both
+tensor-core MMAs on exactly dequantized weights with fp32 accumulation:
+
+* `kernels/cuda/gemv_nvfp4.cu` ("stream"): sm_89+, bfloat16/float16 activations, K % 128 == 0,
+  N % 8 == 0. Persistent (one block per multiprocessor), weights streamed through shared memory
+  by cp.async in 256-byte row runs, decoded to f16 through the hardware E4M3 conversion;
+* `kernels/cuda/gemv_nvfp4_ksplit.cu` ("ksplit"): everything else the CUDA path takes (float32
+  activations, K % 32, older GPUs): bf16 decode by integer bit tricks, warps splitting K.
+
+Elsewhere, or where the shape is outside both kernels' limits, it runs `gemv_nvfp4_twin`, which
+computes the same function with MLX array ops: the same exactly-dequantized weights and the same
+rounding of the activations (to bf16, or to a bf16 pair hi + lo for float32/float16 inputs), so
+kernel and twin agree to fp32 summation order. (The stream kernel carries bfloat16 activations as
+f16 times one power of two chosen from max |x|: exact except for values more than 2^39 below max
+|x|, an error far below the output's bf16 rounding.) The twin is the correctness check for the
+kernels and the fallback without CUDA.
 """
 
 from __future__ import annotations
@@ -20,10 +30,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
+from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
 from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
 GEMV_SOURCE = CudaKernelSource(body_file="gemv_nvfp4.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
+KSPLIT_SOURCE = CudaKernelSource(body_file="gemv_nvfp4_ksplit.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
 MAX_ROWS = 8  # the MMA's column count: M <= 8 activation rows per call
 # Largest relative error (against a float64 reference) of the kernel and the twin: bf16 activations
 # give about 2e-3; hi + lo pairs (float32/float16 inputs) about 1e-5 plus the output's rounding.
@@ -35,31 +46,105 @@ _E4M3 = mx.array(decode_e4m3(np.arange(256, dtype=np.uint8)))
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Launch shape: warps per 16-row block (they split K), code loads in flight per warp, and
-    whether the E4M3 scales go through the hardware conversion (sm_89+) or integer bit tricks."""
+    """Launch shape of one of the two CUDA kernels.
 
-    warps: int = 2
+    kernel "stream" (gemv_nvfp4.cu): `warps` per block, `chunk` steps of 128 codes per copied
+    chunk (2 or 4), `stages` chunks in each warp's ring, `blocks` (0: one per multiprocessor).
+    kernel "ksplit" (gemv_nvfp4_ksplit.cu): `warps` splitting K per 16-row block, `unroll` steps of
+    code loads in flight per warp, `cvt_scales`: E4M3 scales through the hardware conversion.
+    """
+
+    kernel: str = "stream"
+    warps: int = 12
+    chunk: int = 4
+    stages: int = 2
+    blocks: int = 0
     unroll: int = 3
     cvt_scales: bool = False
 
-
-# Measured on the H200 (benchmarks/gpu_kernels.py, BENCHMARKS.md): the fastest of 6 launch shapes at
-# M=1 (used for M <= 4) and at M=8 (used above) on the decode shape; other shapes take DEFAULT_CONFIG.
-TUNED_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
-    (m, 21504, 5376): GemvConfig(4, 2) if m <= 4 else GemvConfig(2, 3) for m in range(1, MAX_ROWS + 1)
-}
-DEFAULT_CONFIG = GemvConfig()
+    def __str__(self) -> str:
+        if self.kernel == "stream":
+            blocks = self.blocks or "SMs"
+            return f"stream(warps={self.warps}, chunk={self.chunk}, stages={self.stages}, blocks={blocks})"
+        return f"ksplit(warps={self.warps}, unroll={self.unroll}, cvt_scales={self.cvt_scales})"
 
 
-def kernel_supports(m: int, n: int, k: int) -> str | None:
-    """Why the CUDA kernel cannot take this shape, or None when it can."""
+# Measured on the H200 (benchmarks/gemv_lab.py, then benchmarks/gpu_kernels.py; BENCHMARKS.md): the
+# stream kernel's fastest shape at M = 1, 4 and 8 on the decode shape is 12 warps, 4-step chunks,
+# 2 stages; the K-split kernel's were 4 warps x 2 steps (M <= 4) and 2 x 3 (M > 4).
+STREAM_CONFIG = GemvConfig()
+KSPLIT_CONFIGS = {True: GemvConfig("ksplit", warps=4, unroll=2), False: GemvConfig("ksplit", warps=2, unroll=3)}
+STREAM_DTYPES = ("bfloat16", "float16")
+
+
+def stream_smem_bytes(m: int, k: int, warps: int, chunk: int, stages: int) -> int:
+    """Dynamic shared memory of the stream kernel (its layout in gemv_nvfp4.cu): x as f16 in
+    fragment order, the warps' rings, the split tiles' partial sums."""
+    x_row = ((k // 8 + 7) // 8 * 8 + 2) * 16
+    slot = 16 * chunk * 64 + 16 * (48 if chunk == 4 else 16)
+    return m * x_row + warps * stages * slot + warps * 2 * 128 * 4
+
+
+def stream_launch(m: int, n: int, k: int, cfg: GemvConfig, sms: int) -> tuple[int, int, int]:
+    """(blocks, warps, dynamic shared bytes) for a shape: blocks never outnumber the 8-row units,
+    and every warp gets at least one chunk (the kernel's split-tile bookkeeping relies on it)."""
+    blocks = min(cfg.blocks or sms, n // 8)
+    rows_min = 8 * ((n // 8) // blocks)
+    units_min = -(-rows_min // 16) * -(-(k // 128) // cfg.chunk)
+    warps = max(1, min(cfg.warps, units_min))
+    return blocks, warps, stream_smem_bytes(m, k, warps, cfg.chunk, cfg.stages)
+
+
+def _shape_reason(m: int, n: int, k: int) -> str | None:
     if not 1 <= m <= MAX_ROWS:
         return f"M={m} is outside 1..{MAX_ROWS}"
-    if n % 16:
-        return f"N={n} is not a multiple of 16"
+    if n % 8:
+        return f"N={n} is not a multiple of 8"
     if k % 32:
         return f"K={k} is not a multiple of 32"
     return None
+
+
+def stream_supports(m: int, n: int, k: int, dtype: str) -> str | None:
+    """Why the stream kernel cannot take this call here, or None when it can."""
+    reason = _shape_reason(m, n, k)
+    if reason is not None:
+        return reason
+    if dtype not in STREAM_DTYPES:
+        return f"{dtype} activations (the stream kernel takes {' or '.join(STREAM_DTYPES)})"
+    if k % 128:
+        return f"K={k} is not a multiple of 128"
+    device = cuda_device()
+    if device is None:
+        return "no CUDA device"
+    if device.compute_capability < (8, 9):
+        return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
+    _, warps, smem = stream_launch(m, n, k, STREAM_CONFIG, device.multiprocessors)
+    if smem + 4 * (warps + n // 8 + 2) > device.max_shared_per_block:
+        return f"needs {smem} bytes of shared memory per block, the device allows {device.max_shared_per_block}"
+    return None
+
+
+def ksplit_supports(m: int, n: int, k: int) -> str | None:
+    """Why the K-split kernel cannot take this shape, or None when it can."""
+    reason = _shape_reason(m, n, k)
+    if reason is None and n % 16:
+        return f"N={n} is not a multiple of 16"
+    return reason
+
+
+def kernel_supports(m: int, n: int, k: int, dtype: str = "bfloat16") -> str | None:
+    """Why neither CUDA kernel can take this call, or None when one can."""
+    if stream_supports(m, n, k, dtype) is None:
+        return None
+    return ksplit_supports(m, n, k)
+
+
+def choose_config(m: int, n: int, k: int, dtype: str) -> GemvConfig:
+    """The launch shape `gemv_nvfp4` uses: the stream kernel where it applies, else K-split."""
+    if stream_supports(m, n, k, dtype) is None:
+        return STREAM_CONFIG
+    return KSPLIT_CONFIGS[m <= 4]
 
 
 @functools.cache
@@ -113,13 +198,14 @@ def gemv_nvfp4_cuda(
     global_scale: mx.array | float | None = None,
     config: GemvConfig | None = None,
 ) -> mx.array:
-    """The CUDA kernel (MLX's CUDA backend only); `kernel_supports` must accept the shape."""
+    """A CUDA kernel (MLX's CUDA backend only): `config`'s, or `choose_config`'s for the shape."""
     m, k = x.shape
     n = w.shape[0]
-    reason = kernel_supports(m, n, k)
+    dtype = str(x.dtype).removeprefix("mlx.core.")
+    cfg = config or choose_config(m, n, k, dtype)
+    reason = stream_supports(m, n, k, dtype) if cfg.kernel == "stream" else ksplit_supports(m, n, k)
     if reason is not None:
-        raise ValueError(f"gemv_nvfp4 kernel: {reason}")
-    cfg = config or TUNED_CONFIGS.get((m, n, k), DEFAULT_CONFIG)
+        raise ValueError(f"gemv_nvfp4 {cfg.kernel} kernel: {reason}")
     launch = _launcher(m, n, k, x.dtype, cfg)
     return launch(x, w, scales, _global_multiplier(global_scale))
 
@@ -129,24 +215,27 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
     """The kernel call for one shape, traced once by `mx.compile`: later calls replay the traced
     graph instead of re-assembling the kernel source in Python and C++ (tens of microseconds a
     call, more than the kernel itself takes at decode sizes)."""
-    kernel = compiled_kernel(GEMV_SOURCE)
-    template: list[tuple[str, int | bool | mx.Dtype]] = [
-        ("T", dtype),
-        ("N", n),
-        ("K", k),
-        ("M", m),
-        ("WARPS", cfg.warps),
-        ("UNROLL", cfg.unroll),
-        ("SPLIT", dtype != mx.bfloat16),
-        ("CVT_SCALES", cfg.cvt_scales),
-    ]
+    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype), ("N", n), ("K", k), ("M", m)]
+    if cfg.kernel == "stream":
+        device = cuda_device()
+        assert device is not None  # stream_supports checked
+        blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
+        kernel = compiled_kernel(GEMV_SOURCE, smem)
+        template += [("WARPS", warps), ("BLOCKS", blocks), ("CHUNK", cfg.chunk), ("STAGES", cfg.stages)]
+        template += [("XF16", dtype == mx.float16)]
+        grid, threads = blocks * 32 * warps, 32 * warps
+    else:
+        kernel = compiled_kernel(KSPLIT_SOURCE)
+        template += [("WARPS", cfg.warps), ("UNROLL", cfg.unroll), ("SPLIT", dtype != mx.bfloat16)]
+        template += [("CVT_SCALES", cfg.cvt_scales)]
+        grid, threads = n // 16 * 32 * cfg.warps, 32 * cfg.warps
 
     def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
         (y,) = kernel(
             inputs=[x, w, scales, gsv],
             template=template,
-            grid=(n // 16 * 32 * cfg.warps, 1, 1),
-            threadgroup=(32 * cfg.warps, 1, 1),
+            grid=(grid, 1, 1),
+            threadgroup=(threads, 1, 1),
             output_shapes=[(m, n)],
             output_dtypes=[dtype],
         )
@@ -166,15 +255,16 @@ def gemv_nvfp4(
     config: GemvConfig | None = None,
 ) -> mx.array:
     """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
-    if cuda_backend_available() and kernel_supports(x.shape[0], w.shape[0], x.shape[1]) is None:
+    dtype = str(x.dtype).removeprefix("mlx.core.")
+    if cuda_backend_available() and kernel_supports(x.shape[0], w.shape[0], x.shape[1], dtype) is None:
         return gemv_nvfp4_cuda(x, w, scales, global_scale, config)
     return gemv_nvfp4_twin(x, w, scales, global_scale)
 
 
-def route(m: int, n: int, k: int) -> str:
+def route(m: int, n: int, k: int, dtype: str = "bfloat16") -> str:
     """What `gemv_nvfp4` runs for this shape here (recorded in a row's `route`)."""
-    if cuda_backend_available() and kernel_supports(m, n, k) is None:
-        return "cuda_kernel(gemv_nvfp4_mma)"
+    if cuda_backend_available() and kernel_supports(m, n, k, dtype) is None:
+        return f"cuda_kernel(gemv_nvfp4_{choose_config(m, n, k, dtype).kernel})"
     return "mlx-twin(dequantize_exact @ x)"
 
 

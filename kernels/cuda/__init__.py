@@ -73,6 +73,8 @@ class CudaKernelSource:
         input_dtypes: dict[str, str],
         output_dtypes: dict[str, str],
         template: dict[str, TemplateValue],
+        function_name: str | None = None,
+        prelude: bool = True,
     ) -> str:
         """The whole translation unit as MLX builds it, compilable by plain `nvcc -c`.
 
@@ -80,6 +82,10 @@ class CudaKernelSource:
             input_dtypes: input name -> MLX dtype name (e.g. "uint32").
             output_dtypes: output name -> MLX dtype name.
             template: the template constants (ints, bools, dtype names) MLX would declare.
+            function_name: the kernel's name (default: `name`); several instantiations of one body
+                in one file need distinct names.
+            prelude: False leaves out the includes and the header (for the second and later
+                instantiations in one file).
         """
         params = [f"    const {_ARRAY_TYPES[input_dtypes[n]]}* {n}" for n in self.inputs]
         params += [f"    {_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in self.outputs]
@@ -92,10 +98,9 @@ class CudaKernelSource:
             else:
                 consts.append(f"  using {key} = {CUDA_TYPES[value]};")
         return (
-            _STANDALONE_PRELUDE
-            + self.header
+            (_STANDALONE_PRELUDE + self.header if prelude else "")
             + "\nnamespace mlx::core::cu {\n\n__global__ void "
-            + self.name
+            + (function_name or self.name)
             + "(\n"
             + ",\n".join(params)
             + ") {\n"
@@ -104,6 +109,48 @@ class CudaKernelSource:
             + self.body
             + "\n}\n\n}  // namespace mlx::core::cu\n"
         )
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """What the launch shapes depend on, read from the CUDA driver for device 0."""
+
+    name: str
+    multiprocessors: int
+    compute_capability: tuple[int, int]
+    max_shared_per_block: int  # bytes one block may have, opting in (227 KB on sm_90)
+
+
+@functools.cache
+def cuda_device() -> CudaDevice | None:
+    """Device 0 through the driver API (libcuda, present wherever the NVIDIA driver is); None
+    without a driver or device."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        return None
+
+    def attribute(code: int) -> int:
+        value = ctypes.c_int()
+        if cuda.cuDeviceGetAttribute(ctypes.byref(value), code, dev) != 0:
+            raise RuntimeError(f"cuDeviceGetAttribute({code}) failed")
+        return value.value
+
+    name = ctypes.create_string_buffer(256)
+    cuda.cuDeviceGetName(name, 256, dev)
+    # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16, COMPUTE_CAPABILITY_MAJOR 75 / MINOR 76,
+    # MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
+    return CudaDevice(
+        name=name.value.decode(errors="replace"),
+        multiprocessors=attribute(16),
+        compute_capability=(attribute(75), attribute(76)),
+        max_shared_per_block=attribute(97),
+    )
 
 
 def cuda_backend_available() -> bool:
@@ -119,8 +166,9 @@ def cuda_backend_available() -> bool:
 
 
 @functools.cache
-def compiled_kernel(source: CudaKernelSource) -> Any:
-    """The `mx.fast.cuda_kernel` for a source (MLX compiles it through NVRTC at first call)."""
+def compiled_kernel(source: CudaKernelSource, shared_memory: int = 0) -> Any:
+    """The `mx.fast.cuda_kernel` for a source and dynamic shared memory size (MLX compiles it
+    through NVRTC at first call, and lifts the 48 KB default where more is asked)."""
     import mlx.core as mx
 
     return mx.fast.cuda_kernel(
@@ -130,4 +178,5 @@ def compiled_kernel(source: CudaKernelSource) -> Any:
         source=source.body,
         header=source.header,
         ensure_row_contiguous=True,
+        shared_memory=shared_memory,
     )

@@ -1,10 +1,13 @@
-// NVFP4 x bf16 tensor-core building blocks for the custom GEMV and MoE kernels.
+// NVFP4 tensor-core building blocks for the custom GEMV and MoE kernels.
 //
 // Passed as the `header` of `mx.fast.cuda_kernel` (MLX prepends its own utils.cuh, which brings
-// cuda_bf16.h and the fixed-width integer types). Everything is sm_80+ PTX: `mma.sync` m16n8k16
-// bf16 -> fp32, `fma.rn.bf16x2`, `ld.global.nc.L1::no_allocate`.
+// cuda_bf16.h, cuda_fp16.h and the fixed-width integer types). Two exact decodes:
 //
-// Decode (Marlin-style, exact): an E2M1 code placed with its sign on bf16 bit 15 and its three
+// * the bf16 route (sm_80+: the MoE kernel and gemv_nvfp4_ksplit.cu), integer bit tricks below;
+// * the f16 route (sm_89+: gemv_nvfp4.cu), through the hardware E4M3 -> f16x2 conversion, at the
+//   end of this file: fewer integer instructions per weight, which is what bounds a decode GEMV.
+//
+// bf16 decode (Marlin-style, exact): an E2M1 code placed with its sign on bf16 bit 15 and its three
 // magnitude bits on bits 8..6 is the bf16 whose value is E2M1 * 2^-126 (code 1, 0.5, lands on a
 // bf16 subnormal; bf16 FMA keeps subnormals). One bf16x2 FMA by the group scale times 2^64 turns
 // it into E2M1 * E4M3 * 2^-62, exact (at most 6 significant bits, far inside bf16's range). The
@@ -66,6 +69,36 @@ __device__ __forceinline__ uint32_t ld_stream_u16(const uint8_t* p) {
   unsigned short v;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
   return static_cast<uint32_t>(v);
+}
+
+// Asynchronous global -> shared copies (sm_80+): 16 bytes bypass L1 (.cg); 8 go through it (.ca,
+// the only form for fewer than 16 bytes). Where `pred` is false the destination is zero-filled and
+// nothing is read.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool pred) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(gmem), "r"(pred ? 16 : 0) : "memory");
+}
+
+// 16-byte slot from `src_bytes` (0, 4, 8 or 16) bytes of global memory; the rest zero-filled.
+__device__ __forceinline__ void cp_async_16n(void* smem, const void* gmem, int src_bytes) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool pred) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+               :: "r"(dst), "l"(gmem), "r"(pred ? 8 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most `PENDING` of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -147,6 +180,66 @@ __device__ __forceinline__ void mma_word(float (&c)[4], const uint32_t (&a)[8],
            __byte_perm(xw[0], xw[2], 0x7632));
   mma_bf16(c, a[4], a[5], a[6], a[7], __byte_perm(xw[1], xw[3], 0x5410),
            __byte_perm(xw[1], xw[3], 0x7632));
+}
+
+// ---- the f16 route (sm_89+): E2M1 codes and E4M3 scales through the hardware FP8 conversion
+
+// Two E4M3 bytes (bits 0-7, 8-15) -> f16x2, exactly (every E4M3 value is an f16).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t r) {
+  uint32_t h;
+  const unsigned short pair = static_cast<unsigned short>(r & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
+  return h;
+}
+
+// One 32-bit word of E2M1 codes (code i at bits 4i..4i+3) -> four f16x2 registers holding codes
+// (0, 2), (4, 6), (1, 3), (5, 7) as E2M1 * 2^-6, exactly. Each nibble s.e1.e0.m becomes the E4M3
+// byte s.00.e1.e0.m.00, whose value is E2M1 * 2^-6 (E4M3 subnormals included: code 1, 0.5, is
+// the E4M3 subnormal 4 * 2^-9), and the hardware converts two such bytes to f16x2 at once.
+__device__ __forceinline__ void e2m1_word_to_f16(uint32_t w, uint32_t (&h)[4]) {
+  // high nibbles: the sign is already bit 7 of its byte; magnitude bits 6..4 -> 4..2 (the shift as
+  // a multiply-high, which runs on the FMA pipe and leaves the integer pipe to the masks)
+  const uint32_t hi = (w & 0x80808080u) | __umulhi(w & 0x70707070u, 0x40000000u);
+  // low nibbles: magnitude bits 2..0 -> 4..2, sign bit 3 -> 7
+  const uint32_t lo = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+  // each 16-bit half as its own .b16 operand, so no shift moves the upper half down
+  asm("{\n .reg .b16 l, u;\n mov.b32 {l, u}, %4;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, u;\n"
+      " mov.b32 {l, u}, %5;\n cvt.rn.f16x2.e4m3x2 %2, l;\n cvt.rn.f16x2.e4m3x2 %3, u;\n}\n"
+      : "=r"(h[0]), "=r"(h[1]), "=r"(h[2]), "=r"(h[3])  // codes (0, 2) (4, 6) (1, 3) (5, 7)
+      : "r"(lo), "r"(hi));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// a * (s.half, s.half) for HALF 0 (low) or 1 (high): the broadcast is an operand selector of the
+// f16x2 multiply (HMUL2 R, R, R.H0_H0), not an instruction of its own.
+template <int HALF>
+__device__ __forceinline__ uint32_t f16x2_mul_bcast(uint32_t a, uint32_t s) {
+  const __half2 av = *reinterpret_cast<const __half2*>(&a);
+  const __half2 sv = *reinterpret_cast<const __half2*>(&s);
+  const __half2 r = __hmul2(av, HALF == 0 ? __low2half2(sv) : __high2half2(sv));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// One code word of rows g (wa) and g+8 (wb), scaled by their group's f16 scale (half HALF of sa,
+// sb), times x in fragment order xp = ((x0,x2), (x4,x6), (x1,x3), (x5,x7)): two f16 MMAs.
+template <int HALF>
+__device__ __forceinline__ void mma_word_f16(float (&c)[4], uint32_t wa, uint32_t wb, uint32_t sa, uint32_t sb,
+                                             const uint4& xp) {
+  uint32_t ha[4], hb[4];
+  e2m1_word_to_f16(wa, ha);
+  e2m1_word_to_f16(wb, hb);
+  mma_f16(c, f16x2_mul_bcast<HALF>(ha[0], sa), f16x2_mul_bcast<HALF>(hb[0], sb), f16x2_mul_bcast<HALF>(ha[1], sa),
+          f16x2_mul_bcast<HALF>(hb[1], sb), xp.x, xp.y);
+  mma_f16(c, f16x2_mul_bcast<HALF>(ha[2], sa), f16x2_mul_bcast<HALF>(hb[2], sb), f16x2_mul_bcast<HALF>(ha[3], sa),
+          f16x2_mul_bcast<HALF>(hb[3], sb), xp.z, xp.w);
 }
 
 }  // namespace nvfp4

@@ -25,11 +25,15 @@ from kernels import dispatch, moe, nvfp4, qmm
 from kernels.cuda import cuda_backend_available, read_source
 from kernels.gemv_nvfp4 import (
     GEMV_SOURCE,
+    KSPLIT_SOURCE,
+    STREAM_CONFIG,
     GemvConfig,
     gemv_nvfp4,
     gemv_nvfp4_cuda,
     gemv_nvfp4_twin,
     kernel_supports,
+    route,
+    stream_launch,
 )
 from kernels.moe_nvfp4 import MOE_SOURCE, moe_gather_nvfp4, moe_gather_nvfp4_twin
 from kernels.registry import ArmPath
@@ -325,27 +329,23 @@ def test_moe_twin_applies_each_expert_s_own_global_scale() -> None:
 @pytest.mark.parametrize(("dtype", "cvt_scales"), [("bfloat16", False), ("bfloat16", True), ("float32", False)])
 def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: bool, tmp_path: Path) -> None:
     split = dtype != "bfloat16"
+    sig = ({"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": dtype})
+    ksplit = {"T": dtype, "N": 21504, "K": 5376, "M": 8, "WARPS": 2, "UNROLL": 3, "SPLIT": split}
+    ksplit["CVT_SCALES"] = cvt_scales
     sources = {
-        "gemv.cu": GEMV_SOURCE.standalone_source(
-            {"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"},
-            {"y": dtype},
-            {
-                "T": dtype,
-                "N": 21504,
-                "K": 5376,
-                "M": 8,
-                "WARPS": 2,
-                "UNROLL": 3,
-                "SPLIT": split,
-                "CVT_SCALES": cvt_scales,
-            },
-        ),
+        "gemv_ksplit.cu": KSPLIT_SOURCE.standalone_source(*sig, ksplit),
         "moe.cu": MOE_SOURCE.standalone_source(
             {"x": dtype, "lhs": "uint32", "rhs": "uint32", "w": "uint32", "scales": "uint8", "gsv": "float32"},
             {"y": dtype},
             {"T": dtype, "N": 1856, "K": 2688, "E": 128, "R": 3072, "WARPS": 4, "UNROLL": 2, "NT": 4, "SPLIT": split},
         ),
     }
+    if dtype != "float32":  # the stream kernel: bfloat16 (and float16) activations, at its shipped shape
+        for m in (1, 8):
+            blocks, warps, _ = stream_launch(m, 21504, 5376, STREAM_CONFIG, 132)
+            consts: dict[str, int | bool | str] = {"T": dtype, "N": 21504, "K": 5376, "M": m, "WARPS": warps}
+            consts |= {"BLOCKS": blocks, "CHUNK": 4, "STAGES": 2, "XF16": False}
+            sources[f"gemv_stream_m{m}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
     for name, text in sources.items():
         src = tmp_path / name
         src.write_text(text)
@@ -369,6 +369,31 @@ def test_gemv_kernel_matches_its_twin_on_cuda(m: int) -> None:
         assert _rel(got, np.array(want.astype(mx.float32)).astype(np.float64)) < 1e-5 * (
             100 if dtype == mx.bfloat16 else 1
         )
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "x_scale"),
+    [
+        (1, 256, 640, mx.bfloat16, 1.0),  # K = 5 steps: a partial last chunk
+        (3, 1000, 384, mx.bfloat16, 1.0),  # N % 16 == 8: 8-row half tiles; blocks < multiprocessors
+        (8, 4096, 4096, mx.bfloat16, 1.0),
+        (5, 2048, 1024, mx.float16, 1.0),
+        (2, 512, 512, mx.bfloat16, 1e30),  # bfloat16 far outside f16's range, both ways
+        (2, 512, 512, mx.bfloat16, 1e-30),
+    ],
+)
+def test_stream_kernel_matches_its_twin_on_cuda(m: int, n: int, k: int, dtype: mx.Dtype, x_scale: float) -> None:
+    rng = np.random.default_rng(m * 7 + n)
+    wq, sc, _ = _nvfp4_mlx(rng.standard_normal((n, k)).astype(np.float32), 12.0)
+    x = (mx.array(rng.standard_normal((m, k)).astype(np.float32)) * x_scale).astype(dtype)
+    assert route(m, n, k, str(dtype).removeprefix("mlx.core.")) == "cuda_kernel(gemv_nvfp4_stream)"
+    got = gemv_nvfp4_cuda(x, wq, sc, 12.0, STREAM_CONFIG)
+    want = gemv_nvfp4_twin(x, wq, sc, 12.0)
+    g = np.array(got.astype(mx.float32)).astype(np.float64)
+    assert np.isfinite(g).all()
+    assert _rel(got, np.array(want.astype(mx.float32)).astype(np.float64)) < 2e-3
 
 
 @needs_cuda
@@ -447,7 +472,7 @@ def test_qmm_custom_and_auto_arms_are_within_tolerance_and_say_what_ran(tokens: 
         assert err <= path.tolerance, (arm, err)
     route = wl.arms["custom"].route
     if tokens <= 8:
-        assert route in ("cuda_kernel(gemv_nvfp4_mma)", "mlx-twin(dequantize_exact @ x)")
+        assert route in ("cuda_kernel(gemv_nvfp4_stream)", "mlx-twin(dequantize_exact @ x)")
     else:
         assert route.endswith("[one expert]")
     assert wl.arms["auto"].route.startswith("auto:")
@@ -475,6 +500,6 @@ def test_gemv_hardware_scale_conversion_matches_the_bit_trick_on_cuda() -> None:
     rng = np.random.default_rng(11)
     wq, sc, _ = _nvfp4_mlx(rng.standard_normal((128, 512)).astype(np.float32), None)
     x = mx.array(rng.standard_normal((3, 512)).astype(np.float32)).astype(mx.bfloat16)
-    a = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig(2, 2, False))
-    b = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig(2, 2, True))
+    a = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig("ksplit", warps=2, unroll=2, cvt_scales=False))
+    b = gemv_nvfp4_cuda(x, wq, sc, None, GemvConfig("ksplit", warps=2, unroll=2, cvt_scales=True))
     assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
