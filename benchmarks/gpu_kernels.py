@@ -107,7 +107,7 @@ def write_jobs(folder: Path, code_version: str) -> list[Path]:
     from workers.contract import JobSpec, LockSettings
 
     folder.mkdir(parents=True, exist_ok=True)
-    qmm_arms = ["native", "dequant-gemm", "custom", "auto"]
+    qmm_arms = ["native", "dequant-gemm", "custom", "custom-ksplit", "auto"]
     specs: list[tuple[str, str, dict[str, int | float | str | bool], list[str]]] = [
         ("nvfp4-prefill", "qmm", {"tokens": 1, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),
         ("nvfp4-prefill", "qmm", {"tokens": 8, "n": GEMV_N, "k": GEMV_K, "dtype": "bfloat16"}, qmm_arms),

@@ -154,12 +154,16 @@ def forget_choices() -> None:
 # ----------------------------------------------------------------- the arms of the cases
 
 
-def qmm_custom_path(wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: str) -> ArmPath:
-    """The qmm case's `custom` arm on packed NVFP4 weights [n, k/8] and E4M3 scales [n, k/16].
+def qmm_custom_path(
+    wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: str, kernel: str | None = None
+) -> ArmPath:
+    """The qmm case's `custom` arm on packed NVFP4 weights [n, k/8] and E4M3 scales [n, k/16]
+    (`custom-ksplit`: `kernel="ksplit"`).
 
-    M <= 8: the decode GEMV kernel. Larger M: the expert-batched MoE kernel with one expert (a
-    plain NVFP4 GEMM on tensor cores, 32 rows per pass). Without MLX's CUDA backend: the twins.
-    The first call (NVRTC compile) is timed as the build.
+    M <= 8: the decode GEMV kernel (the stream kernel where it applies, else K-split; K-split
+    for `custom-ksplit`). Larger M: the expert-batched MoE kernel with one expert (a plain NVFP4
+    GEMM on tensor cores, 32 rows per pass). Without MLX's CUDA backend: the twins. The first
+    call (NVRTC compile) is timed as the build.
     """
     import mlx.core as mx
 
@@ -168,9 +172,9 @@ def qmm_custom_path(wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: st
     if m <= gemv_nvfp4.MAX_ROWS:
 
         def run(x: Any) -> Any:
-            return gemv_nvfp4.gemv_nvfp4(x, wq, scales)
+            return gemv_nvfp4.gemv_nvfp4(x, wq, scales, kernel=kernel)
 
-        route = gemv_nvfp4.route(m, n, k, dtype_name)
+        route = gemv_nvfp4.route(m, n, k, dtype_name, kernel)
     else:
         w3, s3 = wq[None], scales[None]
         lhs = mx.arange(m, dtype=mx.uint32)
@@ -194,7 +198,8 @@ def qmm_auto_path(
     make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
     reference: Reference,
 ) -> ArmPath:
-    """The qmm case's `auto` arm: the fastest correct of native, dequant-gemm and custom.
+    """The qmm case's `auto` arm: the fastest correct of native, dequant-gemm, custom and (where
+    it is a different kernel) custom-ksplit.
 
     Args:
         wq, scales: the packed NVFP4 weights and E4M3 scales the case built.
@@ -220,6 +225,9 @@ def qmm_auto_path(
         ),
         "custom": qmm_custom_path(wq, scales, m, n, k, dtype_name),
     }
+    custom_ksplit = qmm_custom_path(wq, scales, m, n, k, dtype_name, "ksplit")
+    if custom_ksplit.route != candidates["custom"].route:  # a second kernel runs here: let it compete
+        candidates["custom-ksplit"] = custom_ksplit
     return auto_path(
         ("qmm", m, n, k, dtype_name, backend),
         candidates,

@@ -69,9 +69,10 @@ class GemvConfig:
         return f"ksplit(warps={self.warps}, unroll={self.unroll}, cvt_scales={self.cvt_scales})"
 
 
-# Measured on the H200 (benchmarks/gemv_lab.py, then benchmarks/gpu_kernels.py; BENCHMARKS.md): the
-# stream kernel's fastest shape at M = 1, 4 and 8 on the decode shape is 12 warps, 4-step chunks,
-# 2 stages; the K-split kernel's were 4 warps x 2 steps (M <= 4) and 2 x 3 (M > 4).
+# Measured on the H200 (benchmarks/gemv_lab.py, BENCHMARKS.md): the stream kernel's fastest shape at
+# M = 1, 4 and 8 on the decode shape is 12 warps, 4-step chunks, 2 stages (8, 10, 16 and 20 warps,
+# 3 stages and 2-step chunks were slower); the K-split kernel's were 4 warps x 2 steps (M <= 4) and
+# 2 x 3 (M > 4).
 STREAM_CONFIG = GemvConfig()
 KSPLIT_CONFIGS = {True: GemvConfig("ksplit", warps=4, unroll=2), False: GemvConfig("ksplit", warps=2, unroll=3)}
 STREAM_DTYPES = ("bfloat16", "float16")
@@ -105,8 +106,10 @@ def _shape_reason(m: int, n: int, k: int) -> str | None:
     return None
 
 
+@functools.cache
 def stream_supports(m: int, n: int, k: int, dtype: str) -> str | None:
-    """Why the stream kernel cannot take this call here, or None when it can."""
+    """Why the stream kernel cannot take this call here, or None when it can (cached: the answer
+    depends on the shape and the device only, and a decode call is too short to ask twice)."""
     reason = _shape_reason(m, n, k)
     if reason is not None:
         return reason
@@ -125,6 +128,7 @@ def stream_supports(m: int, n: int, k: int, dtype: str) -> str | None:
     return None
 
 
+@functools.cache
 def ksplit_supports(m: int, n: int, k: int) -> str | None:
     """Why the K-split kernel cannot take this shape, or None when it can."""
     reason = _shape_reason(m, n, k)
@@ -133,6 +137,7 @@ def ksplit_supports(m: int, n: int, k: int) -> str | None:
     return reason
 
 
+@functools.cache
 def kernel_supports(m: int, n: int, k: int, dtype: str = "bfloat16") -> str | None:
     """Why neither CUDA kernel can take this call, or None when one can."""
     if stream_supports(m, n, k, dtype) is None:
@@ -140,9 +145,16 @@ def kernel_supports(m: int, n: int, k: int, dtype: str = "bfloat16") -> str | No
     return ksplit_supports(m, n, k)
 
 
-def choose_config(m: int, n: int, k: int, dtype: str) -> GemvConfig:
-    """The launch shape `gemv_nvfp4` uses: the stream kernel where it applies, else K-split."""
-    if stream_supports(m, n, k, dtype) is None:
+def config_supports(cfg: GemvConfig, m: int, n: int, k: int, dtype: str) -> str | None:
+    """Why `cfg`'s kernel cannot take this call here, or None when it can."""
+    return stream_supports(m, n, k, dtype) if cfg.kernel == "stream" else ksplit_supports(m, n, k)
+
+
+@functools.cache
+def choose_config(m: int, n: int, k: int, dtype: str, kernel: str | None = None) -> GemvConfig:
+    """The launch shape `gemv_nvfp4` uses: the stream kernel where it applies, else K-split;
+    `kernel="ksplit"` asks for the K-split kernel wherever the CUDA path runs."""
+    if kernel != "ksplit" and stream_supports(m, n, k, dtype) is None:
         return STREAM_CONFIG
     return KSPLIT_CONFIGS[m <= 4]
 
@@ -203,7 +215,7 @@ def gemv_nvfp4_cuda(
     n = w.shape[0]
     dtype = str(x.dtype).removeprefix("mlx.core.")
     cfg = config or choose_config(m, n, k, dtype)
-    reason = stream_supports(m, n, k, dtype) if cfg.kernel == "stream" else ksplit_supports(m, n, k)
+    reason = config_supports(cfg, m, n, k, dtype)
     if reason is not None:
         raise ValueError(f"gemv_nvfp4 {cfg.kernel} kernel: {reason}")
     launch = _launcher(m, n, k, x.dtype, cfg)
@@ -253,18 +265,26 @@ def gemv_nvfp4(
     scales: mx.array,
     global_scale: mx.array | float | None = None,
     config: GemvConfig | None = None,
+    kernel: str | None = None,
 ) -> mx.array:
-    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
+    """`x[M, K] @ dequant(w)^T`: a CUDA kernel where one applies, else the MLX twin. `config`
+    fixes the launch shape; `kernel="ksplit"` asks for the K-split kernel (default: the stream
+    kernel where it applies)."""
+    m, k = x.shape
+    n = w.shape[0]
     dtype = str(x.dtype).removeprefix("mlx.core.")
-    if cuda_backend_available() and kernel_supports(x.shape[0], w.shape[0], x.shape[1], dtype) is None:
-        return gemv_nvfp4_cuda(x, w, scales, global_scale, config)
+    cfg = config or choose_config(m, n, k, dtype, kernel)
+    if cuda_backend_available() and config_supports(cfg, m, n, k, dtype) is None:
+        return gemv_nvfp4_cuda(x, w, scales, global_scale, cfg)
     return gemv_nvfp4_twin(x, w, scales, global_scale)
 
 
-def route(m: int, n: int, k: int, dtype: str = "bfloat16") -> str:
-    """What `gemv_nvfp4` runs for this shape here (recorded in a row's `route`)."""
-    if cuda_backend_available() and kernel_supports(m, n, k, dtype) is None:
-        return f"cuda_kernel(gemv_nvfp4_{choose_config(m, n, k, dtype).kernel})"
+def route(m: int, n: int, k: int, dtype: str = "bfloat16", kernel: str | None = None) -> str:
+    """What `gemv_nvfp4(..., kernel=kernel)` runs for this shape here (a row's `route`)."""
+    if cuda_backend_available():
+        cfg = choose_config(m, n, k, dtype, kernel)
+        if config_supports(cfg, m, n, k, dtype) is None:
+            return f"cuda_kernel(gemv_nvfp4_{cfg.kernel})"
     return "mlx-twin(dequantize_exact @ x)"
 
 

@@ -11,10 +11,13 @@ its own rounding:
   engine without NVFP4 uses), `mx.quantized_matmul(mode="affine")`.
 * `dequant-gemm`: `mx.dequantize` to the dtype, then one matmul, both inside the timed call.
 * `dense`: the NVFP4-dequantized weights held in the dtype, one matmul: the upper bound.
-* `custom`: the hand-written kernels of issue 7 (`kernels.gemv_nvfp4` for tokens <= 8, the
-  expert-batched `kernels.moe_nvfp4` with one expert above; their MLX twins without CUDA).
-* `auto`: per shape, the fastest correct of native, dequant-gemm and custom, measured at build
-  time (`kernels.dispatch`); its route names the choice.
+* `custom`: the hand-written kernels of issue 7 (`kernels.gemv_nvfp4` for tokens <= 8: its
+  stream kernel where it applies, else its K-split kernel; the expert-batched `kernels.moe_nvfp4`
+  with one expert above; their MLX twins without CUDA).
+* `custom-ksplit`: the same, with the GEMV's K-split kernel wherever the CUDA path runs (so a
+  sweep compares the two GEMV kernels).
+* `auto`: per shape, the fastest correct of native, dequant-gemm, custom and custom-ksplit,
+  measured at build time (`kernels.dispatch`); its route names the choice.
 
 Each arm's reference is the float64 NumPy product of x with the weights that arm really holds
 (the NVFP4 reference dequantization for native and dequant-gemm, the affine dequantization for
@@ -218,6 +221,9 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         elif arm == "custom":  # issue 7: kernels.gemv_nvfp4 (M <= 8) / kernels.moe_nvfp4 (one expert)
             paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
             weights[arm] = w_nvfp4
+        elif arm == "custom-ksplit":  # the same with the GEMV's K-split kernel
+            paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name, "ksplit")
+            weights[arm] = w_nvfp4
         elif arm == "auto":  # issue 7: built below, once the inputs and the reference exist
             weights[arm] = w_nvfp4
         else:
@@ -229,7 +235,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         x = gen.standard_normal((m, k), dtype=np.float32)
         return (mx.array(x).astype(dtype),)
 
-    if "auto" in arms:  # the fastest correct of native, dequant-gemm and custom, measured here
+    if "auto" in arms:  # the fastest correct of native, dequant-gemm and the custom kernels, measured here
         paths["auto"] = dispatch.qmm_auto_path(
             wq, wscales, (m, n, k, dtype_name, backend), make_inputs, lambda x: reference("auto", x)
         )

@@ -50,7 +50,7 @@ register(
         name="qmm",
         module="kernels.qmm",
         kind="kernel",
-        arms=("native", "affine", "dequant-gemm", "dense", "custom", "auto"),
+        arms=("native", "affine", "dequant-gemm", "dense", "custom", "custom-ksplit", "auto"),
         params={"tokens": int, "n": int, "k": int, "dtype": str},
         required=("tokens", "n", "k"),
         defaults={"dtype": "float32"},

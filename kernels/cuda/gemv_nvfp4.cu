@@ -97,8 +97,11 @@ auto issue = [&](int u) {
   const bool s_on = live && (srow < 8 || full) && s_first < STEPS;
   const uint8_t* ssrc = slane + static_cast<size_t>(tile) * 16 * KS + s0 * 8;
   uint8_t* sdst = slot + 16 * ROWB + srow * SROW + shalf * 4 * CHUNK;
-  if constexpr (CHUNK == 4) {
+  if constexpr (CHUNK == 4 && KS % 16 == 0) {  // 16-byte aligned rows of scales (K % 256 == 0)
     nvfp4::cp_async_16n(sdst, ssrc, s_on ? (s_first + 1 < STEPS ? 16 : 8) : 0);
+  } else if constexpr (CHUNK == 4) {  // 8-byte aligned only (K % 128 == 0): two copies
+    nvfp4::cp_async_8(sdst, ssrc, s_on);
+    nvfp4::cp_async_8(sdst + 8, ssrc + 8, s_on && s_first + 1 < STEPS);
   } else {
     nvfp4::cp_async_8(sdst, ssrc, s_on);
   }
