@@ -27,6 +27,7 @@ from kernels.gemv_nvfp4 import (
     GEMV_SOURCE,
     KSPLIT_SOURCE,
     STREAM_CONFIG,
+    TOLERANCE,
     GemvConfig,
     gemv_nvfp4,
     gemv_nvfp4_cuda,
@@ -362,13 +363,17 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_gemv_kernel_matches_its_twin_on_cuda(m: int) -> None:
     rng = np.random.default_rng(m)
-    wq, sc, _ = _nvfp4_mlx(rng.standard_normal((256, 640)).astype(np.float32), 12.0)
+    wq, sc, w_ref = _nvfp4_mlx(rng.standard_normal((256, 640)).astype(np.float32), 12.0)
     for dtype in (mx.bfloat16, mx.float32):
         x = mx.array(rng.standard_normal((m, 640)).astype(np.float32)).astype(dtype)
-        got, want = gemv_nvfp4(x, wq, sc, 12.0), gemv_nvfp4_twin(x, wq, sc, 12.0)
-        assert _rel(got, np.array(want.astype(mx.float32)).astype(np.float64)) < 1e-5 * (
-            100 if dtype == mx.bfloat16 else 1
-        )
+        got = gemv_nvfp4(x, wq, sc, 12.0)
+        if dtype == mx.bfloat16:  # the stream kernel; the twin rounds x the same way
+            want = gemv_nvfp4_twin(x, wq, sc, 12.0)
+            assert _rel(got, np.array(want.astype(mx.float32)).astype(np.float64)) < 1e-3
+        else:  # the K-split kernel's hi + lo split, against float64: on CUDA the twin's float32
+            # matmul may run on TF32 tensor cores (about 2e-4 off), so it is not the yardstick here
+            ref = np.array(x.astype(mx.float32)).astype(np.float64) @ w_ref.T
+            assert _rel(got, ref) < TOLERANCE["float32"]
 
 
 @needs_cuda
