@@ -75,17 +75,7 @@ for (int r0 = lo; r0 < hi; r0 += CHUNK) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int k0 = (s0 + u) * 128 + t * 32;
-      if (s0 + u < STEPS && k0 < K) {
-        qa[u] = nvfp4::ld_stream_v4(wa + k0 / 8);
-        qb[u] = nvfp4::ld_stream_v4(wb + k0 / 8);
-        ra[u] = nvfp4::ld_stream_u16(sa + k0 / 16);
-        rb[u] = nvfp4::ld_stream_u16(sb + k0 / 16);
-      } else {
-        qa[u] = make_uint4(0u, 0u, 0u, 0u);
-        qb[u] = make_uint4(0u, 0u, 0u, 0u);
-        ra[u] = 0u;
-        rb[u] = 0u;
-      }
+      nvfp4::load_step(wa, wb, sa, sb, k0, s0 + u < STEPS && k0 < K, qa[u], qb[u], ra[u], rb[u]);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {

@@ -101,6 +101,25 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory");
 }
 
+// One step's loads of a lane (the K-split GEMV and the MoE kernel): the 16 bytes of codes and the
+// 2 bytes of scales of rows g (wa, sa) and g+8 (wb, sb) from code k0 on; zeros where `live` is
+// false (a step past the last, or codes past K in a partial last step).
+__device__ __forceinline__ void load_step(const uint32_t* wa, const uint32_t* wb, const uint8_t* sa,
+                                          const uint8_t* sb, int k0, bool live, uint4& qa, uint4& qb,
+                                          uint32_t& ra, uint32_t& rb) {
+  if (live) {
+    qa = ld_stream_v4(wa + k0 / 8);
+    qb = ld_stream_v4(wb + k0 / 8);
+    ra = ld_stream_u16(sa + k0 / 16);
+    rb = ld_stream_u16(sb + k0 / 16);
+  } else {
+    qa = make_uint4(0u, 0u, 0u, 0u);
+    qb = make_uint4(0u, 0u, 0u, 0u);
+    ra = 0u;
+    rb = 0u;
+  }
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   uint32_t d;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
