@@ -192,11 +192,31 @@ int main(int argc, char** argv) {
     }
     std::vector<float> t;
     for (int i = 0; i < 2 * NCOPY; ++i) v.fn<<<v.blocks, v.threads, v.smem>>>(x, W[i % NCOPY], S[i % NCOPY], gsv, y);
-    for (int r = 0; r < REPS; ++r) {
-      CK(cudaEventRecord(e0));
-      for (int i = 0; i < L; ++i) v.fn<<<v.blocks, v.threads, v.smem>>>(x, W[i % NCOPY], S[i % NCOPY], gsv, y);
-      CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1)); float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); t.push_back(ms / L);
+    // LAB_GRAPH: the L launches recorded once into a CUDA graph and replayed, as MLX's CUDA
+    // backend launches its kernels (on a capturing stream; the events stay outside the graph)
+    cudaGraphExec_t exec = nullptr;
+    cudaStream_t st = nullptr;
+    if (getenv("LAB_GRAPH")) {
+      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int i = 0; i < L; ++i) v.fn<<<v.blocks, v.threads, v.smem, st>>>(x, W[i % NCOPY], S[i % NCOPY], gsv, y);
+      CK(cudaStreamEndCapture(st, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      CK(cudaGraphDestroy(graph));
+      CK(cudaGraphLaunch(exec, st)); CK(cudaStreamSynchronize(st));  // warm
     }
+    for (int r = 0; r < REPS; ++r) {
+      CK(cudaEventRecord(e0, st));
+      if (exec) {
+        CK(cudaGraphLaunch(exec, st));
+      } else {
+        for (int i = 0; i < L; ++i) v.fn<<<v.blocks, v.threads, v.smem>>>(x, W[i % NCOPY], S[i % NCOPY], gsv, y);
+      }
+      CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+      float ms; CK(cudaEventElapsedTime(&ms, e0, e1)); t.push_back(ms / L);
+    }
+    if (exec) { CK(cudaGraphExecDestroy(exec)); CK(cudaStreamDestroy(st)); }
     CK(cudaGetLastError());
     std::sort(t.begin(), t.end());
     const double bytes = (double)wn * 4 + sn + (double)v.m * K * 2 + (double)v.m * N * 2;
