@@ -108,9 +108,10 @@ def _shape_reason(m: int, n: int, k: int) -> str | None:
 
 
 @functools.cache
-def stream_supports(m: int, n: int, k: int, dtype: str) -> str | None:
-    """Why the stream kernel cannot take this call here, or None when it can (cached: the answer
-    depends on the shape and the device only, and a decode call is too short to ask twice)."""
+def stream_supports(m: int, n: int, k: int, dtype: str, cfg: GemvConfig = STREAM_CONFIG) -> str | None:
+    """Why the stream kernel at launch shape `cfg` cannot take this call here, or None when it can
+    (cached: the answer depends on the shape and the device only, and a decode call is too short
+    to ask twice)."""
     reason = _shape_reason(m, n, k)
     if reason is not None:
         return reason
@@ -123,9 +124,14 @@ def stream_supports(m: int, n: int, k: int, dtype: str) -> str | None:
         return "no CUDA device"
     if device.compute_capability < (8, 9):
         return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
-    _, warps, smem = stream_launch(m, n, k, STREAM_CONFIG, device.multiprocessors)
-    if smem + 4 * (warps + n // 8 + 2) > device.max_shared_per_block:
-        return f"needs {smem} bytes of shared memory per block, the device allows {device.max_shared_per_block}"
+    if cfg.chunk not in (2, 4):
+        return f"chunk={cfg.chunk} (the stream kernel takes 2 or 4)"
+    blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
+    tiles = ((n // 8 + blocks - 1) // blocks + 1) // 2 + 1  # the kernel's MAXT
+    need = smem + 4 * (warps + tiles)  # dynamic, then the static per-warp maxima and tile counters
+    if need > device.max_shared_per_block:
+        allowed = device.max_shared_per_block
+        return f"needs {need} bytes of shared memory per block at {cfg}, the device allows {allowed}"
     return None
 
 
@@ -148,7 +154,7 @@ def kernel_supports(m: int, n: int, k: int, dtype: str = "bfloat16") -> str | No
 
 def config_supports(cfg: GemvConfig, m: int, n: int, k: int, dtype: str) -> str | None:
     """Why `cfg`'s kernel cannot take this call here, or None when it can."""
-    return stream_supports(m, n, k, dtype) if cfg.kernel == "stream" else ksplit_supports(m, n, k)
+    return stream_supports(m, n, k, dtype, cfg) if cfg.kernel == "stream" else ksplit_supports(m, n, k)
 
 
 @functools.cache

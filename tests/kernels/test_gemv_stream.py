@@ -322,6 +322,12 @@ def test_no_stream_kernel_without_the_fp8_conversion_or_enough_shared_memory(
     monkeypatch.setattr(gemv_nvfp4, "cuda_device", lambda: small)
     gemv_nvfp4.stream_supports.cache_clear()
     assert "shared memory" in (gemv_nvfp4.stream_supports(8, 21504, 5376, "bfloat16") or "")
+    assert gemv_nvfp4.stream_supports(1, 21504, 5376, "bfloat16", GemvConfig(warps=4)) is None
+    # and a launch shape too large for the H200 is refused before MLX would try it
+    monkeypatch.setattr(gemv_nvfp4, "cuda_device", lambda: fake_device)
+    gemv_nvfp4.stream_supports.cache_clear()
+    assert "shared memory" in (gemv_nvfp4.stream_supports(8, 21504, 5376, "bfloat16", GemvConfig(warps=20)) or "")
+    assert gemv_nvfp4.stream_supports(8, 21504, 5376, "bfloat16") is None
 
 
 def test_launch_shape_never_leaves_a_warp_without_work() -> None:
