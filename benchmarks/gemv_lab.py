@@ -21,9 +21,11 @@ harness that
 `LAB_MANAGED=prefetch|touch|bounce` puts the weights in unified memory (cudaMallocManaged, as
 MLX's allocator does), populated in bulk, by the fill kernel's first writes, or moved to the host
 and back. `LAB_GRAPH=1` records each batch of launches into a CUDA graph and replays it, as MLX's
-CUDA backend launches kernels (not yet run on the GPU: the next thing to try about the MLX gap). It writes `DIR/gemv_lab.json` (every number) and `DIR/gemv_lab.txt` (the table it
-prints), and with `--ncu` profiles the named variants under Nsight Compute (`DIR/ncu_<name>.txt`,
-with the warp stall reasons and pipe counts). The C++ side is `gemv_lab_prelude.cu` and
+CUDA backend launches kernels (not yet run on the GPU: the next thing to try about the MLX gap).
+
+It writes `DIR/gemv_lab.json` (every number) and `DIR/gemv_lab.txt` (the table it prints), and
+with `--ncu` profiles the named variants under Nsight Compute (`DIR/ncu_<name>.txt`, with the warp
+stall reasons and pipe counts). The C++ side is `gemv_lab_prelude.cu` and
 `gemv_lab_harness.cu`. BENCHMARKS.md reports its numbers beside those of `benchmarks.gpu_kernels`
 (through MLX), which differ (see there).
 """
