@@ -209,6 +209,7 @@ def qmm_auto_path(
     """
     import mlx.core as mx
 
+    from kernels import gemv_nvfp4
     from kernels.qmm import tolerance
 
     m, n, k, dtype_name, backend = params
@@ -225,9 +226,9 @@ def qmm_auto_path(
         ),
         "custom": qmm_custom_path(wq, scales, m, n, k, dtype_name),
     }
-    custom_ksplit = qmm_custom_path(wq, scales, m, n, k, dtype_name, "ksplit")
-    if custom_ksplit.route != candidates["custom"].route:  # a second kernel runs here: let it compete
-        candidates["custom-ksplit"] = custom_ksplit
+    # where the K-split GEMV is a second kernel here (not the same path again), it competes too
+    if m <= gemv_nvfp4.MAX_ROWS and gemv_nvfp4.route(m, n, k, dtype_name, "ksplit") != candidates["custom"].route:
+        candidates["custom-ksplit"] = qmm_custom_path(wq, scales, m, n, k, dtype_name, "ksplit")
     return auto_path(
         ("qmm", m, n, k, dtype_name, backend),
         candidates,

@@ -220,13 +220,24 @@ def gemv_nvfp4_cuda(
     """A CUDA kernel (MLX's CUDA backend only): `config`'s, or `choose_config`'s for the shape."""
     m, k = x.shape
     n = w.shape[0]
-    dtype = str(x.dtype).removeprefix("mlx.core.")
+    dtype = _dtype_name(x)
     cfg = config or choose_config(m, n, k, dtype)
     reason = config_supports(cfg, m, n, k, dtype)
     if reason is not None:
         raise ValueError(f"gemv_nvfp4 {cfg.kernel} kernel: {reason}")
-    launch = _launcher(m, n, k, x.dtype, cfg)
-    return launch(x, w, scales, _global_multiplier(global_scale))
+    return _launch(x, w, scales, global_scale, cfg)
+
+
+def _dtype_name(x: mx.array) -> str:
+    return str(x.dtype).removeprefix("mlx.core.")
+
+
+def _launch(
+    x: mx.array, w: mx.array, scales: mx.array, global_scale: mx.array | float | None, cfg: GemvConfig
+) -> mx.array:
+    """Run `cfg`'s kernel, its support already checked."""
+    m, k = x.shape
+    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, _global_multiplier(global_scale))
 
 
 @functools.cache
@@ -279,10 +290,10 @@ def gemv_nvfp4(
     kernel where it applies)."""
     m, k = x.shape
     n = w.shape[0]
-    dtype = str(x.dtype).removeprefix("mlx.core.")
+    dtype = _dtype_name(x)
     cfg = config or choose_config(m, n, k, dtype, kernel)
     if cuda_backend_available() and config_supports(cfg, m, n, k, dtype) is None:
-        return gemv_nvfp4_cuda(x, w, scales, global_scale, cfg)
+        return _launch(x, w, scales, global_scale, cfg)
     return gemv_nvfp4_twin(x, w, scales, global_scale)
 
 
