@@ -56,18 +56,11 @@ class Variant:
     consts: dict[str, TemplateValue] = field(default_factory=dict)
     warps: int = 1  # warps per block
     rows_per_block: int = 16  # the grid is ceil(N / rows_per_block) blocks
-    # text replacements in the body: probes that leave a stage out (their results are wrong by design)
-    patches: tuple[tuple[str, str], ...] = ()
 
     def source(self, m: int, first: bool) -> str:
         kernel = CudaKernelSource(body_file=self.body, inputs=("x", "w", "scales", "gsv"), outputs=("y",))
         template: dict[str, TemplateValue] = {"T": "bfloat16", "N": N, "K": K, "M": m, **self.consts}
-        text = kernel.standalone_source(*SIGNATURE_DTYPES, template, function_name=self.fn(m), prelude=first)
-        for old, new in self.patches:
-            if old not in text:
-                raise ValueError(f"{self.name}: patch target not in {self.body}: {old!r}")
-            text = text.replace(old, new)
-        return text
+        return kernel.standalone_source(*SIGNATURE_DTYPES, template, function_name=self.fn(m), prelude=first)
 
     def fn(self, m: int) -> str:
         return f"{self.name.replace('-', '_')}_m{m}"
