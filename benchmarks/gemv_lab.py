@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.cuda import CudaKernelSource, TemplateValue
+from kernels.cuda.layout import stream_smem_bytes
 
 N, K = 21504, 5376
 SIGNATURE_DTYPES = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
@@ -75,13 +76,7 @@ class Variant:
         """Dynamic shared memory bytes (the persistent kernel's x stage, rings and partial sums)."""
         if "BLOCKS" not in self.consts:
             return 0
-        return persist_smem_bytes(m, K, self.warps, int(self.consts["CHUNK"]), int(self.consts["STAGES"]))
-
-
-def persist_smem_bytes(m: int, k: int, warps: int, chunk: int, stages: int) -> int:
-    xrs = ((k // 8 + 7) // 8 * 8 + 2) * 16
-    slot = 16 * chunk * 64 + 16 * (48 if chunk == 4 else 16)
-    return m * xrs + warps * stages * slot + warps * 2 * 128 * 4
+        return stream_smem_bytes(m, K, self.warps, int(self.consts["CHUNK"]), int(self.consts["STAGES"]))
 
 
 def variants() -> list[Variant]:
@@ -89,7 +84,8 @@ def variants() -> list[Variant]:
     out: list[Variant] = []
     ksplit: dict[str, TemplateValue] = {"WARPS": 2, "UNROLL": 3, "SPLIT": False, "CVT_SCALES": False}
     out.append(Variant("ksplit-w2u3", "gemv_nvfp4_ksplit.cu", ksplit, 2, 16))
-    for warps, blocks, chunk, stages in ((12, 132, 4, 2), (16, 132, 4, 2), (8, 132, 4, 2), (12, 132, 4, 3)):
+    shapes = ((12, 132, 4, 2), (8, 132, 4, 2), (10, 132, 8, 2), (8, 132, 8, 2), (6, 132, 8, 2))
+    for warps, blocks, chunk, stages in shapes:
         consts: dict[str, TemplateValue] = {"WARPS": warps, "BLOCKS": blocks, "CHUNK": chunk, "STAGES": stages}
         consts["XF16"] = False
         out.append(Variant(f"stream-w{warps}b{blocks}c{chunk}s{stages}", "gemv_nvfp4.cu", consts, warps))

@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
+from kernels.cuda.layout import stream_smem_bytes
 from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
 GEMV_SOURCE = CudaKernelSource(body_file="gemv_nvfp4.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
@@ -50,7 +51,7 @@ class GemvConfig:
     """Launch shape of one of the two CUDA kernels.
 
     kernel "stream" (gemv_nvfp4.cu): `warps` per block, `chunk` steps of 128 codes per copied
-    chunk (2 or 4), `stages` chunks in each warp's ring, `blocks` (0: one per multiprocessor).
+    chunk (2, 4 or 8), `stages` chunks in each warp's ring, `blocks` (0: one per multiprocessor).
     kernel "ksplit" (gemv_nvfp4_ksplit.cu): `warps` splitting K per 16-row block, `unroll` steps of
     code loads in flight per warp, `cvt_scales`: E4M3 scales through the hardware conversion.
     """
@@ -77,14 +78,6 @@ class GemvConfig:
 STREAM_CONFIG = GemvConfig()
 KSPLIT_CONFIGS = {True: GemvConfig("ksplit", warps=4, unroll=2), False: GemvConfig("ksplit", warps=2, unroll=3)}
 STREAM_DTYPES = ("bfloat16", "float16")
-
-
-def stream_smem_bytes(m: int, k: int, warps: int, chunk: int, stages: int) -> int:
-    """Dynamic shared memory of the stream kernel (its layout in gemv_nvfp4.cu): x as f16 in
-    fragment order, the warps' rings, the split tiles' partial sums."""
-    x_row = ((k // 8 + 7) // 8 * 8 + 2) * 16
-    slot = 16 * chunk * 64 + 16 * (48 if chunk == 4 else 16)
-    return m * x_row + warps * stages * slot + warps * 2 * 128 * 4
 
 
 def stream_launch(m: int, n: int, k: int, cfg: GemvConfig, sms: int) -> tuple[int, int, int]:
@@ -124,8 +117,8 @@ def stream_supports(m: int, n: int, k: int, dtype: str, cfg: GemvConfig = STREAM
         return "no CUDA device"
     if device.compute_capability < (8, 9):
         return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
-    if cfg.chunk not in (2, 4):
-        return f"chunk={cfg.chunk} (the stream kernel takes 2 or 4)"
+    if cfg.chunk not in (2, 4, 8):
+        return f"chunk={cfg.chunk} (the stream kernel takes 2, 4 or 8)"
     blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
     tiles = ((n // 8 + blocks - 1) // blocks + 1) // 2 + 1  # the kernel's MAXT
     need = smem + 4 * (warps + tiles)  # dynamic, then the static per-warp maxima and tile counters

@@ -12,6 +12,7 @@ must compile for sm_90.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import time
@@ -342,11 +343,11 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
         ),
     }
     if dtype != "float32":  # the stream kernel: bfloat16 (and float16) activations, at its shipped shape
-        for m in (1, 8):
-            blocks, warps, _ = stream_launch(m, 21504, 5376, STREAM_CONFIG, 132)
+        for m, cfg in itertools.product((1, 8), (STREAM_CONFIG, GemvConfig(warps=6, chunk=8))):
+            blocks, warps, _ = stream_launch(m, 21504, 5376, cfg, 132)
             consts: dict[str, int | bool | str] = {"T": dtype, "N": 21504, "K": 5376, "M": m, "WARPS": warps}
-            consts |= {"BLOCKS": blocks, "CHUNK": 4, "STAGES": 2, "XF16": False}
-            sources[f"gemv_stream_m{m}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
+            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False}
+            sources[f"gemv_stream_m{m}_c{cfg.chunk}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
     for name, text in sources.items():
         src = tmp_path / name
         src.write_text(text)
@@ -389,12 +390,15 @@ def test_gemv_kernel_matches_its_twin_on_cuda(m: int) -> None:
         (2, 512, 512, mx.bfloat16, 1e-30),
     ],
 )
-def test_stream_kernel_matches_its_twin_on_cuda(m: int, n: int, k: int, dtype: mx.Dtype, x_scale: float) -> None:
+@pytest.mark.parametrize("cfg", [STREAM_CONFIG, GemvConfig(warps=8, chunk=8), GemvConfig(warps=4, chunk=2)], ids=str)
+def test_stream_kernel_matches_its_twin_on_cuda(
+    m: int, n: int, k: int, dtype: mx.Dtype, x_scale: float, cfg: GemvConfig
+) -> None:
     rng = np.random.default_rng(m * 7 + n)
     wq, sc, _ = _nvfp4_mlx(rng.standard_normal((n, k)).astype(np.float32), 12.0)
     x = (mx.array(rng.standard_normal((m, k)).astype(np.float32)) * x_scale).astype(dtype)
     assert route(m, n, k, str(dtype).removeprefix("mlx.core.")) == "cuda_kernel(gemv_nvfp4_stream)"
-    got = gemv_nvfp4_cuda(x, wq, sc, 12.0, STREAM_CONFIG)
+    got = gemv_nvfp4_cuda(x, wq, sc, 12.0, cfg)
     want = gemv_nvfp4_twin(x, wq, sc, 12.0)
     g = np.array(got.astype(mx.float32)).astype(np.float64)
     assert np.isfinite(g).all()

@@ -18,6 +18,7 @@ import pytest
 
 from kernels import gemv_nvfp4, nvfp4
 from kernels.cuda import CudaDevice, read_source
+from kernels.cuda.layout import scale_row_bytes, stream_smem_bytes
 from kernels.gemv_nvfp4 import STREAM_CONFIG, GemvConfig, stream_launch
 
 E4M3 = nvfp4.decode_e4m3(np.arange(256, dtype=np.uint8)).astype(np.float64)
@@ -160,7 +161,7 @@ def test_every_row_and_step_is_computed_once_and_every_tile_stored_once(n: int, 
     assert (covered == 1).all() and (stored == 1).all()
 
 
-@pytest.mark.parametrize("chunk", [2, 4])
+@pytest.mark.parametrize("chunk", [2, 4, 8])
 def test_copy_lanes_fill_each_slot_once_and_fragment_reads_find_their_codes(chunk: int) -> None:
     lpr, rowb = chunk * 4, chunk * 64
     rpi = 32 // lpr
@@ -168,8 +169,9 @@ def test_copy_lanes_fill_each_slot_once_and_fragment_reads_find_their_codes(chun
     for lane in range(32):
         crow, cq = lane // lpr, lane % lpr
         cdst = crow * rowb + (cq ^ ((crow & 1) << 2)) * 16
+        cdst_odd = (cq ^ 4) * 16  # one row per instruction (chunk 8): crow is 0
         for i in range(16 // rpi):
-            off = rpi * i * rowb + cdst
+            off = rpi * i * rowb + (cdst if rpi % 2 == 0 or i % 2 == 0 else cdst_odd)
             assert off not in written
             written[off] = (rpi * i + crow, cq)
     assert len(written) == 16 * lpr
@@ -205,16 +207,21 @@ def test_x_pieces_land_where_the_fragment_reads_look_and_banks_do_not_collide(m:
             assert len(groups) == len(addrs), "distinct pieces in one bank group"
 
 
-def test_scale_copies_and_reads_agree() -> None:
-    chunk, srow_b = 4, 48
+@pytest.mark.parametrize("chunk", [2, 4, 8])
+def test_scale_copies_and_reads_agree(chunk: int) -> None:
+    srow_b = scale_row_bytes(chunk)
     slot: dict[int, tuple[int, int]] = {}
     for lane in range(32):
         srow, shalf = lane >> 1, lane & 1
         for byte in range(4 * chunk):
+            assert srow * srow_b + shalf * 4 * chunk + byte not in slot
             slot[srow * srow_b + shalf * 4 * chunk + byte] = (srow, (chunk // 2) * shalf * 8 + byte)
+    assert all(off + 1 <= 16 * srow_b for off in slot)
     for g, t, j in itertools.product(range(16), range(4), range(chunk)):
         for b in range(2):  # the lane's two scale bytes of step j: groups 2t, 2t+1 of the step
             assert slot[g * srow_b + j * 8 + t * 2 + b] == (g, j * 8 + t * 2 + b)
+    # the 8 rows g of one step's reads fall in distinct 4-byte banks
+    assert len({(g * srow_b) // 4 % 32 for g in range(8)}) == 8
 
 
 # ------------------------------------------------------------- the whole kernel, lane by lane
@@ -336,4 +343,4 @@ def test_launch_shape_never_leaves_a_warp_without_work() -> None:
             blocks, warps, smem = stream_launch(m, n, k, GemvConfig(), 132)
             part = partition(n, k, blocks, warps, 4)
             assert min(units for _, _, units, _, _ in part) >= warps
-            assert smem == gemv_nvfp4.stream_smem_bytes(m, k, warps, 4, 2)
+            assert smem == stream_smem_bytes(m, k, warps, 4, 2)

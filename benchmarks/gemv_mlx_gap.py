@@ -1,0 +1,278 @@
+"""Where the stream GEMV loses time inside MLX's process: the same kernel, three ways, one process.
+
+    python3 -m benchmarks.gemv_mlx_gap --out DIR [--m 1,8] [--mlx-only]
+
+Runs on the GPU machine with MLX's CUDA build and CuPy. The decode GEMV (N=21504, K=5376, bf16)
+runs at about 23 us per launch in `benchmarks.gemv_lab` (plain CUDA launches, cudaMalloc buffers)
+and about 33 us per call through MLX. This script separates the suspects:
+
+* `mlx`: through `mx.fast.cuda_kernel` as users run it (MLX's CUDA graphs, its unified-memory
+  buffers), time per call as `benchmarks.gpu_kernels` takes it (slope between 20 and 200 calls in
+  one `mx.eval`, weights rotated over 4 copies);
+* `cupy-mlx-buffers`: the same kernel body built by nvcc, launched by CuPy one by one on MLX's own
+  buffers (their pointers: MLX's unified memory is addressable from the host);
+* `cupy-own-buffers`: the same launches on cudaMalloc copies of those buffers;
+* `cupy-mlx-weights`: MLX's weight buffers, CuPy's x, scale and output (MLX keeps scalars in a
+  read-mostly unified-memory pool);
+* `mlx-gsv-64-bytes`: through MLX with a 64-byte multiplier array (outside that pool);
+* `*-advised`: the same after the weights are advised to live on the GPU and prefetched there
+  (cuMemAdvise SET_PREFERRED_LOCATION + cuMemPrefetchAsync).
+
+`--mlx-only` times the `mlx` way alone (run it under `MLX_MAX_OPS_PER_BUFFER=1` to serialise the
+kernels: one graph per launch). `--trace` records the `mlx` way's kernels with PyTorch's CUPTI
+profiler (start, duration, overlap). Writes `DIR/gemv_mlx_gap.json` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from benchmarks.gpu_method import L1, L2, log, per_call_seconds
+from kernels.cuda import cuda_device
+from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, _launcher, gemv_nvfp4_cuda, stream_launch
+
+N, K = 21504, 5376
+COPIES = 4
+LAUNCHES, REPS = 48, 11
+
+
+def mlx_pointer(a: mx.array) -> int:
+    """The device address of an evaluated MLX array (unified memory: the host sees the same address)."""
+    mx.eval(a)
+    view = np.frombuffer(memoryview(a), dtype=np.uint8)  # no copy: a view of MLX's buffer
+    return int(view.ctypes.data)
+
+
+def pointer_kind(ptr: int) -> str:
+    import cupy as cp
+
+    kinds = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
+    return kinds.get(int(cp.cuda.runtime.pointerGetAttributes(ptr).type), "?")
+
+
+class Driver:
+    """The few driver calls CuPy does not wrap the same way on every CUDA version."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def advise_gpu(self, ptr: int, size: int) -> str:
+        """SET_PREFERRED_LOCATION (3) and SET_ACCESSED_BY (5) to device 0, then prefetch there."""
+        ptr_t, size_t = ctypes.c_uint64(ptr), ctypes.c_size_t(size)
+        results = []
+        for advice in (3, 5):
+            results.append(self.lib.cuMemAdvise(ptr_t, size_t, ctypes.c_int(advice), ctypes.c_int(0)))
+        results.append(self.lib.cuMemPrefetchAsync(ptr_t, size_t, ctypes.c_int(0), ctypes.c_void_p(0)))
+        self.lib.cuCtxSynchronize()
+        return ",".join(str(r) for r in results)
+
+    def range_attributes(self, ptr: int, size: int) -> dict[str, int]:
+        """READ_MOSTLY (1), PREFERRED_LOCATION (2), LAST_PREFETCH_LOCATION (4); -2: not managed."""
+        out = {}
+        for name, attr in (("read_mostly", 1), ("preferred_location", 2), ("last_prefetch_location", 4)):
+            value = ctypes.c_int(-2)
+            rc = self.lib.cuMemRangeGetAttribute(
+                ctypes.byref(value), ctypes.c_size_t(4), ctypes.c_int(attr), ctypes.c_uint64(ptr), ctypes.c_size_t(size)
+            )
+            out[name] = value.value if rc == 0 else -1000 - rc
+        return out
+
+
+def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
+    """The stream kernel for M rows, built by nvcc as `gemv_lab` builds it; (function, blocks, threads, smem)."""
+    import cupy as cp
+
+    device = cuda_device()
+    assert device is not None
+    cfg = STREAM_CONFIG
+    blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
+    template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
+    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
+    name = f"gap_stream_m{m}"
+    dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
+    src = workdir / f"{name}.cu"
+    src.write_text(GEMV_SOURCE.standalone_source(*dtypes, template, function_name=name))
+    cubin = workdir / f"{name}.cubin"
+    subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(cubin), str(src)], check=True)
+    symbol = re.search(rb"_ZN3mlx4core2cu\d+" + name.encode() + rb"E[A-Za-z0-9_]+", cubin.read_bytes())
+    assert symbol is not None, "kernel symbol not found in the cubin"
+    fn = cp.RawModule(path=str(cubin)).get_function(symbol.group().decode())
+    fn.max_dynamic_shared_size_bytes = smem
+    return fn, blocks, 32 * warps, smem
+
+
+def time_cupy(fn: Any, grid: tuple[int, int, int], args: list[tuple[Any, ...]]) -> dict[str, float]:
+    """Median of REPS batches of LAUNCHES plain launches on one stream, rotating over the arg sets."""
+    import cupy as cp
+
+    blocks, threads, smem = grid
+    stream = cp.cuda.Stream(non_blocking=True)
+    times = []
+    with stream:
+        for i in range(16):
+            fn((blocks,), (threads,), args[i % len(args)], shared_mem=smem)
+        stream.synchronize()
+        for _ in range(REPS):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(stream)
+            for i in range(LAUNCHES):
+                fn((blocks,), (threads,), args[i % len(args)], shared_mem=smem)
+            e1.record(stream)
+            e1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(e0, e1) / LAUNCHES * 1e3)
+    return {"us": statistics.median(times), "us_min": min(times), "us_max": max(times)}
+
+
+def time_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], gsv: mx.array | None = None) -> dict[str, float]:
+    """Per call through MLX; with `gsv`, the kernel gets that multiplier array instead of MLX's
+    4-byte one (which MLX's allocator keeps in its read-mostly pool of small buffers)."""
+    if gsv is None:
+        call = lambda i: gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG)  # noqa: E731
+    else:
+        launch = _launcher(x.shape[0], N, K, x.dtype, STREAM_CONFIG)
+        call = lambda i: launch(x, *weights[i % len(weights)], gsv)  # noqa: E731
+    t = per_call_seconds(call, L1, L2)
+    return {"us": t["seconds"] * 1e6, "us_min": t["seconds_min"] * 1e6, "us_max": t["seconds_max"] * 1e6}
+
+
+def trace_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], calls: int = 60) -> dict[str, Any]:
+    """Kernel start and duration of `calls` MLX calls, from PyTorch's CUPTI profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    mx.eval([gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG) for i in range(calls)])
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mx.eval([gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG) for i in range(calls)])
+        mx.synchronize()
+    kernels = []
+    for ev in prof.events():
+        if "gemv" in ev.name and ev.device_type.name == "CUDA":
+            kernels.append((ev.time_range.start, ev.time_range.end - ev.time_range.start))
+    kernels.sort()
+    if not kernels:
+        return {"kernels": 0, "names": sorted({ev.name for ev in prof.events()})[:20]}
+    durs = [d for _, d in kernels]
+    overlaps = sum(1 for (s0, d0), (s1, _) in itertools.pairwise(kernels) if s1 < s0 + d0)
+    span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+    return {
+        "kernels": len(kernels),
+        "duration_us_median": statistics.median(durs),
+        "duration_us_min": min(durs),
+        "duration_us_max": max(durs),
+        "overlapping_pairs": overlaps,
+        "span_us_per_kernel": span / len(kernels),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--m", default="1,8")
+    parser.add_argument("--mlx-only", action="store_true")
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ms = [int(v) for v in args.m.split(",")]
+    env = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default")
+    weights = []
+    for _ in range(COPIES):
+        wq, sc = mx.quantize(mx.random.normal((N, K)).astype(mx.bfloat16), mode="nvfp4")[:2]
+        mx.eval(wq, sc)
+        weights.append((wq, sc))
+    results: dict[str, Any] = {"max_ops_per_buffer": env, "per_m": []}
+    for m in ms:
+        x = mx.random.normal((m, K)).astype(mx.bfloat16)
+        mx.eval(x)
+        row: dict[str, Any] = {"m": m, "mlx": time_mlx(x, weights)}
+        row["mlx-gsv-64-bytes"] = time_mlx(x, weights, mx.ones((16,), dtype=mx.float32))
+        log(f"M={m} mlx ({env}): {row['mlx']['us']:.1f} us; 64-byte gsv {row['mlx-gsv-64-bytes']['us']:.1f} us")
+        if args.trace:
+            try:
+                row["trace"] = trace_mlx(x, weights)
+            except Exception as exc:  # the trace is a diagnostic: report, go on
+                row["trace"] = {"error": f"{type(exc).__name__}: {exc}"}
+            log(f"M={m} trace: {row['trace']}")
+        if not args.mlx_only:
+            row.update(cupy_ways(m, x, weights))
+        results["per_m"].append(row)
+    (args.out / f"gemv_mlx_gap_{env}.json").write_text(json.dumps(results, indent=1))
+    for row in results["per_m"]:
+        for key, value in row.items():
+            if isinstance(value, dict) and "us" in value:
+                print(f"M={row['m']} {key:<28} {value['us']:7.2f} us  [{value['us_min']:.2f}, {value['us_max']:.2f}]")
+            elif key != "m":
+                print(f"M={row['m']} {key:<28} {value}")
+    return 0
+
+
+def cupy_ways(m: int, x: mx.array, weights: list[tuple[mx.array, mx.array]]) -> dict[str, Any]:
+    """The kernel launched by CuPy on MLX's buffers and on its own; before and after advising."""
+    import cupy as cp
+
+    drv = Driver()
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fn, blocks, threads, smem = build_module(m, Path(tmp))
+    grid = (blocks, threads, smem)
+    xs = x.view(mx.uint16)
+    gsv = mx.array([1.0], dtype=mx.float32)
+    y_mlx = mx.zeros((m, N), dtype=mx.uint16)
+    wp = [(mlx_pointer(w), mlx_pointer(s)) for w, s in weights]
+    xp, gp, yp = mlx_pointer(xs), mlx_pointer(gsv), mlx_pointer(y_mlx)
+    out["pointer_kinds"] = {"w": pointer_kind(wp[0][0]), "x": pointer_kind(xp), "gsv": pointer_kind(gp)}
+    out["weight_range_attributes"] = drv.range_attributes(wp[0][0], N * K // 2)
+    out["gsv_range_attributes"] = drv.range_attributes(gp, 4)
+    # own buffers: cudaMalloc copies (CuPy's pool allocates with cudaMalloc)
+    own_w = []
+    for w, s in wp:
+        cw, cs = cp.empty(N * K // 2, dtype=cp.uint8), cp.empty(N * K // 16, dtype=cp.uint8)
+        cp.cuda.runtime.memcpy(cw.data.ptr, w, N * K // 2, cp.cuda.runtime.memcpyDeviceToDevice)
+        cp.cuda.runtime.memcpy(cs.data.ptr, s, N * K // 16, cp.cuda.runtime.memcpyDeviceToDevice)
+        own_w.append((cw, cs))
+    cx = cp.empty(m * K, dtype=cp.uint16)
+    cp.cuda.runtime.memcpy(cx.data.ptr, xp, m * K * 2, cp.cuda.runtime.memcpyDeviceToDevice)
+    cg = cp.ones(1, dtype=cp.float32)
+    cy = cp.empty(m * N, dtype=cp.uint16)
+    u64 = np.uint64
+    mlx_args = [(u64(xp), u64(w), u64(s), u64(gp), u64(yp)) for w, s in wp]
+    own_args = [(cx, cw, cs, cg, cy) for cw, cs in own_w]
+    mixed_args = [(cx, u64(w), u64(s), cg, cy) for w, s in wp]
+    # the same output from every way (and from MLX itself)
+    want = np.array(gemv_nvfp4_cuda(x, *weights[0], None, STREAM_CONFIG).view(mx.uint16)).reshape(-1)
+    fn((blocks,), (threads,), own_args[0], shared_mem=smem)
+    fn((blocks,), (threads,), mlx_args[0], shared_mem=smem)
+    cp.cuda.runtime.deviceSynchronize()
+    out["own_equals_mlx"] = bool(np.array_equal(cy.get()[: want.size], want))
+    # the host reads MLX's output buffer (its pages move to the host; the warm-up moves them back)
+    out["mlx_buffers_equal_mlx"] = bool(np.array_equal(np.frombuffer(memoryview(y_mlx), dtype=np.uint16), want))
+    ways = {"cupy-mlx-buffers": mlx_args, "cupy-own-buffers": own_args, "cupy-mlx-weights": mixed_args}
+    for label, arg_sets in ways.items():
+        out[label] = time_cupy(fn, grid, arg_sets)
+        log(f"M={m} {label}: {out[label]['us']:.2f} us")
+    for w, s in wp:
+        out["advise_rc"] = drv.advise_gpu(w, N * K // 2) + "/" + drv.advise_gpu(s, N * K // 16)
+    out["weight_range_attributes_advised"] = drv.range_attributes(wp[0][0], N * K // 2)
+    out["cupy-mlx-buffers-advised"] = time_cupy(fn, grid, mlx_args)
+    out["mlx-advised"] = time_mlx(x, weights)
+    log(f"M={m} advised: cupy {out['cupy-mlx-buffers-advised']['us']:.2f}, mlx {out['mlx-advised']['us']:.2f} us")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
