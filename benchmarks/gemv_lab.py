@@ -84,7 +84,7 @@ def variants() -> list[Variant]:
     out: list[Variant] = []
     ksplit: dict[str, TemplateValue] = {"WARPS": 2, "UNROLL": 3, "SPLIT": False, "CVT_SCALES": False}
     out.append(Variant("ksplit-w2u3", "gemv_nvfp4_ksplit.cu", ksplit, 2, 16))
-    shapes = ((12, 132, 4, 2), (8, 132, 4, 2), (10, 132, 8, 2), (8, 132, 8, 2), (6, 132, 8, 2))
+    shapes = ((12, 132, 4, 2), (8, 132, 4, 2), (6, 264, 4, 2), (8, 264, 4, 2), (4, 396, 4, 2))
     for warps, blocks, chunk, stages in shapes:
         consts: dict[str, TemplateValue] = {"WARPS": warps, "BLOCKS": blocks, "CHUNK": chunk, "STAGES": stages}
         consts["XF16"] = False

@@ -4,7 +4,7 @@
 
 Runs on the GPU machine with MLX's CUDA build and CuPy. The decode GEMV (N=21504, K=5376, bf16)
 runs at about 23 us per launch in `benchmarks.gemv_lab` (plain CUDA launches, cudaMalloc buffers)
-and about 33 us per call through MLX. This script separates the suspects:
+and took about 33 us per call through MLX. This script separates the suspects:
 
 * `mlx`: through `mx.fast.cuda_kernel` as users run it (MLX's CUDA graphs, its unified-memory
   buffers), time per call as `benchmarks.gpu_kernels` takes it (slope between 20 and 200 calls in
@@ -14,13 +14,16 @@ and about 33 us per call through MLX. This script separates the suspects:
 * `cupy-own-buffers`: the same launches on cudaMalloc copies of those buffers;
 * `cupy-mlx-weights`: MLX's weight buffers, CuPy's x, scale and output (MLX keeps scalars in a
   read-mostly unified-memory pool);
-* `mlx-gsv-64-bytes`: through MLX with a 64-byte multiplier array (outside that pool);
+* `mlx-gsv-4-bytes`: through MLX with a 4-byte multiplier array, as the library passed it before
+  `kernels.cuda.off_small_pool` (MLX serves it from its read-mostly pool of small buffers);
 * `*-advised`: the same after the weights are advised to live on the GPU and prefetched there
   (cuMemAdvise SET_PREFERRED_LOCATION + cuMemPrefetchAsync).
 
-`--mlx-only` times the `mlx` way alone (run it under `MLX_MAX_OPS_PER_BUFFER=1` to serialise the
-kernels: one graph per launch). `--trace` records the `mlx` way's kernels with PyTorch's CUPTI
-profiler (start, duration, overlap). Writes `DIR/gemv_mlx_gap.json` and prints a table.
+`--configs w6b264c4s2,...` times more launch shapes through MLX; `--floor` the same path at N=256
+(almost no GPU work: the host's cost per call). `--mlx-only` times the `mlx` ways alone (under
+`MLX_MAX_OPS_PER_BUFFER=1` that serialises the kernels: one graph per launch). `--trace` records
+the `mlx` way's kernels with PyTorch's CUPTI profiler (start, duration, overlap). Writes
+`DIR/gemv_mlx_gap_<MLX_MAX_OPS_PER_BUFFER or default>.json` and prints a table.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import numpy as np
 
 from benchmarks.gpu_method import L1, L2, log, per_call_seconds
 from kernels.cuda import cuda_device
-from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, _launcher, gemv_nvfp4_cuda, stream_launch
+from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, _launcher, gemv_nvfp4_cuda, stream_launch
 
 N, K = 21504, 5376
 COPIES = 4
@@ -137,16 +140,27 @@ def time_cupy(fn: Any, grid: tuple[int, int, int], args: list[tuple[Any, ...]]) 
     return {"us": statistics.median(times), "us_min": min(times), "us_max": max(times)}
 
 
-def time_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], gsv: mx.array | None = None) -> dict[str, float]:
-    """Per call through MLX; with `gsv`, the kernel gets that multiplier array instead of MLX's
-    4-byte one (which MLX's allocator keeps in its read-mostly pool of small buffers)."""
+def time_mlx(
+    x: mx.array, weights: list[tuple[mx.array, mx.array]], gsv: mx.array | None = None, cfg: GemvConfig = STREAM_CONFIG
+) -> dict[str, float]:
+    """Per call through MLX (`gemv_nvfp4_cuda`); with `gsv`, the kernel gets that multiplier array
+    instead of the library's (a 4-byte one lands in MLX's read-mostly pool of small buffers)."""
     if gsv is None:
-        call = lambda i: gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG)  # noqa: E731
+        call = lambda i: gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, cfg)  # noqa: E731
     else:
-        launch = _launcher(x.shape[0], N, K, x.dtype, STREAM_CONFIG)
+        launch = _launcher(x.shape[0], weights[0][0].shape[0], K, x.dtype, cfg)
         call = lambda i: launch(x, *weights[i % len(weights)], gsv)  # noqa: E731
     t = per_call_seconds(call, L1, L2)
     return {"us": t["seconds"] * 1e6, "us_min": t["seconds_min"] * 1e6, "us_max": t["seconds_max"] * 1e6}
+
+
+def parse_config(text: str) -> GemvConfig:
+    """`w12b0c4s2` -> GemvConfig(warps=12, blocks=0, chunk=4, stages=2) (blocks 0: one per SM)."""
+    found = re.fullmatch(r"w(\d+)b(\d+)c(\d+)s(\d+)", text)
+    if found is None:
+        raise SystemExit(f"--configs: {text!r} is not wWbBcCsS")
+    warps, blocks, chunk, stages = (int(v) for v in found.groups())
+    return GemvConfig(warps=warps, blocks=blocks, chunk=chunk, stages=stages)
 
 
 def trace_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], calls: int = 60) -> dict[str, Any]:
@@ -186,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", default="1,8")
     parser.add_argument("--mlx-only", action="store_true")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--floor", action="store_true", help="also time N=256 (the host's cost per call)")
+    parser.add_argument("--configs", default="", help="more stream launch shapes through MLX, e.g. w6b264c4s2")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ms = [int(v) for v in args.m.split(",")]
@@ -195,13 +211,21 @@ def main(argv: list[str] | None = None) -> int:
         wq, sc = mx.quantize(mx.random.normal((N, K)).astype(mx.bfloat16), mode="nvfp4")[:2]
         mx.eval(wq, sc)
         weights.append((wq, sc))
+    small = [tuple(mx.quantize(mx.random.normal((256, K)).astype(mx.bfloat16), mode="nvfp4")[:2])]
+    mx.eval(small)
     results: dict[str, Any] = {"max_ops_per_buffer": env, "per_m": []}
     for m in ms:
         x = mx.random.normal((m, K)).astype(mx.bfloat16)
         mx.eval(x)
         row: dict[str, Any] = {"m": m, "mlx": time_mlx(x, weights)}
-        row["mlx-gsv-64-bytes"] = time_mlx(x, weights, mx.ones((16,), dtype=mx.float32))
-        log(f"M={m} mlx ({env}): {row['mlx']['us']:.1f} us; 64-byte gsv {row['mlx-gsv-64-bytes']['us']:.1f} us")
+        row["mlx-gsv-4-bytes"] = time_mlx(x, weights, mx.array([1.0], dtype=mx.float32))
+        log(f"M={m} mlx ({env}): {row['mlx']['us']:.1f} us; 4-byte gsv {row['mlx-gsv-4-bytes']['us']:.1f} us")
+        for text in [c for c in args.configs.split(",") if c]:
+            row[f"mlx-{text}"] = time_mlx(x, weights, cfg=parse_config(text))
+            log(f"M={m} mlx {text}: {row[f'mlx-{text}']['us']:.1f} us")
+        if args.floor:  # the same Python and MLX path with almost no GPU work: the host's cost per call
+            row["mlx-n256-floor"] = time_mlx(x, small)
+            log(f"M={m} floor: {row['mlx-n256-floor']['us']:.1f} us")
         if args.trace:
             try:
                 row["trace"] = trace_mlx(x, weights)

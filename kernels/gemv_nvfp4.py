@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
+from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device, off_small_pool
 from kernels.cuda.layout import stream_smem_bytes
 from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
@@ -51,7 +51,7 @@ class GemvConfig:
     """Launch shape of one of the two CUDA kernels.
 
     kernel "stream" (gemv_nvfp4.cu): `warps` per block, `chunk` steps of 128 codes per copied
-    chunk (2, 4 or 8), `stages` chunks in each warp's ring, `blocks` (0: one per multiprocessor).
+    chunk (2 or 4), `stages` chunks in each warp's ring, `blocks` (0: one per multiprocessor).
     kernel "ksplit" (gemv_nvfp4_ksplit.cu): `warps` splitting K per 16-row block, `unroll` steps of
     code loads in flight per warp, `cvt_scales`: E4M3 scales through the hardware conversion.
     """
@@ -73,8 +73,8 @@ class GemvConfig:
 
 # Measured on the H200 (benchmarks/gemv_lab.py, BENCHMARKS.md): the stream kernel's fastest shape at
 # M = 1, 4 and 8 on the decode shape is 12 warps, 4-step chunks, 2 stages (8, 10, 16 and 20 warps,
-# 3 stages and 2-step chunks were slower); the K-split kernel's were 4 warps x 2 steps (M <= 4) and
-# 2 x 3 (M > 4).
+# 3 stages, 2-step chunks and 8-step chunks of 512-byte runs at 6-10 warps were slower); the
+# K-split kernel's were 4 warps x 2 steps (M <= 4) and 2 x 3 (M > 4).
 STREAM_CONFIG = GemvConfig()
 KSPLIT_CONFIGS = {True: GemvConfig("ksplit", warps=4, unroll=2), False: GemvConfig("ksplit", warps=2, unroll=3)}
 STREAM_DTYPES = ("bfloat16", "float16")
@@ -117,8 +117,8 @@ def stream_supports(m: int, n: int, k: int, dtype: str, cfg: GemvConfig = STREAM
         return "no CUDA device"
     if device.compute_capability < (8, 9):
         return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
-    if cfg.chunk not in (2, 4, 8):
-        return f"chunk={cfg.chunk} (the stream kernel takes 2, 4 or 8)"
+    if cfg.chunk not in (2, 4):
+        return f"chunk={cfg.chunk} (the stream kernel takes 2 or 4)"
     blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
     tiles = ((n // 8 + blocks - 1) // blocks + 1) // 2 + 1  # the kernel's MAXT
     need = smem + 4 * (warps + tiles)  # dynamic, then the static per-warp maxima and tile counters
@@ -165,6 +165,20 @@ def _constant_multiplier(global_scale: float | None) -> mx.array:
     out = mx.array([value], dtype=mx.float32)
     mx.eval(out)
     return out
+
+
+@functools.cache
+def _kernel_constant_multiplier(global_scale: float | None) -> mx.array:
+    out = off_small_pool(_constant_multiplier(global_scale))
+    mx.eval(out)
+    return out
+
+
+def _kernel_multiplier(global_scale: mx.array | float | None) -> mx.array:
+    """The multiplier as the kernels take it: a buffer outside MLX's small-buffer pool."""
+    if not isinstance(global_scale, mx.array):
+        return _kernel_constant_multiplier(global_scale)
+    return off_small_pool(_global_multiplier(global_scale))
 
 
 def _global_multiplier(global_scale: mx.array | float | None) -> mx.array:
@@ -230,7 +244,7 @@ def _launch(
 ) -> mx.array:
     """Run `cfg`'s kernel, its support already checked."""
     m, k = x.shape
-    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, _global_multiplier(global_scale))
+    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, _kernel_multiplier(global_scale))
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import gemv_nvfp4
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available
+from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, off_small_pool
 from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
@@ -118,14 +118,8 @@ def moe_gather_nvfp4_cuda(
         raise ValueError(f"moe_gather_nvfp4 kernel: {reason}")
     cfg = config or DEFAULT_CONFIG
     launch = _launcher(experts, n, k, rhs_indices.size, x.dtype, cfg)
-    return launch(
-        x,
-        lhs_indices.astype(mx.uint32),
-        rhs_indices.astype(mx.uint32),
-        w,
-        scales,
-        expert_multipliers(global_scale, experts),
-    )
+    lhs, rhs = off_small_pool(lhs_indices.astype(mx.uint32)), off_small_pool(rhs_indices.astype(mx.uint32))
+    return launch(x, lhs, rhs, w, scales, off_small_pool(expert_multipliers(global_scale, experts)))
 
 
 @functools.cache

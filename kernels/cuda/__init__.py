@@ -153,6 +153,24 @@ def cuda_device() -> CudaDevice | None:
     )
 
 
+# MLX's CUDA allocator (0.32) serves arrays of at most 8 bytes from one pool of unified memory
+# advised read-mostly. A kernel that reads such an array pays for it at every launch: the stream
+# GEMV at N=21504, K=5376 took 38.3 us per launch with MLX's 4-byte multiplier against 24.0 us with
+# the same value in a cudaMalloc buffer (H200, benchmarks/gemv_mlx_gap.py, BENCHMARKS.md).
+SMALL_POOL_BYTES = 8
+
+
+def off_small_pool(a: Any) -> Any:
+    """`a` (an mx.array), or where it is small enough for MLX's small-buffer pool, its elements
+    followed by zeros in a 16-byte array (the kernels read only the leading elements)."""
+    import mlx.core as mx
+
+    if a.nbytes > SMALL_POOL_BYTES:
+        return a
+    pad = mx.zeros((16 // a.itemsize - a.size,), dtype=a.dtype)
+    return mx.concatenate([a.reshape(-1), pad])
+
+
 def cuda_backend_available() -> bool:
     """True where MLX runs on its CUDA backend (an NVIDIA GPU); False on CPU and Metal."""
     import mlx.core as mx

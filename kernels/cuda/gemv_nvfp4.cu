@@ -4,8 +4,8 @@
 // Inputs:  x [M, K] T, w [N, K/8] uint32 (E2M1 codes, MLX layout), scales [N, K/16] uint8 (E4M3),
 //          gsv [1] float (global_scale / 2688, or 1 without one).
 // Output:  y [M, N] T.
-// Template constants: N (a multiple of 8), K (a multiple of 128), M, WARPS, BLOCKS, CHUNK (2, 4
-//          or 8), STAGES, XF16 (bool: T is float16), T (bfloat16 or float16).
+// Template constants: N (a multiple of 8), K (a multiple of 128), M, WARPS, BLOCKS, CHUNK (2 or
+//          4), STAGES, XF16 (bool: T is float16), T (bfloat16 or float16).
 // Launch:  grid BLOCKS * 32 * WARPS threads, threadgroup 32 * WARPS, dynamic shared memory
 //          gemv_nvfp4.smem_bytes(M, K, WARPS, CHUNK, STAGES).
 //
@@ -27,8 +27,8 @@
 // Memory: x is staged once per block into shared memory, already in the MMA's activation order,
 // padded and swizzled against bank conflicts. The weights stream through a per-warp ring of
 // STAGES chunks filled by cp.async: a chunk is 16 rows x CHUNK steps, 64 * CHUNK contiguous code
-// bytes per row (each copy instruction moves whole 128-, 256- or 512-byte runs of rows: long runs
-// per DRAM page) and 8 * CHUNK scale bytes per row; code rows are XOR-swizzled in 16-byte units and
+// bytes per row (each copy instruction moves whole 128- or 256-byte runs of rows: long runs per
+// DRAM page) and 8 * CHUNK scale bytes per row; code rows are XOR-swizzled in 16-byte units and
 // scale rows padded, so the fragment reads hit distinct banks.
 //
 // Per 128-wide step, lane (g = lane / 4, t = lane % 4) decodes codes [32 t, 32 t + 32) of the
@@ -40,13 +40,13 @@ constexpr int CPT = (STEPS + CHUNK - 1) / CHUNK;    // chunks per tile
 constexpr int XCH = K / 8;                          // 16-byte pieces of an x row
 constexpr int XRS = ((XCH + 7) / 8 * 8 + 2) * 16;   // x row stride, bytes: 2 pieces mod 8 of padding
 constexpr int ROWB = CHUNK * 64;                    // a row's code bytes in a chunk
-constexpr int SROW = CHUNK == 2 ? 16 : CHUNK * 8 + 16;  // a row's scale bytes in a chunk, padded
+constexpr int SROW = CHUNK == 4 ? 48 : 16;          // a row's scale bytes in a chunk, padded
 constexpr int SLOT = 16 * ROWB + 16 * SROW;         // codes, then scales
 constexpr int LPR = CHUNK * 4;                      // copy lanes per row (16 bytes each)
 constexpr int RPI = 32 / LPR;                       // rows per copy instruction
 constexpr int NTHREADS = WARPS * 32;
 constexpr bool SCALE_X = !XF16;  // bfloat16 activations are scaled into f16's range
-static_assert(CHUNK == 2 || CHUNK == 4 || CHUNK == 8, "CHUNK must be 2, 4 or 8");
+static_assert(CHUNK == 2 || CHUNK == 4, "CHUNK must be 2 or 4");
 static_assert(K % 128 == 0, "K must be a multiple of 128");
 static_assert(N % 8 == 0, "N must be a multiple of 8");
 static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
@@ -74,11 +74,7 @@ const int u_end = (warp + 1) * units / WARPS;
 const int crow = lane / LPR;                 // instruction i moves rows RPI i + crow ...
 const int cq = lane % LPR;                   // ... 16-byte unit cq of the row's chunk
 const int cstep = cq >> 2;                   // which holds step cstep of the chunk
-// swizzled by the row's parity: crow's for every instruction where RPI is even; with one row per
-// instruction (CHUNK 8), instruction i moves row i
-const int cdst = crow * ROWB + ((cq ^ ((crow & 1) << 2)) * 16);
-const int cdst_odd = (cq ^ 4) * 16;  // RPI == 1: crow is 0; odd rows
-
+const int cdst = crow * ROWB + ((cq ^ ((crow & 1) << 2)) * 16);  // swizzled (RPI is even)
 const int srow = lane >> 1;                  // scales: row srow, bytes [4 CHUNK shalf, +4 CHUNK)
 const int shalf = lane & 1;
 uint8_t* const my_ring = rings + warp * STAGES * SLOT;
@@ -94,8 +90,8 @@ auto issue = [&](int u) {
   const uint8_t* src = wlane + static_cast<size_t>(tile) * 16 * (K / 2) + s0 * 64;
 #pragma unroll
   for (int i = 0; i < 16 / RPI; ++i) {
-    const int dst = RPI * i * ROWB + (RPI % 2 == 0 || i % 2 == 0 ? cdst : cdst_odd);
-    nvfp4::cp_async_16(slot + dst, src + static_cast<size_t>(RPI * i) * (K / 2), step_on && (RPI * i < 8 || full));
+    nvfp4::cp_async_16(slot + RPI * i * ROWB + cdst, src + static_cast<size_t>(RPI * i) * (K / 2),
+                       step_on && (RPI * i < 8 || full));
   }
   const int s_first = s0 + (CHUNK / 2) * shalf;  // this lane's scale bytes: steps s_first ..
   const bool s_on = live && (srow < 8 || full) && s_first < STEPS;
@@ -103,13 +99,6 @@ auto issue = [&](int u) {
   uint8_t* sdst = slot + 16 * ROWB + srow * SROW + shalf * 4 * CHUNK;
   if constexpr (CHUNK == 4 && KS % 16 == 0) {  // 16-byte aligned rows of scales (K % 256 == 0)
     nvfp4::cp_async_16n(sdst, ssrc, s_on ? (s_first + 1 < STEPS ? 16 : 8) : 0);
-  } else if constexpr (CHUNK == 8 && KS % 16 == 0) {  // 32 bytes a lane: steps s_first .. + 3
-    nvfp4::cp_async_16n(sdst, ssrc, s_on ? (s_first + 1 < STEPS ? 16 : 8) : 0);
-    const bool s_on2 = s_on && s_first + 2 < STEPS;
-    nvfp4::cp_async_16n(sdst + 16, ssrc + 16, s_on2 ? (s_first + 3 < STEPS ? 16 : 8) : 0);
-  } else if constexpr (CHUNK == 8) {  // 8-byte aligned only: four copies
-#pragma unroll
-    for (int p = 0; p < 4; ++p) nvfp4::cp_async_8(sdst + 8 * p, ssrc + 8 * p, s_on && s_first + p < STEPS);
   } else if constexpr (CHUNK == 4) {  // 8-byte aligned only (K % 128 == 0): two copies
     nvfp4::cp_async_8(sdst, ssrc, s_on);
     nvfp4::cp_async_8(sdst + 8, ssrc + 8, s_on && s_first + 1 < STEPS);

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def scale_row_bytes(chunk: int) -> int:
     """A row's E4M3 scale bytes in one ring slot, padded against bank conflicts (the kernel's SROW)."""
-    return 16 if chunk == 2 else chunk * 8 + 16
+    return 48 if chunk == 4 else 16
 
 
 def stream_smem_bytes(m: int, k: int, warps: int, chunk: int, stages: int) -> int:
