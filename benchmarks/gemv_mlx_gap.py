@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,9 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     cfg = STREAM_CONFIG
     blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
     template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
-    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
+    template.update(
+        {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LATE_ISSUE": False}
+    )
     name = f"gap_stream_m{m}"
     dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
     src = workdir / f"{name}.cu"
@@ -163,20 +166,34 @@ def parse_config(text: str) -> GemvConfig:
     return GemvConfig(warps=warps, blocks=blocks, chunk=chunk, stages=stages)
 
 
-def trace_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], calls: int = 60) -> dict[str, Any]:
-    """Kernel start and duration of `calls` MLX calls, from PyTorch's CUPTI profiler."""
+def busy_us(kernels: list[tuple[float, float]]) -> float:
+    """Time covered by at least one of the (start, duration) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, dur in sorted(kernels):
+        end = start + dur
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def trace_mlx(call: Callable[[int], mx.array], name_part: str, calls: int = 200) -> dict[str, Any]:
+    """`calls` calls in one eval under PyTorch's CUPTI profiler: the kernels' durations, how many
+    overlap (MLX's graphs run independent calls concurrently), the span from the first start to
+    the last end, and the busy time (covered by at least one of them; idle gaps left while the host
+    assembles the next graph excluded), each per call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
-    mx.eval([gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG) for i in range(calls)])
+    mx.eval([call(i) for i in range(calls)])
     mx.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        mx.eval([gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, STREAM_CONFIG) for i in range(calls)])
+        mx.eval([call(i) for i in range(calls)])
         mx.synchronize()
     kernels = []
     for ev in prof.events():
-        if "gemv" in ev.name and ev.device_type.name == "CUDA":
+        if name_part in ev.name and ev.device_type.name == "CUDA":
             kernels.append((ev.time_range.start, ev.time_range.end - ev.time_range.start))
     kernels.sort()
     if not kernels:
@@ -191,6 +208,7 @@ def trace_mlx(x: mx.array, weights: list[tuple[mx.array, mx.array]], calls: int 
         "duration_us_max": max(durs),
         "overlapping_pairs": overlaps,
         "span_us_per_kernel": span / len(kernels),
+        "busy_us_per_kernel": busy_us(kernels) / len(kernels),
     }
 
 
@@ -227,11 +245,19 @@ def main(argv: list[str] | None = None) -> int:
             row["mlx-n256-floor"] = time_mlx(x, small)
             log(f"M={m} floor: {row['mlx-n256-floor']['us']:.1f} us")
         if args.trace:
-            try:
-                row["trace"] = trace_mlx(x, weights)
-            except Exception as exc:  # the trace is a diagnostic: report, go on
-                row["trace"] = {"error": f"{type(exc).__name__}: {exc}"}
-            log(f"M={m} trace: {row['trace']}")
+            ways = {
+                "trace": (lambda i, x=x: gemv_nvfp4_cuda(x, *weights[i % COPIES], None, STREAM_CONFIG), "gemv_nvfp4"),
+                "trace_native": (
+                    lambda i, x=x: mx.quantized_matmul(x, *weights[i % COPIES], transpose=True, mode="nvfp4"),
+                    "qm",  # qmv_kernel, qmm_sm80_kernel
+                ),
+            }
+            for label, (call, name_part) in ways.items():
+                try:
+                    row[label] = trace_mlx(call, name_part)
+                except Exception as exc:  # the trace is a diagnostic: report, go on
+                    row[label] = {"error": f"{type(exc).__name__}: {exc}"}
+                log(f"M={m} {label}: {row[label]}")
         if not args.mlx_only:
             row.update(cupy_ways(m, x, weights))
         results["per_m"].append(row)

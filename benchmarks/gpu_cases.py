@@ -23,8 +23,6 @@ GEMV_N, GEMV_K = 21504, 5376
 MOE = {"experts": 128, "top_k": 6, "tokens": 512, "hidden": 2688, "expert_width": 1856}
 GEMV_CONFIGS = [
     GemvConfig("stream", warps=12), GemvConfig("stream", warps=8),
-    GemvConfig("stream", warps=6, blocks=264), GemvConfig("stream", warps=8, blocks=264),
-    GemvConfig("stream", warps=4, blocks=396),
     GemvConfig("ksplit", warps=4, unroll=2), GemvConfig("ksplit", warps=2, unroll=3),
 ]  # fmt: skip
 MOE_CONFIGS = [MoeConfig(4, 1, 4), MoeConfig(4, 1, 3), MoeConfig(2, 1, 4), MoeConfig(4, 2, 4)]
