@@ -22,3 +22,5 @@ step timeout 150 python3 -m benchmarks.gemv_mlx_gap --out "$out/gap" --m 1,2,4,8
 step timeout 120 python3 -m pytest -q -m cuda tests/kernels -p no:cacheprovider > "$out/pytest.log" 2>&1
 tail -3 "$out/pytest.log"
 step timeout 200 python3 -m benchmarks.gpu_kernels --out "$out" --skip moe qmm
+# the reply carries at most 8 files: keep the JSON (the tables above went to stdout)
+rm -f "$out"/lab*/build.log "$out"/lab*/lab.stdout "$out"/lab*/gemv_lab.txt
