@@ -8,19 +8,20 @@
 # lab_graph/ (the same replayed from CUDA graphs, as MLX launches kernels), gap/
 # (benchmarks.gemv_mlx_gap --mlx-only --trace: per call through MLX, and the kernels' durations,
 # overlap and busy time in MLX's process from CUPTI, beside MLX's own), pytest.log (the CUDA
-# tests) and gpu_kernels.json (the GEMV through MLX at M = 1..8, launch shapes tuned). Each step's
+# tests) and gpu_kernels.json (the GEMV through MLX at M = 1..8, launch shapes tuned, and the qmm
+# prefill points). Each step's
 # failure is reported and the next runs. (`benchmarks.gemv_mlx_gap` without --mlx-only also runs
 # the kernel through CuPy on MLX's buffers and on its own: how the small-buffer pool was found.)
 set -u
 out=${1:?usage: gemv_device_run.sh OUT_DIR}
 export PYTHONUNBUFFERED=1
 step() { echo "== $*"; "$@" || echo "!! failed ($?): $*"; }
-streams=stream-w12b132c4s2,stream-w12b132c4s2-late,stream-w8b132c4s2
+all_m=1,2,3,4,5,6,7,8
 step timeout 120 python3 -m benchmarks.gemv_lab --out "$out/lab" --m 1,4,8
-step env LAB_GRAPH=1 timeout 90 python3 -m benchmarks.gemv_lab --out "$out/lab_graph" --m 1,4,8 --only "$streams"
-step timeout 150 python3 -m benchmarks.gemv_mlx_gap --out "$out/gap" --m 1,2,4,8 --mlx-only --trace
+step env LAB_GRAPH=1 timeout 120 python3 -m benchmarks.gemv_lab --out "$out/lab_graph" --m "$all_m" --only stream-w12b132c4s2
+step timeout 240 python3 -m benchmarks.gemv_mlx_gap --out "$out/gap" --m "$all_m" --mlx-only --trace --floor
 step timeout 120 python3 -m pytest -q -m cuda tests/kernels -p no:cacheprovider > "$out/pytest.log" 2>&1
 tail -3 "$out/pytest.log"
-step timeout 200 python3 -m benchmarks.gpu_kernels --out "$out" --skip moe qmm
+step timeout 240 python3 -m benchmarks.gpu_kernels --out "$out" --skip moe
 # the reply carries at most 8 files: keep the JSON (the tables above went to stdout)
 rm -f "$out"/lab*/build.log "$out"/lab*/lab.stdout "$out"/lab*/gemv_lab.txt

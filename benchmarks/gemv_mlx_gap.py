@@ -105,9 +105,7 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     cfg = STREAM_CONFIG
     blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
     template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
-    template.update(
-        {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LATE_ISSUE": False}
-    )
+    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
     name = f"gap_stream_m{m}"
     dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
     src = workdir / f"{name}.cu"
@@ -241,9 +239,22 @@ def main(argv: list[str] | None = None) -> int:
         for text in [c for c in args.configs.split(",") if c]:
             row[f"mlx-{text}"] = time_mlx(x, weights, cfg=parse_config(text))
             log(f"M={m} mlx {text}: {row[f'mlx-{text}']['us']:.1f} us")
-        if args.floor:  # the same Python and MLX path with almost no GPU work: the host's cost per call
-            row["mlx-n256-floor"] = time_mlx(x, small)
-            log(f"M={m} floor: {row['mlx-n256-floor']['us']:.1f} us")
+        if args.floor:  # almost no GPU work: the host's cost per call, and where it goes
+            launch = _launcher(m, 256, K, x.dtype, STREAM_CONFIG)  # the traced call, no Python wrapper
+            gsv = mx.zeros((4,), dtype=mx.float32)
+            floors = {
+                "mlx-n256-floor": lambda i, x=x: gemv_nvfp4_cuda(x, *small[0], None, STREAM_CONFIG),
+                "mlx-n256-traced-call-only": lambda i, x=x, launch=launch, gsv=gsv: launch(x, *small[0], gsv),
+                "mlx-builtin-add": lambda i, x=x: x + 1,  # one built-in elementwise op
+            }
+            for label, call in floors.items():
+                t = per_call_seconds(call, L1, L2)
+                row[label] = {
+                    "us": t["seconds"] * 1e6,
+                    "us_min": t["seconds_min"] * 1e6,
+                    "us_max": t["seconds_max"] * 1e6,
+                }
+                log(f"M={m} {label}: {row[label]['us']:.1f} us")
         if args.trace:
             ways = {
                 "trace": (lambda i, x=x: gemv_nvfp4_cuda(x, *weights[i % COPIES], None, STREAM_CONFIG), "gemv_nvfp4"),

@@ -117,11 +117,11 @@ for (int q = 0; q < XPT; ++q) {
   const int i = threadIdx.x + q * NTHREADS;
   xv[q] = i < M * XCH ? *reinterpret_cast<const uint4*>(x + static_cast<size_t>(i) * 8) : make_uint4(0u, 0u, 0u, 0u);
 }
-// the ring's every slot in flight while x is staged (LAB_LATE_ISSUE: one slot fewer, the loop
-// issuing each chunk before its wait, as before; a lab comparison, removed after it is measured)
-constexpr int PROLOGUE = LAB_LATE_ISSUE ? STAGES - 1 : STAGES;
+// STAGES - 1 chunks in flight while x is staged; each iteration issues the next before waiting.
+// (Filling every slot here and refilling a slot right after reading it was slower on the H200:
+// 23.96 against 23.39 us at M=1, 27.53 against 26.09 at M=8, same run; BENCHMARKS.md.)
 #pragma unroll
-for (int i = 0; i < PROLOGUE; ++i) issue(u_begin + i);
+for (int i = 0; i < STAGES - 1; ++i) issue(u_begin + i);
 int xexp = 0;  // x is held as x * 2^xexp
 if constexpr (SCALE_X) {
   float mx = 0.f;
@@ -239,7 +239,7 @@ auto flush = [&](int tile, float (&acc)[2][4]) {
 float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 int cur = head_tile;
 for (int u = u_begin; u < u_end; ++u) {
-  if constexpr (LAB_LATE_ISSUE) issue(u + STAGES - 1);
+  issue(u + STAGES - 1);
   nvfp4::cp_async_wait<STAGES - 1>();  // chunk u has landed (this lane's copies) ...
   __syncwarp();                        // ... and every other lane's
   const int tile = u / CPT;
@@ -271,7 +271,6 @@ for (int u = u_begin; u < u_end; ++u) {
     nvfp4::mma_word_f16<1>(acc[1], ca.w, cb.w, sa, sb, xp3);
   }
   __syncwarp();  // every lane has read the slot before any lane refills it
-  if constexpr (!LAB_LATE_ISSUE) issue(u + STAGES);  // into the slot just read
 }
 nvfp4::cp_async_wait<0>();
 if (u_end > u_begin) flush(cur, acc);
