@@ -86,11 +86,8 @@ def variants() -> list[Variant]:
     out.append(Variant("ksplit-w2u3", "gemv_nvfp4_ksplit.cu", ksplit, 2, 16))
     for warps, blocks, chunk, stages in ((12, 132, 4, 2), (8, 132, 4, 2)):
         consts: dict[str, TemplateValue] = {"WARPS": warps, "BLOCKS": blocks, "CHUNK": chunk, "STAGES": stages}
-        consts |= {"XF16": False, "PF_START": 0, "PF_AHEAD": 0}
+        consts |= {"XF16": False}
         out.append(Variant(f"stream-w{warps}b{blocks}c{chunk}s{stages}", "gemv_nvfp4.cu", consts, warps))
-    for start, ahead in ((2, 0), (4, 0), (2, 2), (4, 4)):  # L2 prefetch: at the start, ahead of the ring
-        pf = {**out[1].consts, "PF_START": start, "PF_AHEAD": ahead}
-        out.append(Variant(f"stream-w12-pf{start}a{ahead}", "gemv_nvfp4.cu", pf, 12))
     return out
 
 

@@ -107,19 +107,6 @@ auto issue = [&](int u) {
   }
   nvfp4::cp_async_commit();
 };
-// L2 prefetch of chunk u (lab constants PF_START, PF_AHEAD): the lanes' 128-byte lines of its 16
-// code rows, and of its scale rows; DRAM keeps streaming while x is staged, without shared memory
-auto prefetch = [&](int u) {
-  if (u >= u_end) return;
-  const int tile = u / CPT;
-  const int s0 = (u - tile * CPT) * CHUNK;
-  const int row = lane >> 1;
-  if (row >= 8 && r0 + 16 * tile + 16 > r1) return;  // the upper half of a half tile
-  const size_t grow = static_cast<size_t>(r0 + 16 * tile + row);
-  const int off = s0 * 64 + (lane & 1) * 128;
-  if ((lane & 1) * 128 < ROWB && off < K / 2) nvfp4::prefetch_l2(reinterpret_cast<const uint8_t*>(w) + grow * (K / 2) + off);
-  if ((lane & 1) == 0) nvfp4::prefetch_l2(scales + grow * KS + s0 * 8);
-};
 for (int i = threadIdx.x; i < MAXT; i += NTHREADS) arrived[i] = 0;  // ordered by the barrier below
 // ---- x into shared memory as f16, in activation-fragment order. Its loads go out before the
 // weight prologue's copies, so they do not queue behind them.
@@ -135,9 +122,6 @@ for (int q = 0; q < XPT; ++q) {
 // 23.96 against 23.39 us at M=1, 27.53 against 26.09 at M=8, same run; BENCHMARKS.md.)
 #pragma unroll
 for (int i = 0; i < STAGES - 1; ++i) issue(u_begin + i);
-constexpr int PF_FIRST = PF_START > PF_AHEAD ? PF_START : PF_AHEAD;
-#pragma unroll
-for (int i = 0; i < PF_FIRST; ++i) prefetch(u_begin + STAGES - 1 + i);
 int xexp = 0;  // x is held as x * 2^xexp
 if constexpr (SCALE_X) {
   float mx = 0.f;
@@ -256,7 +240,6 @@ float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 int cur = head_tile;
 for (int u = u_begin; u < u_end; ++u) {
   issue(u + STAGES - 1);
-  if constexpr (PF_AHEAD > 0) prefetch(u + STAGES - 1 + PF_AHEAD);
   nvfp4::cp_async_wait<STAGES - 1>();  // chunk u has landed (this lane's copies) ...
   __syncwarp();                        // ... and every other lane's
   const int tile = u / CPT;

@@ -93,11 +93,6 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool pr
                :: "r"(dst), "l"(gmem), "r"(pred ? 8 : 0) : "memory");
 }
 
-// Ask L2 to fetch the 128-byte line holding `gmem` (no registers, no shared memory used).
-__device__ __forceinline__ void prefetch_l2(const void* gmem) {
-  asm volatile("prefetch.global.L2 [%0];\n" :: "l"(gmem));
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most `PENDING` of this thread's committed groups are still in flight.
