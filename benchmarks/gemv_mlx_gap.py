@@ -105,7 +105,7 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     cfg = STREAM_CONFIG
     blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
     template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
-    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
+    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LDEXP": False})
     name = f"gap_stream_m{m}"
     dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
     src = workdir / f"{name}.cu"

@@ -122,7 +122,7 @@ for (int q = 0; q < XPT; ++q) {
 // 23.96 against 23.39 us at M=1, 27.53 against 26.09 at M=8, same run; BENCHMARKS.md.)
 #pragma unroll
 for (int i = 0; i < STAGES - 1; ++i) issue(u_begin + i);
-int xexp = 0;  // x is held as x * 2^xexp
+int xexp = 0;  // x is held as x * 2^xexp (xexp in [-113, 127]: 2^xexp is a normal float)
 if constexpr (SCALE_X) {
   float mx = 0.f;
 #pragma unroll
@@ -144,9 +144,12 @@ if constexpr (SCALE_X) {
   if (mx > 0.f && mx <= 3.0e38f) {  // an infinite or NaN x stays unscaled: the result is not finite
     int ex;
     frexpf(mx, &ex);  // mx < 2^ex
-    xexp = 15 - ex;
+    // at most 127: for max |x| < 2^-112 the largest lands below 2^15 all the same, and every
+    // bfloat16 (>= 2^-133) at or above 2^-6, an f16 normal: still exact
+    xexp = 15 - ex < 127 ? 15 - ex : 127;
   }
 }
+const float xscale = __int_as_float((xexp + 127) << 23);  // 2^xexp: one exact multiply a value
 #pragma unroll
 for (int q = 0; q < XPT; ++q) {
   const int i = threadIdx.x + q * NTHREADS;
@@ -158,8 +161,12 @@ for (int q = 0; q < XPT; ++q) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     if constexpr (SCALE_X) {
-      const float lo = ldexpf(__uint_as_float(wv[e] << 16), xexp);
-      const float hi = ldexpf(__uint_as_float(wv[e] & 0xFFFF0000u), xexp);
+      float lo = __uint_as_float(wv[e] << 16) * xscale;
+      float hi = __uint_as_float(wv[e] & 0xFFFF0000u) * xscale;
+      if constexpr (LAB_LDEXP) {  // the previous conversion, for a lab comparison (to be removed)
+        lo = ldexpf(__uint_as_float(wv[e] << 16), xexp);
+        hi = ldexpf(__uint_as_float(wv[e] & 0xFFFF0000u), xexp);
+      }
       const __half2 p = __floats2half2_rn(lo, hi);
       h[e] = *reinterpret_cast<const uint32_t*>(&p);
     } else {

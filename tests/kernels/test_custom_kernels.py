@@ -346,7 +346,7 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
         for m, cfg in itertools.product((1, 8), (STREAM_CONFIG, GemvConfig(chunk=2))):
             blocks, warps, _ = stream_launch(m, 21504, 5376, cfg, 132)
             consts: dict[str, int | bool | str] = {"T": dtype, "N": 21504, "K": 5376, "M": m, "WARPS": warps}
-            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False}
+            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LDEXP": False}
             sources[f"gemv_stream_m{m}_c{cfg.chunk}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
     for name, text in sources.items():
         src = tmp_path / name
@@ -388,6 +388,7 @@ def test_gemv_kernel_matches_its_twin_on_cuda(m: int) -> None:
         (5, 2048, 1024, mx.float16, 1.0),
         (2, 512, 512, mx.bfloat16, 1e30),  # bfloat16 far outside f16's range, both ways
         (2, 512, 512, mx.bfloat16, 1e-30),
+        (2, 512, 512, mx.bfloat16, 1e-37),  # max |x| < 2^-112: the scale exponent capped at 127
     ],
 )
 @pytest.mark.parametrize("cfg", [STREAM_CONFIG, GemvConfig(chunk=2)], ids=str)
