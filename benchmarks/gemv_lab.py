@@ -86,9 +86,8 @@ def variants() -> list[Variant]:
     out.append(Variant("ksplit-w2u3", "gemv_nvfp4_ksplit.cu", ksplit, 2, 16))
     for warps, blocks, chunk, stages in ((12, 132, 4, 2), (8, 132, 4, 2)):
         consts: dict[str, TemplateValue] = {"WARPS": warps, "BLOCKS": blocks, "CHUNK": chunk, "STAGES": stages}
-        consts |= {"XF16": False, "LAB_LDEXP": False}
+        consts |= {"XF16": False}
         out.append(Variant(f"stream-w{warps}b{blocks}c{chunk}s{stages}", "gemv_nvfp4.cu", consts, warps))
-    out.append(Variant("stream-w12-ldexp", "gemv_nvfp4.cu", {**out[1].consts, "LAB_LDEXP": True}, 12))
     return out
 
 

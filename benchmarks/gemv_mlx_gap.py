@@ -22,8 +22,9 @@ and took about 33 us per call through MLX. This script separates the suspects:
 `--configs w6b264c4s2,...` times more launch shapes through MLX; `--floor` the same path at N=256
 (almost no GPU work: the host's cost per call). `--mlx-only` times the `mlx` ways alone (under
 `MLX_MAX_OPS_PER_BUFFER=1` that serialises the kernels: one graph per launch). `--trace` records
-the `mlx` way's kernels with PyTorch's CUPTI profiler (start, duration, overlap). Writes
-`DIR/gemv_mlx_gap_<MLX_MAX_OPS_PER_BUFFER or default>.json` and prints a table.
+the `mlx` way's kernels (and `mx.quantized_matmul`'s) with PyTorch's CUPTI profiler: durations,
+overlap, busy time per call, and that time's GB/s against the copy ceiling measured in the same
+process. Writes `DIR/gemv_mlx_gap_<MLX_MAX_OPS_PER_BUFFER or default>.json` and prints a table.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.gpu_method import L1, L2, log, per_call_seconds
+from benchmarks.gpu_method import L1, L2, copy_ceiling_gb_s, log, per_call_seconds
 from kernels.cuda import cuda_device
 from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, _launcher, gemv_nvfp4_cuda, stream_launch
 
@@ -105,7 +106,7 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     cfg = STREAM_CONFIG
     blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
     template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
-    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LDEXP": False})
+    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
     name = f"gap_stream_m{m}"
     dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
     src = workdir / f"{name}.cu"
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     small = [tuple(mx.quantize(mx.random.normal((256, K)).astype(mx.bfloat16), mode="nvfp4")[:2])]
     mx.eval(small)
     results: dict[str, Any] = {"max_ops_per_buffer": env, "per_m": []}
+    if args.trace:  # the ceiling the busy times are read against, measured in this process
+        results["copy_ceiling"] = copy_ceiling_gb_s()
+        log(f"copy ceiling {results['copy_ceiling']['gb_s']:.0f} GB/s ({results['copy_ceiling']['via']})")
     for m in ms:
         x = mx.random.normal((m, K)).astype(mx.bfloat16)
         mx.eval(x)
@@ -271,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"M={m} {label}: {row[label]}")
         if not args.mlx_only:
             row.update(cupy_ways(m, x, weights))
+        if args.trace and "busy_us_per_kernel" in row["trace"]:
+            nbytes = N * K // 2 + N * K // 16 + m * K * 2 + m * N * 2  # weights, scales, x, y once each
+            gb_s = nbytes / row["trace"]["busy_us_per_kernel"] / 1e3
+            row["busy_gb_s"] = gb_s
+            row["busy_fraction_of_copy"] = gb_s / results["copy_ceiling"]["gb_s"]
+            busy = row["trace"]["busy_us_per_kernel"]
+            log(f"M={m} busy {busy:.2f} us: {gb_s:.0f} GB/s, {row['busy_fraction_of_copy']:.1%} of the copy")
         results["per_m"].append(row)
     (args.out / f"gemv_mlx_gap_{env}.json").write_text(json.dumps(results, indent=1))
     for row in results["per_m"]:

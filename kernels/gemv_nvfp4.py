@@ -259,7 +259,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
         blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
         kernel = compiled_kernel(GEMV_SOURCE, smem)
         template += [("WARPS", warps), ("BLOCKS", blocks), ("CHUNK", cfg.chunk), ("STAGES", cfg.stages)]
-        template += [("XF16", dtype == mx.float16), ("LAB_LDEXP", False)]
+        template += [("XF16", dtype == mx.float16)]
         grid, threads = blocks * 32 * warps, 32 * warps
     else:
         kernel = compiled_kernel(KSPLIT_SOURCE)

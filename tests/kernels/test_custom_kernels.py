@@ -346,7 +346,7 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
         for m, cfg in itertools.product((1, 8), (STREAM_CONFIG, GemvConfig(chunk=2))):
             blocks, warps, _ = stream_launch(m, 21504, 5376, cfg, 132)
             consts: dict[str, int | bool | str] = {"T": dtype, "N": 21504, "K": 5376, "M": m, "WARPS": warps}
-            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False, "LAB_LDEXP": False}
+            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False}
             sources[f"gemv_stream_m{m}_c{cfg.chunk}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
     for name, text in sources.items():
         src = tmp_path / name
