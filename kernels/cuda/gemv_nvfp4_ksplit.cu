@@ -45,10 +45,8 @@ for (int s0 = warp; s0 < STEPS; s0 += WARPS * UNROLL) {
       nvfp4::e4m3x2_scale_splats(ra[u], sa_lo, sa_hi);
       nvfp4::e4m3x2_scale_splats(rb[u], sb_lo, sb_hi);
     } else {
-      sa_lo = nvfp4::e4m3_scale_splat(ra[u] & 0xFFu);
-      sa_hi = nvfp4::e4m3_scale_splat(ra[u] >> 8);
-      sb_lo = nvfp4::e4m3_scale_splat(rb[u] & 0xFFu);
-      sb_hi = nvfp4::e4m3_scale_splat(rb[u] >> 8);
+      nvfp4::e4m3_scale_splats(ra[u], sa_lo, sa_hi);
+      nvfp4::e4m3_scale_splats(rb[u], sb_lo, sb_hi);
     }
     const uint32_t qaw[4] = {qa[u].x, qa[u].y, qa[u].z, qa[u].w};
     const uint32_t qbw[4] = {qb[u].x, qb[u].y, qb[u].z, qb[u].w};

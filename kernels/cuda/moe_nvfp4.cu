@@ -82,10 +82,9 @@ for (int r0 = lo; r0 < hi; r0 += CHUNK) {
       if (s0 + u >= STEPS) break;  // warp-uniform
       const int k0 = (s0 + u) * 128 + t * 32;
       const bool kvalid = k0 < K;
-      const uint32_t sa_lo = nvfp4::e4m3_scale_splat(ra[u] & 0xFFu);
-      const uint32_t sa_hi = nvfp4::e4m3_scale_splat(ra[u] >> 8);
-      const uint32_t sb_lo = nvfp4::e4m3_scale_splat(rb[u] & 0xFFu);
-      const uint32_t sb_hi = nvfp4::e4m3_scale_splat(rb[u] >> 8);
+      uint32_t sa_lo, sa_hi, sb_lo, sb_hi;
+      nvfp4::e4m3_scale_splats(ra[u], sa_lo, sa_hi);
+      nvfp4::e4m3_scale_splats(rb[u], sb_lo, sb_hi);
       const uint32_t qaw[4] = {qa[u].x, qa[u].y, qa[u].z, qa[u].w};
       const uint32_t qbw[4] = {qb[u].x, qb[u].y, qb[u].z, qb[u].w};
 #pragma unroll

@@ -126,6 +126,12 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return d;
 }
 
+// Two E4M3 scales (bits 0-7, 8-15) -> their bf16x2 splats, one e4m3_scale_splat each (any GPU).
+__device__ __forceinline__ void e4m3_scale_splats(uint32_t r, uint32_t& lo, uint32_t& hi) {
+  lo = e4m3_scale_splat(r & 0xFFu);
+  hi = e4m3_scale_splat(r >> 8);
+}
+
 // Two E4M3 scales (bits 0-7: the first group's, bits 8-15: the second's) -> their bf16x2 splats
 // times 2^64, exactly: one hardware conversion (sm_89+) to f16x2, then f32 and bf16 (4 significant
 // bits survive every step). Fewer integer instructions than two e4m3_scale_splat calls.
