@@ -86,7 +86,7 @@ def variants() -> list[Variant]:
     out.append(Variant("ksplit-w2u3", "gemv_nvfp4_ksplit.cu", ksplit, 2, 16))
     for warps, blocks, chunk, stages in ((12, 132, 4, 2), (8, 132, 4, 2)):
         consts: dict[str, TemplateValue] = {"WARPS": warps, "BLOCKS": blocks, "CHUNK": chunk, "STAGES": stages}
-        consts |= {"XF16": False}
+        consts["XF16"] = False
         out.append(Variant(f"stream-w{warps}b{blocks}c{chunk}s{stages}", "gemv_nvfp4.cu", consts, warps))
     return out
 

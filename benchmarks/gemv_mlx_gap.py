@@ -48,7 +48,7 @@ import numpy as np
 
 from benchmarks.gpu_method import L1, L2, copy_ceiling_gb_s, log, per_call_seconds
 from kernels.cuda import cuda_device
-from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, _launcher, gemv_nvfp4_cuda, stream_launch
+from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, _launcher, gemv_nvfp4_cuda, stream_constants
 
 N, K = 21504, 5376
 COPIES = 4
@@ -103,10 +103,8 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
 
     device = cuda_device()
     assert device is not None
-    cfg = STREAM_CONFIG
-    blocks, warps, smem = stream_launch(m, N, K, cfg, device.multiprocessors)
-    template: dict[str, int | bool | str] = {"T": "bfloat16", "N": N, "K": K, "M": m, "WARPS": warps}
-    template.update({"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False})
+    consts, smem = stream_constants(m, N, K, STREAM_CONFIG, device.multiprocessors, False)
+    template: dict[str, int | bool | str] = {"T": "bfloat16", **consts}
     name = f"gap_stream_m{m}"
     dtypes = ({"x": "bfloat16", "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": "bfloat16"})
     src = workdir / f"{name}.cu"
@@ -117,7 +115,7 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     assert symbol is not None, "kernel symbol not found in the cubin"
     fn = cp.RawModule(path=str(cubin)).get_function(symbol.group().decode())
     fn.max_dynamic_shared_size_bytes = smem
-    return fn, blocks, 32 * warps, smem
+    return fn, int(consts["BLOCKS"]), 32 * int(consts["WARPS"]), smem
 
 
 def time_cupy(fn: Any, grid: tuple[int, int, int], args: list[tuple[Any, ...]]) -> dict[str, float]:
@@ -152,7 +150,11 @@ def time_mlx(
     else:
         launch = _launcher(x.shape[0], weights[0][0].shape[0], K, x.dtype, cfg)
         call = lambda i: launch(x, *weights[i % len(weights)], gsv)  # noqa: E731
-    t = per_call_seconds(call, L1, L2)
+    return in_us(per_call_seconds(call, L1, L2))
+
+
+def in_us(t: dict[str, float]) -> dict[str, float]:
+    """`per_call_seconds`'s median, min and max in microseconds."""
     return {"us": t["seconds"] * 1e6, "us_min": t["seconds_min"] * 1e6, "us_max": t["seconds_max"] * 1e6}
 
 
@@ -252,12 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mlx-builtin-add": lambda i, x=x: x + 1,  # one built-in elementwise op
             }
             for label, call in floors.items():
-                t = per_call_seconds(call, L1, L2)
-                row[label] = {
-                    "us": t["seconds"] * 1e6,
-                    "us_min": t["seconds_min"] * 1e6,
-                    "us_max": t["seconds_max"] * 1e6,
-                }
+                row[label] = in_us(per_call_seconds(call, L1, L2))
                 log(f"M={m} {label}: {row[label]['us']:.1f} us")
         if args.trace:
             ways = {

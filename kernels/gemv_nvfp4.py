@@ -90,6 +90,17 @@ def stream_launch(m: int, n: int, k: int, cfg: GemvConfig, sms: int) -> tuple[in
     return blocks, warps, stream_smem_bytes(m, k, warps, cfg.chunk, cfg.stages)
 
 
+def stream_constants(
+    m: int, n: int, k: int, cfg: GemvConfig, sms: int, xf16: bool
+) -> tuple[dict[str, int | bool], int]:
+    """The stream kernel's template constants after T, in the order MLX declares them, and its
+    dynamic shared memory bytes (the launch of `stream_launch`)."""
+    blocks, warps, smem = stream_launch(m, n, k, cfg, sms)
+    consts: dict[str, int | bool] = {"N": n, "K": k, "M": m, "WARPS": warps, "BLOCKS": blocks}
+    consts |= {"CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": xf16}
+    return consts, smem
+
+
 def _shape_reason(m: int, n: int, k: int) -> str | None:
     if not 1 <= m <= MAX_ROWS:
         return f"M={m} is outside 1..{MAX_ROWS}"
@@ -252,17 +263,18 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
     """The kernel call for one shape, traced once by `mx.compile`: later calls replay the traced
     graph instead of re-assembling the kernel source in Python and C++ (tens of microseconds a
     call, more than the kernel itself takes at decode sizes)."""
-    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype), ("N", n), ("K", k), ("M", m)]
+    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
     if cfg.kernel == "stream":
         device = cuda_device()
         assert device is not None  # stream_supports checked
-        blocks, warps, smem = stream_launch(m, n, k, cfg, device.multiprocessors)
+        consts, smem = stream_constants(m, n, k, cfg, device.multiprocessors, dtype == mx.float16)
         kernel = compiled_kernel(GEMV_SOURCE, smem)
-        template += [("WARPS", warps), ("BLOCKS", blocks), ("CHUNK", cfg.chunk), ("STAGES", cfg.stages)]
-        template += [("XF16", dtype == mx.float16)]
-        grid, threads = blocks * 32 * warps, 32 * warps
+        template += consts.items()
+        threads = 32 * int(consts["WARPS"])
+        grid = int(consts["BLOCKS"]) * threads
     else:
         kernel = compiled_kernel(KSPLIT_SOURCE)
+        template += [("N", n), ("K", k), ("M", m)]
         template += [("WARPS", cfg.warps), ("UNROLL", cfg.unroll), ("SPLIT", dtype != mx.bfloat16)]
         template += [("CVT_SCALES", cfg.cvt_scales)]
         grid, threads = n // 16 * 32 * cfg.warps, 32 * cfg.warps

@@ -35,7 +35,7 @@ from kernels.gemv_nvfp4 import (
     gemv_nvfp4_twin,
     kernel_supports,
     route,
-    stream_launch,
+    stream_constants,
 )
 from kernels.moe_nvfp4 import MOE_SOURCE, moe_gather_nvfp4, moe_gather_nvfp4_twin
 from kernels.registry import ArmPath
@@ -344,10 +344,8 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
     }
     if dtype != "float32":  # the stream kernel: bfloat16 (and float16) activations, at its shipped shape
         for m, cfg in itertools.product((1, 8), (STREAM_CONFIG, GemvConfig(chunk=2))):
-            blocks, warps, _ = stream_launch(m, 21504, 5376, cfg, 132)
-            consts: dict[str, int | bool | str] = {"T": dtype, "N": 21504, "K": 5376, "M": m, "WARPS": warps}
-            consts |= {"BLOCKS": blocks, "CHUNK": cfg.chunk, "STAGES": cfg.stages, "XF16": False}
-            sources[f"gemv_stream_m{m}_c{cfg.chunk}.cu"] = GEMV_SOURCE.standalone_source(*sig, consts)
+            consts, _ = stream_constants(m, 21504, 5376, cfg, 132, False)
+            sources[f"gemv_stream_m{m}_c{cfg.chunk}.cu"] = GEMV_SOURCE.standalone_source(*sig, {"T": dtype, **consts})
     for name, text in sources.items():
         src = tmp_path / name
         src.write_text(text)
