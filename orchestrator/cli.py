@@ -34,6 +34,7 @@ COMMAND_MODULES = [
     "orchestrator.commands.cluster",
     "orchestrator.commands.collect",
     "orchestrator.commands.plan",
+    "orchestrator.commands.phases",
 ]
 
 for _name in COMMAND_MODULES:
@@ -49,6 +50,9 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # before `run` took the signals over (or another command)
+        print("orchestrate: interrupted", file=sys.stderr)
+        sys.exit(130)
     except Exception as exc:  # click's usage errors
         import click
 

@@ -11,6 +11,7 @@ EXIT_CRITERION_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INFRASTRUCTURE = 3
 EXIT_AMBIGUOUS = 4
+EXIT_CONTENDED = 5  # jobs saw a foreign GPU user: their points are not measured yet (rerun)
 EXIT_LOCK_TIMEOUT = 75  # as the seeds' rocm_gpu_guard.sh (EX_TEMPFAIL)
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
 import pyarrow as pa
@@ -20,7 +23,46 @@ from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
 
 OnDone = Callable[[JobSpec, pa.Table], None]
-LIVENESS_POLL_S = 2.0  # how often a waiting sweep checks that each pending job's kind still has a node
+LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the head while a sweep ran; `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """While a sweep runs: the first SIGINT or SIGTERM asks the run to stop (`stopping`), which the
+    run loop turns into `Interrupted` at its next poll; later ones are ignored. (Raising from the
+    handler itself would surface inside Ray's C++ `wait` as a SystemError.) Installed after
+    `ray.init`, so it also replaces the stack-dumping handler Ray's core worker puts on SIGTERM."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._saved: dict[int, Any] = {}
+        self.stopping: int | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._saved = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved = {}
+
+    def check(self) -> None:
+        """Raise `Interrupted` once a signal came."""
+        if self.stopping is not None:
+            raise Interrupted(self.stopping)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping is None:
+            self.stopping = signum
 
 
 def lost_job_table(job: JobSpec, error: str) -> pa.Table:
@@ -35,6 +77,7 @@ class RayExecutor:
         self.inventory = inventory
         self.job_timeout = job_timeout
         self._started = False
+        self._signals = _StopOnSignal()
 
     def __enter__(self) -> RayExecutor:
         self.start()
@@ -56,6 +99,8 @@ class RayExecutor:
             if self.inventory.embedded:
                 from orchestrator.head import ensure_token
 
+                # Ray's node processes inherit this: the probes on this host know them as ours
+                os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
                 host = self.inventory.hosts[0]
                 if os.environ.get("RAY_AUTH_TOKEN_PATH"):
                     ensure_token()  # Ray would refuse a token path naming a missing file; make it (0600)
@@ -78,14 +123,23 @@ class RayExecutor:
             hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"
             raise InfrastructureError(f"cannot start or reach Ray: {exc}{hint}") from None
         self._started = True
+        self._signals.install()
 
     def shutdown(self) -> None:
-        """Stop what `start` started (an embedded instance, or our connection to the head)."""
+        """Stop what `start` started (an embedded instance, or our connection to the head).
+
+        Ending the driver ends its tasks: Ray kills the worker processes running them, and with
+        each its fork server and job processes (they die with their parent), so no job outlives
+        the run and every GPU lock is free.
+        """
         import ray
 
-        if self._started and ray.is_initialized():
-            ray.shutdown()
-        self._started = False
+        try:
+            if self._started and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            self._started = False
+            self._signals.restore()
 
     def live_kinds(self) -> set[str]:
         """Device kinds with at least one live node offering a GPU slot."""
@@ -129,7 +183,9 @@ class RayExecutor:
             ).remote(job.model_dump_json(), self.job_timeout)
             pending[ref] = job
         while pending:
+            self._signals.check()
             done, _ = ray.wait(list(pending), num_returns=1, timeout=LIVENESS_POLL_S)
+            self._signals.check()
             if not done:
                 self._fail_stranded(pending, on_done)
                 continue

@@ -273,7 +273,7 @@ class HostSpec(Strict):
     def _auto(cls, data: Any) -> Any:
         """`device = "auto"` / `backend = "auto"` on this machine: what MLX runs on here."""
         if isinstance(data, dict) and not data.get("host") and "auto" in (data.get("device"), data.get("backend")):
-            from workers.fingerprint import local_device
+            from orchestrator.localhost import local_device  # asked of a short-lived process
 
             kind, backend = local_device()
             data = {**data}

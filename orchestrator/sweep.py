@@ -8,29 +8,52 @@ cluster have been checked.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from orchestrator.executor import RayExecutor
+from orchestrator.executor import Interrupted, RayExecutor
 from orchestrator.plan import code_version, expand, new_run_id
 from orchestrator.specs import InventorySpec, SweepSpec, check_sweep_against_inventory
 from orchestrator.store import ResultStore
-from workers.contract import STATUS_OK, JobSpec
+from workers.contract import META_PHASES, STATUS_CONTENDED, STATUS_OK, JobSpec
 
 
 @dataclass
 class JobOutcome:
-    """What became of one job."""
+    """What became of one job.
+
+    Attributes:
+        status: The job's status: ok, failed, unsupported, or contended (measured, but a foreign
+            GPU user was seen during `contended_samples` of its `samples`: not complete).
+        attempts: Measurements made (a contended one is repeated up to the host's `max_attempts`).
+        seconds: The job's wall time as the head saw it (submission order aside: from the previous
+            job's end or the start, to this one's), for the progress display.
+        phases: Seconds per phase of the job (`workers.phases`), from its fragment's footer.
+    """
 
     job: JobSpec
     status: str
     rows: int
     path: Path
     error: str | None = None
+    contended_samples: int = 0
+    samples: int = 0
+    attempts: int = 1
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """`ok`, `failed (why)`, `contended 10/10 samples, retried 1x`."""
+        if self.status == STATUS_CONTENDED:
+            retried = f", retried {self.attempts - 1}x" if self.attempts > 1 else ""
+            return f"contended {self.contended_samples}/{self.samples} samples{retried}"
+        return self.status if self.status == STATUS_OK or not self.error else f"{self.status} ({self.error})"
 
 
 @dataclass
@@ -43,6 +66,8 @@ class RunSummary:
     skipped: int
     outcomes: list[JobOutcome] = field(default_factory=list)
     wall_seconds: float = 0.0
+    startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
+    interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
 
     @property
     def ran(self) -> int:
@@ -50,7 +75,21 @@ class RunSummary:
 
     @property
     def failed(self) -> int:
-        return sum(1 for o in self.outcomes if o.status != STATUS_OK)
+        """Jobs that did not measure cleanly for another reason than contention."""
+        return sum(1 for o in self.outcomes if o.status not in (STATUS_OK, STATUS_CONTENDED))
+
+    @property
+    def contended(self) -> int:
+        """Jobs whose measurement saw a foreign GPU user (the next plain run measures them again)."""
+        return sum(1 for o in self.outcomes if o.status == STATUS_CONTENDED)
+
+    def phase_totals(self) -> dict[str, float]:
+        """Seconds per phase over every job of this run."""
+        totals: dict[str, float] = {}
+        for outcome in self.outcomes:
+            for name, seconds in outcome.phases.items():
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
 
 
 Progress = Callable[[str, JobSpec, JobOutcome | None], None]
@@ -59,6 +98,21 @@ Progress = Callable[[str, JobSpec, JobOutcome | None], None]
 def _first_error(table: pa.Table) -> str | None:
     errors = [e for e in table.column("error").to_pylist() if e]
     return errors[0] if errors else None
+
+
+def sample_contention(table: pa.Table) -> tuple[int, int]:
+    """(contended, all) samples of a job's rows: a sample is one arm's repetition (`sample` >= 0)."""
+    timed = table.filter(pc.greater_equal(table["sample"], 0)).select(["arm", "sample", "contended"])
+    if timed.num_rows == 0:
+        return 0, 0
+    per_sample = timed.group_by(["arm", "sample"]).aggregate([("contended", "any")])
+    return int(pc.sum(per_sample["contended_any"].fill_null(False)).as_py() or 0), per_sample.num_rows
+
+
+def job_phases(table: pa.Table) -> dict[str, float]:
+    """The numeric phases of a job's footer (`orchestrate.phases`)."""
+    raw = json.loads((table.schema.metadata or {}).get(META_PHASES, b"{}"))
+    return {k: float(v) for k, v in raw.items() if isinstance(v, int | float)}
 
 
 def run_sweep(
@@ -85,20 +139,37 @@ def run_sweep(
         summary.wall_seconds = time.perf_counter() - t0
         return summary
     today = dt.datetime.now(dt.UTC).date()
+    last_done = time.perf_counter()
 
     def on_done(job: JobSpec, table: pa.Table) -> None:
+        nonlocal last_done
         status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"failed").decode()
         path = store.write(table, sweep=job.sweep, date=today, device=job.device, run_id=run_id, job_key=job.job_key)
-        outcome = JobOutcome(job, status, table.num_rows, path, None if status == STATUS_OK else _first_error(table))
+        contended, samples = sample_contention(table)
+        attempts = table["lock_attempts"][0].as_py() if table.num_rows else 1
+        now = time.perf_counter()
+        outcome = JobOutcome(
+            job, status, table.num_rows, path, None if status == STATUS_OK else _first_error(table),
+            contended_samples=contended, samples=samples, attempts=int(attempts or 1),
+            seconds=now - last_done, phases=job_phases(table),
+        )  # fmt: skip
+        last_done = now
         summary.outcomes.append(outcome)
         if progress:
             progress("done", job, outcome)
 
-    with RayExecutor(inventory, job_timeout=job_timeout) as executor:
-        executor.check_kinds({j.device for j in todo})
-        if progress:
-            for job in todo:
-                progress("queued", job, None)
-        executor.run(todo, on_done)
+    if progress:
+        progress("starting", todo[0], None)
+    try:
+        with RayExecutor(inventory, job_timeout=job_timeout) as executor:
+            executor.check_kinds({j.device for j in todo})
+            last_done = time.perf_counter()
+            summary.startup_seconds = last_done - t0
+            if progress:
+                for job in todo:
+                    progress("queued", job, None)
+            executor.run(todo, on_done)
+    except Interrupted as stop:
+        summary.interrupted = stop.signum  # what finished is stored; the caller says so and how to resume
     summary.wall_seconds = time.perf_counter() - t0
     return summary

@@ -7,7 +7,9 @@ temp dir, so no test ever touches the user's ~/.ray, ./results or ~/.orchestrate
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,20 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+EXIT_CONTENDED = 5  # orchestrate run: some jobs saw a foreign GPU (here: CPU) user and are not complete
+
+
+def until_clean(
+    run: Callable[[], subprocess.CompletedProcess[str]], attempts: int = 4
+) -> tuple[subprocess.CompletedProcess[str], list[subprocess.CompletedProcess[str]]]:
+    """Run `orchestrate run` again while it exits 5 (contended jobs: a plain rerun measures them
+    again), as a user on a shared machine would; (the last run, every run). Skips the test with
+    its reason when this shared host never got quiet enough (the CPU-quiet gate is doing its job)."""
+    runs = []
+    for _ in range(attempts):
+        runs.append(run())
+        if runs[-1].returncode != EXIT_CONTENDED:
+            return runs[-1], runs
+    pytest.skip(f"this host never got quiet: {attempts} runs each had contended jobs (foreign CPU users)")

@@ -2,11 +2,16 @@
 
 Exit codes: 0 the job ran (its rows say whether it passed), 2 a bad job file or output path.
 The Parquet file is written atomically (temp file, then rename): it is either whole or absent.
+
+`python -m workers device` prints this machine's device kind and backend as MLX runs here, as
+JSON (`{"device": "h200", "backend": "cuda"}`): the head asks it of a short-lived process, so that
+the head itself never opens a GPU context (which the GPU-user probes would see during every job).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run one job and write its rows as Parquet")
     run.add_argument("job", type=Path, help="the job, as JSON (workers.contract.JobSpec)")
     run.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
+    sub.add_parser("device", help="print this machine's device kind and backend as JSON")
     args = parser.parse_args(argv)
+    if args.verb == "device":
+        from workers.fingerprint import local_device
+
+        kind, backend = local_device()
+        print(json.dumps({"device": kind, "backend": backend}))
+        return 0
+    from workers.forkserver import die_with_parent
+
+    die_with_parent()
 
     try:
         job = JobSpec.model_validate_json(args.job.read_text())

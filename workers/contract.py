@@ -8,6 +8,8 @@ file's metadata (`orchestrate.schema_version`); a change to the columns bumps `S
 from __future__ import annotations
 
 import datetime as dt
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +36,12 @@ TYPED_PARAMS: dict[str, pa.DataType] = {
 STATUS_OK = "ok"
 STATUS_FAILED = "failed"
 STATUS_UNSUPPORTED = "unsupported"
+# A job status only (the fragment footer's `orchestrate.job_status`), never a row status: the job
+# ran, but a foreign GPU user was seen during some of its samples (rows flagged `contended`). Such
+# a job is not complete: the next plain run measures it again.
+STATUS_CONTENDED = "contended"
+
+Window = tuple[float, float]  # (start, end) in time.monotonic() seconds of this host
 
 
 class LockSettings(BaseModel):
@@ -160,6 +168,7 @@ META_SCHEMA_VERSION = b"orchestrate.schema_version"
 META_JOB_KEY = b"orchestrate.job_key"
 META_JOB_STATUS = b"orchestrate.job_status"
 META_JOB_SECONDS = b"orchestrate.job_seconds"  # the worker's wall time for the whole job
+META_PHASES = b"orchestrate.phases"  # JSON: seconds per phase of the job (workers.phases)
 
 
 class JobContext(BaseModel):
@@ -171,7 +180,9 @@ class JobContext(BaseModel):
     lock_wait_s: float = 0.0
     lock_attempts: int = 1
     contention_samples: int = 0
-    contended: bool = False
+    contended: bool = False  # some sample of the job's last measurement was contended
+    contended_samples: int = 0
+    samples: int = 0
     foreign_pids: list[int] = Field(default_factory=list)
     commit: str | None = None
 
@@ -184,6 +195,8 @@ class RowBuilder:
         self.fingerprint = fingerprint
         self.context = context
         self.rows: list[dict[str, Any]] = []
+        self.windows: list[Window] = []  # when each row's value was measured (see `add`)
+        self._mark = time.monotonic()
 
     def add(
         self,
@@ -199,8 +212,16 @@ class RowBuilder:
         flops: float | None = None,
         bytes_moved: float | None = None,
         extra: dict[str, str] | None = None,
+        window: Window | None = None,
     ) -> None:
-        """Append one row: one measured value of one arm."""
+        """Append one row: one measured value of one arm.
+
+        `window` is when the value was measured (monotonic seconds); by default, the time since
+        the previous row was added, which covers a sample measured just before its rows are added.
+        """
+        now = time.monotonic()
+        self.windows.append(window or (self._mark, now))
+        self._mark = now
         job, fp = self.job, self.fingerprint
         row: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -219,6 +240,7 @@ class RowBuilder:
             "unit": unit,
             "sample": sample,
             "status": status,
+            "contended": False,
             "error": error,
             "env": sorted(job.arm_env.get(arm, {}).items()),
             "mlx_version": fp.mlx_version,
@@ -246,9 +268,38 @@ class RowBuilder:
             row[name] = raw
         self.rows.append(row)
 
+    def clear(self) -> None:
+        """Drop every row (a measurement about to be repeated)."""
+        self.rows.clear()
+        self.windows.clear()
+        self._mark = time.monotonic()
+
+    def apply_contention(self, busy: Sequence[Window]) -> tuple[int, int]:
+        """Flag the rows measured while a foreign GPU user was seen; return (contended, all) samples.
+
+        A sample (one arm's repetition: every row with that arm and `sample` >= 0) is contended
+        when the span of its rows' windows overlaps any busy window; a once-per-arm row
+        (`sample` = -1) by its own window.
+        """
+        spans: dict[tuple[str, int], Window] = {}
+        for row, (start, end) in zip(self.rows, self.windows, strict=True):
+            if row["sample"] is not None and row["sample"] >= 0:
+                key = (row["arm"], row["sample"])
+                lo, hi = spans.get(key, (start, end))
+                spans[key] = (min(lo, start), max(hi, end))
+
+        def hit(window: Window) -> bool:
+            return any(b0 <= window[1] and window[0] <= b1 for b0, b1 in busy)
+
+        flagged = {key for key, span in spans.items() if hit(span)}
+        for row, window in zip(self.rows, self.windows, strict=True):
+            sample = row["sample"]
+            row["contended"] = (row["arm"], sample) in flagged if sample is not None and sample >= 0 else hit(window)
+        return len(flagged), len(spans)
+
     def fail_all(self, error: str) -> None:
         """Replace the rows with one failed row per arm carrying `error` (the job did not run)."""
-        self.rows.clear()
+        self.clear()
         for arm in self.job.arms:
             self.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
 
@@ -260,7 +311,6 @@ class RowBuilder:
         """
         ctx = self.context
         for row in self.rows:
-            row["contended"] = ctx.contended
             row["started_at"] = ctx.started_at
             row["lock_wait_s"] = ctx.lock_wait_s
             row["lock_attempts"] = ctx.lock_attempts

@@ -7,6 +7,7 @@ backend ships with, and the thread count the job ran with.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -90,24 +91,35 @@ def detect_backend() -> str:
     return "cpu"
 
 
-def host_fingerprint() -> HostFingerprint:
-    """Fingerprint this host as MLX sees it now."""
-    import mlx.core as mx
+def _mlx_version() -> str:
+    """MLX's version from its installed metadata, without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    backend = detect_backend()
-    mlx_version = str(getattr(mx, "__version__", "unknown"))
-    gpu: str | None = None
-    driver: str | None = None
-    if backend == "cuda":
-        gpu, driver = _nvidia_gpu()
-    elif backend == "metal":
-        info = mx.metal.device_info()
-        gpu = str(info.get("device_name") or info.get("architecture") or "Apple GPU")
-        driver = f"macOS {platform.mac_ver()[0]}"
-    cpu = _cpu_model()
-    memory = _memory_bytes()
+    try:
+        return version("mlx")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _static_facts() -> tuple[str, int, str | None, str | None]:
+    """(CPU model, memory, NVIDIA GPU name, driver): read once per process (a fork server's
+    children inherit them)."""
+    gpu, driver = _nvidia_gpu()
+    return _cpu_model(), _memory_bytes(), gpu, driver
+
+
+def static_fingerprint(backend: str, *, mlx_version: str | None = None, mlx_device: str = "unknown") -> HostFingerprint:
+    """This host as it is known without opening a device: for a process that must not hold a
+    GPU context (the head, a Ray worker) and as the base of `host_fingerprint`."""
+    cpu, memory, gpu, driver = _static_facts()
+    if backend == "metal":
+        gpu, driver = gpu or "Apple GPU", f"macOS {platform.mac_ver()[0]}"
+    elif backend != "cuda":
+        gpu, driver = None, None
+    version = mlx_version or _mlx_version()
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, mlx_version])
+    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, version])
     return HostFingerprint(
         hostname=socket.gethostname(),
         os=f"{platform.system()} {platform.release()}",
@@ -117,13 +129,31 @@ def host_fingerprint() -> HostFingerprint:
         memory_bytes=memory,
         gpu=gpu,
         gpu_driver=driver,
-        mlx_version=mlx_version,
-        mlx_device=str(mx.default_device()),
+        mlx_version=version,
+        mlx_device=mlx_device,
         backend=backend,
         blas=_blas() if backend == "cpu" else None,
         threads=threads,
         fingerprint_id=hashlib.sha256(stable.encode()).hexdigest()[:16],
     )
+
+
+def host_fingerprint() -> HostFingerprint:
+    """Fingerprint this host as MLX sees it now (opens MLX's device: worker processes only)."""
+    import mlx.core as mx
+
+    backend = detect_backend()
+    fp = static_fingerprint(
+        backend, mlx_version=str(getattr(mx, "__version__", "unknown")), mlx_device=str(mx.default_device())
+    )
+    if backend == "metal":
+        info = mx.metal.device_info()
+        gpu = str(info.get("device_name") or info.get("architecture") or "Apple GPU")
+        stable = "|".join(
+            [platform.system(), platform.machine(), fp.cpu, str(fp.memory_bytes), gpu, backend, fp.mlx_version]
+        )
+        fp = fp.model_copy(update={"gpu": gpu, "fingerprint_id": hashlib.sha256(stable.encode()).hexdigest()[:16]})
+    return fp
 
 
 VENDOR_WORDS = {"apple", "nvidia", "geforce", "amd", "radeon", "graphics", "tesla"}
@@ -136,7 +166,10 @@ def device_kind_slug(gpu_name: str) -> str:
 
 
 def local_device() -> tuple[str, str]:
-    """This machine's (device kind, backend) as MLX runs here: `cpu` where MLX has no GPU backend."""
+    """This machine's (device kind, backend) as MLX runs here: `cpu` where MLX has no GPU backend.
+
+    Opens MLX's device: the head asks a short-lived process for it (`python -m workers device`).
+    """
     backend = detect_backend()
     if backend == "cpu":
         return "cpu", "cpu"

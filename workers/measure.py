@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kernels.registry import ArmPath, Workload
+from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobSpec, RowBuilder
 
 INPUT_POOL = 3  # input sets rotated across samples
@@ -74,17 +75,20 @@ def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np
         if arm in workload.unsupported:
             rows.add(arm, "unsupported", None, "", status=STATUS_UNSUPPORTED, error=workload.unsupported[arm])
     arms = [a for a in job.arms if a in workload.arms]
-    pool = [workload.make_inputs(rng) for _ in range(INPUT_POOL)]
+    with phases.span("build"):
+        pool = [workload.make_inputs(rng) for _ in range(INPUT_POOL)]
     failed: dict[str, str] = {}
-    for arm in arms:
-        path = workload.arms[arm]
-        err = _check_arm(arm, path, workload, pool[0], rows)
-        if err:
-            failed[arm] = err
-            status = STATUS_FAILED
+    with phases.span("reference"):
+        for arm in arms:
+            path = workload.arms[arm]
+            err = _check_arm(arm, path, workload, pool[0], rows)
+            if err:
+                failed[arm] = err
+                status = STATUS_FAILED
     timed = [a for a in arms if a not in failed or failed[a].startswith("rel_error")]
     calls = {a: 1 for a in timed}
     broken: set[str] = set()
+    t_warm = time.perf_counter()
     for w in range(job.warmup + 1):  # at least one warm-up call, used to calibrate calls/sample
         for arm in abba_order(timed, w):
             if arm in broken:
@@ -98,12 +102,14 @@ def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np
                 status = STATUS_FAILED
                 continue
             calls[arm] = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(MIN_SAMPLE_SECONDS / max(t, 1e-9))))
+    phases.current().add("warmup", time.perf_counter() - t_warm)
     timed = [a for a in timed if a not in broken]
-    for rep in range(job.repetitions):
-        for arm in abba_order(timed, rep):
-            path = workload.arms[arm]
-            seconds = _timed(path.run, pool[rep % INPUT_POOL], calls[arm])
-            _sample_rows(rows, arm, rep, seconds, workload, path, failed.get(arm), calls[arm])
+    with phases.span("timed"):
+        for rep in range(job.repetitions):
+            for arm in abba_order(timed, rep):
+                path = workload.arms[arm]
+                seconds = _timed(path.run, pool[rep % INPUT_POOL], calls[arm])
+                _sample_rows(rows, arm, rep, seconds, workload, path, failed.get(arm), calls[arm])
     return status
 
 

@@ -29,15 +29,16 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kernels import registry
-from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
+from workers import forkserver, phases
+from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder, Window
 from workers.measure import abba_order
 from workers.task import DEFAULT_SPOOL
 
@@ -88,6 +89,11 @@ class Sample:
     rel_error: float | None = None  # the worst checked layer against the reference
     tolerance: float | None = None
     checked: str = ""  # which layer was worst, of how many
+    started_at: float = 0.0  # wall-clock time the process began measuring (after its start-up)
+    warmup_seconds: float = 0.0
+    timed_seconds: float = 0.0  # the timed prefill and decode
+    check_seconds: float = 0.0  # the layer check against the reference
+    process: str = ""  # how the sample's process was started (set by the parent)
 
 
 def greedy_digest(token_ids: list[int]) -> str:
@@ -101,6 +107,7 @@ def measure_sample(req: SampleRequest) -> Sample:
     With `req.check`, after everything is measured (peak memory included), the loaded layers are
     checked against the NVFP4 reference (`kernels.model.check_layers`).
     """
+    started_at = time.time()
     import mlx.core as mx
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
@@ -133,9 +140,11 @@ def measure_sample(req: SampleRequest) -> Sample:
             tokens.append(token)
         return np.array(mx.stack(tokens)).astype(np.int64).tolist()
 
+    t_warm = time.perf_counter()
     for _ in range(req.warmup):
         cache = make_prompt_cache(model)
         decode(prefill(cache), cache, min(decode_tokens, 4))
+    warmup_seconds = time.perf_counter() - t_warm
     cache = make_prompt_cache(model)
     mx.synchronize()
     t0 = time.perf_counter()
@@ -154,12 +163,17 @@ def measure_sample(req: SampleRequest) -> Sample:
         greedy_digest=greedy_digest(ids),
         route=loaded.route,
         device=str(mx.default_device()),
+        started_at=started_at,
+        warmup_seconds=warmup_seconds,
+        timed_seconds=prefill_seconds + decode_seconds,
     )
     if req.check:
+        t_check = time.perf_counter()
         check = check_layers(model, Path(req.checkpoint), req.arm, np.random.default_rng(req.seed))
         if check.layers:
             sample.rel_error, sample.tolerance = check.rel_error, check.tolerance
             sample.checked = f"{check.layer} (worst of {check.layers})"
+        sample.check_seconds = time.perf_counter() - t_check
     return sample
 
 
@@ -175,14 +189,43 @@ def model_cache_root(job: JobSpec) -> Path:
     return Path(spool).expanduser() / "models"
 
 
-def _child(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+@dataclass(frozen=True)
+class ChildResult:
+    """A finished child process: exit code (None: timed out), output, how it was started."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    how: str
+
+
+def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
+    """`python -m workers.model_runner ARGS` in a process of its own.
+
+    Forked from the job's warm server (`workers.forkserver`) when there is one and the arm sets
+    no environment (a variable MLX or mlx-lm reads at import must reach a fresh interpreter),
+    else a fresh interpreter. Output goes through temporary files, never pipes held in memory.
+    """
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "workers.model_runner", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    server = None if env else forkserver.ForkServer.from_env()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        code, how = forkserver.run_entry(
+            "model_runner", args, env=base, changes=env, stdout=out.fileno(), stderr=err.fileno(),
+            timeout=timeout, server=server,
+        )  # fmt: skip
+        out.seek(0)
+        err.seek(0)
+        return ChildResult(code, out.read().decode(errors="replace"), _tail(err.read()), how)
 
 
-def _child_error(proc: subprocess.CompletedProcess[str]) -> str:
+def _tail(data: bytes, limit: int = 4096) -> str:
+    return data[-limit:].decode(errors="replace")
+
+
+def _child_error(proc: ChildResult) -> str:
+    if proc.returncode is None:
+        return "timed out"
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()
     return f"exit {proc.returncode}: {tail[-1] if tail else 'no output'}"
 
@@ -206,22 +249,39 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
     if (dest / "config.json").is_file():
         return dest
     spec = json.dumps({"config": asdict(config), "seed": job.seed, "dest": str(dest)})
-    proc = _child(["write", spec], {}, timeout)
+    with phases.span("build"):
+        proc = _child(["write", spec], {}, timeout)
     if proc.returncode != 0:
         return SampleError(f"generating the checkpoint failed: {_child_error(proc)}")
     return dest
 
 
 def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | SampleError:
-    """One sample in a fresh process."""
-    try:
-        proc = _child(["sample", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
-    except subprocess.TimeoutExpired:
+    """One sample in a process of its own; its time is split into the job's phases."""
+    asked = time.time()
+    proc = _child(["sample", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
+    spent = time.time() - asked
+    if proc.returncode is None:
+        phases.current().add("sample_other", spent)
         return SampleError(f"sample timed out after {timeout:.0f} s")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARK):
             out = json.loads(line[len(RESULT_MARK) :])
-            return SampleError(out["unsupported"], unsupported=True) if "unsupported" in out else Sample(**out)
+            if "unsupported" in out:
+                phases.current().add("sample_other", spent)
+                return SampleError(out["unsupported"], unsupported=True)
+            sample = Sample(**{**out, "process": proc.how})
+            account = phases.current()
+            start = max(sample.started_at - asked, 0.0)
+            account.add("sample_start", start)
+            account.add("load", sample.load_seconds)
+            account.add("warmup", sample.warmup_seconds)
+            account.add("timed", sample.timed_seconds)
+            account.add("reference", sample.check_seconds)
+            inside = sample.load_seconds + sample.warmup_seconds + sample.timed_seconds + sample.check_seconds
+            account.add("sample_other", spent - start - inside)
+            return sample
+    phases.current().add("sample_other", spent)
     return SampleError(_child_error(proc))
 
 
@@ -240,7 +300,7 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
         for arm in job.arms:
             _outcome_rows(rows, arm, -1, path.message, status)
         return status
-    results: dict[str, list[tuple[int, Sample | SampleError]]] = {arm: [] for arm in job.arms}
+    results: dict[str, list[tuple[int, Sample | SampleError, Window]]] = {arm: [] for arm in job.arms}
     skip: set[str] = set()
     for rep in range(job.repetitions):
         for arm in abba_order(job.arms, rep):
@@ -254,8 +314,9 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
                     seed=job.seed,
                     check=not results[arm],  # the first sample of each arm
                 )
+                t0 = time.monotonic()
                 outcome = _sample(job, req, timeout)
-                results[arm].append((rep, outcome))
+                results[arm].append((rep, outcome, (t0, time.monotonic())))
                 if isinstance(outcome, SampleError):
                     skip.add(arm)  # an arm that failed or is unsupported once is not retried
     statuses = [_arm_rows(rows, arm, results[arm], str(path)) for arm in job.arms]
@@ -265,7 +326,12 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
 
 
 def _extra(sample: Sample, checkpoint: str) -> dict[str, str]:
-    return {"greedy_digest": sample.greedy_digest, "checkpoint": checkpoint, "mlx_device": sample.device}
+    return {
+        "greedy_digest": sample.greedy_digest,
+        "checkpoint": checkpoint,
+        "mlx_device": sample.device,
+        "sample_process": sample.process,
+    }
 
 
 def _check_error(sample: Sample) -> str | None:
@@ -276,15 +342,17 @@ def _check_error(sample: Sample) -> str | None:
     return f"rel_error {rel:.3g} over tolerance {tol:.3g} at {sample.checked}"  # NaN fails too
 
 
-def _arm_rows(rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError]], checkpoint: str) -> str:
-    samples = [(rep, s) for rep, s in outcomes if isinstance(s, Sample)]
-    errors = [(rep, s) for rep, s in outcomes if isinstance(s, SampleError)]
+def _arm_rows(
+    rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError, Window]], checkpoint: str
+) -> str:
+    samples = [(rep, s, w) for rep, s, w in outcomes if isinstance(s, Sample)]
+    errors = [(rep, s) for rep, s, _ in outcomes if isinstance(s, SampleError)]
     if errors and errors[0][1].unsupported and not samples:
         _outcome_rows(rows, arm, -1, errors[0][1].message, STATUS_UNSUPPORTED)
         return STATUS_UNSUPPORTED
-    digests = sorted({s.greedy_digest for _, s in samples})
+    digests = sorted({s.greedy_digest for _, s, _ in samples})
     error = errors[0][1].message if errors else None
-    checked = next((s for _, s in samples if s.rel_error is not None), None)
+    checked = next((s for _, s, _ in samples if s.rel_error is not None), None)
     error = (checked and _check_error(checked)) or error
     if len(digests) > 1:
         error = f"greedy output changed between samples of one arm (digests {', '.join(digests)})"
@@ -293,11 +361,14 @@ def _arm_rows(rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | Sam
         extra = _extra(checked, checkpoint) | {"tolerance": repr(checked.tolerance), "layer": checked.checked}
         value = checked.rel_error
         rows.add(arm, "rel_error", value, "ratio", status=status, error=error, route=checked.route, extra=extra)
-    for rep, s in samples:
+    for rep, s, window in samples:
         extra = _extra(s, checkpoint)
         for metric, unit in METRICS:
             value = getattr(s, metric)
-            rows.add(arm, metric, value, unit, sample=rep, status=status, error=error, route=s.route, extra=extra)
+            rows.add(
+                arm, metric, value, unit, sample=rep, status=status, error=error, route=s.route, extra=extra,
+                window=window,
+            )  # fmt: skip
     if errors:
         _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, STATUS_FAILED)
     return status

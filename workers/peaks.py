@@ -29,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
 
+from workers import phases
 from workers.contract import HostFingerprint
 
 ENV_DIR = "ORCHESTRATE_PEAKS_DIR"
@@ -211,7 +212,8 @@ class PeakStamp:
         def run(job: Any, rows: Any, context: Any) -> str:
             if self.peaks is None and self.error is None:
                 try:
-                    self.peaks = host_peaks(self.fingerprint, self.directory)
+                    with phases.span("peaks"):
+                        self.peaks = host_peaks(self.fingerprint, self.directory)
                 except Exception as exc:  # a probe must never fail the job it rides on
                     self.error = f"{type(exc).__name__}: {exc}"
             return dispatch(job, rows, context)

@@ -13,8 +13,10 @@ implementation per backend:
 * CPU and Metal: `CpuQuietProbe`, a CPU-quiet gate: the busiest foreign process must stay under a
   threshold (percent of one core). Metal exposes no per-process GPU list to an unprivileged user.
 
-"Foreign" means outside our own process tree: the lock holder named by `ROCM_GPU_GUARD_LOCK_HELD`
-(when it is a real ancestor) or else this process, and all their descendants.
+"Foreign" means not one of the orchestrator's own processes on this host (`workers.own_processes`):
+the job's tree (the lock holder named by `ROCM_GPU_GUARD_LOCK_HELD` when it is a real ancestor,
+else this process, and their descendants), the Ray node the job runs on (its starter, daemons and
+workers) and an embedded run's head. Everything else is foreign, whatever its name.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Protocol
 
 from workers.contract import LockSettings
 from workers.gpulock import LockBusyError, nesting_pid
-from workers.processes import is_descendant, pid_alive, process_name
+from workers.own_processes import OwnProcesses, own_processes
+from workers.processes import pid_alive, process_name
 
 
 class ProbeUnavailableError(Exception):
@@ -69,12 +72,13 @@ class GpuUserProbe(Protocol):
 
 
 def own_root() -> int:
-    """The root of our own process tree: the outer lock holder if it is an ancestor, else us."""
+    """The root of the job's own process tree: the outer lock holder if it is an ancestor, else us."""
     return nesting_pid() or os.getpid()
 
 
-def _is_ours(pid: int, root: int) -> bool:
-    return pid == os.getpid() or is_descendant(pid, root)
+def ours() -> OwnProcesses:
+    """The orchestrator's own processes on this host, as seen now (the job's tree, its Ray node, the head)."""
+    return own_processes(own_root())
 
 
 class KfdProbe:
@@ -94,7 +98,7 @@ class KfdProbe:
 
     def sample(self) -> ProbeSample:
         """Live processes in the KFD list that are not ours."""
-        root = own_root()
+        own = ours()
         foreign: dict[int, str] = {}
         try:
             entries = os.listdir(self.proc_dir)
@@ -104,7 +108,7 @@ class KfdProbe:
             if not entry.isdigit():
                 continue
             pid = int(entry)
-            if not pid_alive(pid) or _is_ours(pid, root):
+            if not pid_alive(pid) or own.contains(pid):
                 continue
             foreign[pid] = f"{process_name(pid)}, KFD context"
         return ProbeSample(foreign)
@@ -157,9 +161,9 @@ class NvidiaSmiProbe:
         if done.returncode != 0:
             why = (done.stderr or done.stdout).strip().splitlines()
             raise ProbeUnavailableError(f"{self.executable} exited {done.returncode}: {why[0] if why else 'no output'}")
-        root = own_root()
+        own = ours()
         apps = parse_compute_apps(done.stdout)
-        return ProbeSample({pid: what for pid, what in apps.items() if not _is_ours(pid, root)})
+        return ProbeSample({pid: what for pid, what in apps.items() if not own.contains(pid)})
 
 
 class NvmlProbe:
@@ -185,7 +189,7 @@ class NvmlProbe:
 
     def sample(self) -> ProbeSample:
         """Compute processes on any GPU of this host that are not ours."""
-        root = own_root()
+        own = ours()
         foreign: dict[int, str] = {}
         for index, handle in enumerate(self._handles):
             try:
@@ -193,7 +197,7 @@ class NvmlProbe:
             except self._nvml.NVMLError as exc:
                 raise ProbeUnavailableError(f"NVML on GPU {index}: {exc}") from exc
             for proc in procs:
-                if _is_ours(proc.pid, root):
+                if own.contains(proc.pid):
                     continue
                 memory = proc.usedGpuMemory
                 size = f"{memory / 2**20:.0f} MiB" if isinstance(memory, int) else "? MiB"
@@ -279,32 +283,16 @@ class CpuQuietProbe:
         now, t1 = cpu_times(), time.monotonic()
         self._last, self._last_t = now, t1
         window = max(t1 - t0, 1e-6)
-        root = own_root()
-        me = os.getpid()
+        own = ours()
         foreign: dict[int, str] = {}
         for pid, (_ppid, used, name) in now.items():
             prev = before.get(pid)
             percent = 100.0 * (used - (prev[1] if prev else 0.0)) / window
-            if percent < self.threshold or pid == me:
-                continue
-            if _descends(pid, root, now):
+            if percent < self.threshold or own.contains(pid, now):
                 continue
             foreign[pid] = f"{name}, {percent:.0f}% CPU"
         return ProbeSample(foreign)
 
-
-def _descends(pid: int, root: int, table: dict[int, tuple[int, float, str]]) -> bool:
-    """Whether `root` is `pid` or one of its ancestors, from one process-table snapshot."""
-    seen = 0
-    while pid > 1 and seen < 512:
-        if pid == root:
-            return True
-        entry = table.get(pid)
-        if entry is None:
-            return False
-        pid = entry[0]
-        seen += 1
-    return pid == root
 
 
 def probe_for(backend: str, settings: LockSettings) -> GpuUserProbe:
@@ -381,6 +369,9 @@ class ContentionReport:
         busy_samples: Samples that saw a foreign user.
         foreign_pids: Every foreign pid seen, sorted.
         detail: The foreign users or the probe error, for a log line.
+        busy_windows: When a foreign user may have been there (monotonic seconds): for each busy
+            or failed look, from the look before it to the look after it, since the user may have
+            come just after the last clean look and left just before the next one.
     """
 
     contended: bool = False
@@ -389,6 +380,7 @@ class ContentionReport:
     foreign_pids: list[int] = field(default_factory=list)
     detail: str = ""
     errors: list[str] = field(default_factory=list)
+    busy_windows: list[tuple[float, float]] = field(default_factory=list)
 
 
 class ContentionMonitor:
@@ -408,9 +400,11 @@ class ContentionMonitor:
         self._thread: threading.Thread | None = None
         self._report = ContentionReport()
         self._pids: set[int] = set()
+        self._looks: list[tuple[float, bool]] = []  # (monotonic time, busy or failed)
 
     def start(self) -> None:
         """Begin sampling about every `interval` seconds."""
+        self._looks = [(time.monotonic(), False)]
         self.probe.prime()
         self._thread = threading.Thread(target=self._run, name="contention-monitor", daemon=True)
         self._thread.start()
@@ -428,7 +422,9 @@ class ContentionMonitor:
             report.errors.append(f"{self.probe.name}: {exc}")
             report.contended = True
             report.detail = report.errors[-1]
+            self._looks.append((time.monotonic(), True))
             return
+        self._looks.append((time.monotonic(), seen.busy))
         if seen.busy:
             report.busy_samples += 1
             report.contended = True
@@ -442,4 +438,10 @@ class ContentionMonitor:
             self._thread.join()
         self._take()
         self._report.foreign_pids = sorted(self._pids)
+        looks = self._looks
+        self._report.busy_windows = [
+            (looks[i - 1][0] if i > 0 else t, looks[i + 1][0] if i + 1 < len(looks) else t)
+            for i, (t, busy) in enumerate(looks)
+            if busy
+        ]
         return self._report

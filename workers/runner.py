@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib
+import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -16,8 +18,11 @@ import numpy as np
 import pyarrow as pa
 
 from kernels import registry
+from workers import phases
 from workers.contract import (
     META_JOB_SECONDS,
+    META_PHASES,
+    STATUS_CONTENDED,
     STATUS_FAILED,
     STATUS_OK,
     HostFingerprint,
@@ -38,10 +43,12 @@ def job_rng(job: JobSpec) -> np.random.Generator:
 
 
 def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
-    module = registry.load_case(job.case)
+    with phases.span("imports"):
+        module = registry.load_case(job.case)
     params = {**registry.CASES[job.case].defaults, **job.params}
     rng = job_rng(job)
-    workload = module.build(params, list(job.arms), rng)
+    with phases.span("build"):
+        workload = module.build(params, list(job.arms), rng)
     return measure_workload(job, workload, rows, rng)
 
 
@@ -59,7 +66,12 @@ def _dispatcher(job: JobSpec) -> Dispatch:
 def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
     """Run `job` under the host's GPU lock and return its rows (never raises for job errors)."""
     t0 = time.perf_counter()
-    fp = fingerprint or host_fingerprint()
+    spent = phases.reset()
+    spawned = os.environ.pop("ORCHESTRATE_SPAWNED_AT", "")
+    if spawned:  # set by workers.task: when the Ray task asked for this process
+        spent.add("worker_start", time.time() - float(spawned))
+    with spent.span("fingerprint"):
+        fp = fingerprint or host_fingerprint()
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
     rows = RowBuilder(job, fp, context)
     status = STATUS_FAILED
@@ -75,7 +87,14 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
         rows.fail_all("the case produced no rows")
         status = STATUS_FAILED
     table = peaks.stamp(rows.table(status))
-    meta = {**(table.schema.metadata or {}), META_JOB_SECONDS: f"{time.perf_counter() - t0:.6f}".encode()}
+    job_seconds = time.perf_counter() - t0
+    inside = {k: v for k, v in spent.seconds.items() if k != "worker_start"}
+    spent.add("other", job_seconds - sum(inside.values()))
+    meta = {
+        **(table.schema.metadata or {}),
+        META_JOB_SECONDS: f"{job_seconds:.6f}".encode(),
+        META_PHASES: json.dumps({k: round(v, 6) for k, v in spent.seconds.items()}).encode(),
+    }
     return table.replace_schema_metadata(meta)
 
 
@@ -92,17 +111,19 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
     with GpuLock(
         settings.path, max_wait=settings.max_wait, mode="job", cmd=f"{job.sweep}/{job.case_name}/{job.job_key}"
     ) as lock:
+        phases.current().add("lock_wait", lock.wait_s)
         probe = probe_for(backend, settings)
         # One budget, as the shell guard's --max-wait: the lock wait and the idle wait together.
         budget = max(settings.max_wait - lock.wait_s, 1e-3) if settings.max_wait > 0 else 0.0
-        context.lock_wait_s = lock.wait_s + wait_idle(probe, settings.idle_secs, max_wait=budget)
+        with phases.span("idle_gate"):
+            context.lock_wait_s = lock.wait_s + wait_idle(probe, settings.idle_secs, max_wait=budget)
         for attempt in range(1, settings.max_attempts + 1):
             if attempt > 1:  # a retry waits for the foreign user to leave; if it stays, keep the flagged rows
                 try:
                     wait_idle(probe, settings.idle_secs, max_wait=settings.max_wait)
                 except LockBusyError:
                     break
-            rows.rows.clear()
+            rows.clear()
             monitor = ContentionMonitor(probe, interval=1.0)
             monitor.start()
             try:
@@ -111,8 +132,11 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
                 report = monitor.stop()
             context.lock_attempts = attempt
             context.contention_samples = report.samples
-            context.contended = report.contended
+            context.contended_samples, context.samples = rows.apply_contention(report.busy_windows)
+            context.contended = context.contended_samples > 0
             context.foreign_pids = list(report.foreign_pids)
-            if not report.contended:
+            if not context.contended:
                 break
+    if context.contended and status == STATUS_OK:
+        return STATUS_CONTENDED  # measured, but not clean: not complete, a plain rerun measures it again
     return status

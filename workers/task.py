@@ -1,26 +1,41 @@
 """The body of one Ray task: run a job in a fresh worker process and return its rows.
 
-The job runs as `python -m workers run JOB.json --out FILE.parquet` in a subprocess, so that a
-crash inside a kernel cannot take the Ray worker down, each job starts cold, and the thread
-count is set explicitly (Ray would pin OMP_NUM_THREADS to the task's `num_cpus`). The Parquet
-file it writes is the host's spool: it stays on the host's disk until the head has stored it,
-and `orchestrate collect` can fetch it from there.
+The job runs in a process of its own (`python -m workers run JOB.json --out FILE.parquet`), so
+that a crash inside a kernel cannot take the Ray worker down, each job starts with no MLX state,
+and the thread count is set explicitly (Ray would pin OMP_NUM_THREADS to the task's `num_cpus`).
+On Linux that process is forked from this Ray worker's warm server (`workers.forkserver`: the
+imports done, no device touched), which saves Python's start-up and the imports per job; set
+`ORCHESTRATE_FRESH_INTERPRETERS=1` on a host to start every job in a fresh interpreter instead.
+The job's stdout and stderr go to a log file beside the job in the spool (read back as a bounded
+tail for errors), never into memory. A job's timeout kills its whole process group.
+
+The Parquet file the job writes is the host's spool: it stays on the host's disk until the head
+has stored it, and `orchestrate collect` can fetch it from there.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers.contract import JobSpec, LockSettings, failed_job_table
+from workers import forkserver
+from workers.contract import META_PHASES, JobSpec, LockSettings, failed_job_table
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
+
+FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
+SPAWNED_AT_ENV = "ORCHESTRATE_SPAWNED_AT"  # wall-clock time the job's process was asked for
+TAIL_BYTES = 4096
+
+_server: forkserver.ForkServer | None = None
+_server_key: tuple[str, ...] | None = None
 
 
 def spool_dir(job: JobSpec) -> Path:
@@ -48,36 +63,102 @@ def localise(job: JobSpec) -> JobSpec:
     return job.model_copy(update=update) if update else job
 
 
+def job_env() -> dict[str, str]:
+    """The environment of a job's process: this worker's, with the host's thread count."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | None:
+    """This Ray worker's fork server for `job`'s code version (started or restarted as needed).
+
+    None where jobs start in fresh interpreters: off Linux, with `ORCHESTRATE_FRESH_INTERPRETERS=1`,
+    or when the server cannot start.
+    """
+    global _server, _server_key
+    if not forkserver.supported() or os.environ.get(FRESH_ENV) == "1":
+        return None
+    key = (job.code_version, env["OMP_NUM_THREADS"], sys.executable)
+    if _server is not None and _server_key == key and _server.alive():
+        return _server
+    if _server is not None:
+        _server.close()
+    _server = None
+    try:
+        _server, _server_key = forkserver.ForkServer.start(env), key
+    except OSError:
+        return None
+    return _server
+
+
+def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None) -> tuple[int | None, str]:
+    """Run the job's process (forked from the warm server, or a fresh interpreter); (exit code, how).
+
+    A timeout kills its process group and gives exit code None.
+    """
+    env = job_env()
+    server = warm_server(job, env)
+    changes = {SPAWNED_AT_ENV: repr(time.time())}
+    with log.open("wb") as out:
+        return forkserver.run_entry(
+            "workers", argv, env=env, changes=changes, stdout=out.fileno(), stderr=out.fileno(),
+            timeout=timeout, server=server,
+        )  # fmt: skip
+
+
+def log_tail(path: Path, limit: int = TAIL_BYTES) -> str:
+    """The last `limit` bytes of a log file, as text."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(path.stat().st_size - limit, 0))
+            return fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def execute_job(job_json: str, timeout: float | None = None) -> pa.Table:
-    """Run one job (JSON of a `JobSpec`) in a subprocess and return its rows as an Arrow table."""
+    """Run one job (JSON of a `JobSpec`) in its own process and return its rows as an Arrow table."""
+    t0 = time.perf_counter()
     job = localise(JobSpec.model_validate_json(job_json))
     spool = spool_dir(job)
     job_file = spool / f"{job.job_key}.json"
     out = spool / fragment_name(job.run_id, job.job_key)
+    log = spool / f"{job.job_key}.log"
     job_file.write_text(job.model_dump_json())
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "workers", "run", str(job_file), "--out", str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        detail = proc.stderr.strip().splitlines()[-1:] if proc.returncode else []
-        error = f"worker exited {proc.returncode}: {' '.join(detail)}" if proc.returncode else None
-    except subprocess.TimeoutExpired:
-        error = f"worker timed out after {timeout} s"
+    code, how = _run_process(job, ["run", str(job_file), "--out", str(out)], log, timeout)
+    t_ran = time.perf_counter()
+    if code is None:
+        error: str | None = f"worker timed out after {timeout} s"
+    elif code:
+        detail = log_tail(log).strip().splitlines()[-1:]
+        error = f"worker exited {code}: {' '.join(detail)}"
+    else:
+        error = None
     if error is None and out.exists():
-        return pq.read_table(out)
+        table = pq.read_table(out)
+        return with_task_phases(table, how, t_ran - t0, time.perf_counter() - t_ran)
     return failed_table(job, error or "worker wrote no rows")
 
 
-def failed_table(job: JobSpec, error: str) -> pa.Table:
-    """Rows for a job whose worker died: one failed row per arm, with the reason."""
-    from workers.fingerprint import host_fingerprint
+def with_task_phases(table: pa.Table, how: str, process_s: float, read_s: float) -> pa.Table:
+    """The job's phases (footer `orchestrate.phases`) with what the Ray task saw around its process."""
+    meta = dict(table.schema.metadata or {})
+    phases = json.loads(meta.get(META_PHASES, b"{}"))
+    inside = sum(v for k, v in phases.items() if k != "worker_start" and isinstance(v, int | float))
+    phases["task_overhead"] = round(max(process_s - inside - float(phases.get("worker_start", 0.0)), 0.0), 6)
+    phases["spool_read"] = round(read_s, 6)
+    phases["process"] = how
+    meta[META_PHASES] = json.dumps(phases).encode()
+    return table.replace_schema_metadata(meta)
 
-    return failed_job_table(job, host_fingerprint(), error)
+
+def failed_table(job: JobSpec, error: str) -> pa.Table:
+    """Rows for a job whose worker died: one failed row per arm, with the reason.
+
+    The host is described without MLX (this Ray worker never opens a device context).
+    """
+    from workers.fingerprint import static_fingerprint
+
+    return failed_job_table(job, static_fingerprint(job.backend), error)

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from orchestrator.console import console, summary_table
 from orchestrator.criteria import judge_stored, validate_criteria
-from orchestrator.errors import EXIT_LOCK_TIMEOUT
+from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
 from orchestrator.summary import left_out, summarize
 from orchestrator.sweep import JobOutcome, RunSummary, run_sweep
+from orchestrator.timing import run_account
 from workers.contract import JobSpec
 
 DEFAULT_RESULTS = "results"
@@ -25,71 +35,112 @@ def results_root(value: Path | None) -> Path:
     return value or Path(os.environ.get("ORCHESTRATE_RESULTS", DEFAULT_RESULTS))
 
 
+def job_label(job: JobSpec) -> str:
+    """`h200 qmm tokens=512 n=21504 ...`: a job as the progress lines name it."""
+    return f"{job.device} {job.case_name} " + " ".join(f"{k}={v}" for k, v in job.params.items())
+
+
 class ProgressView:
-    """Live progress: a rich bar on a terminal, one plain line per finished job otherwise."""
+    """Live progress: a bar with the running job and an ETA on a terminal, one line per job otherwise.
+
+    Ray runs each device kind's jobs in submission order on its free slots, so the running jobs
+    are the first unfinished ones of each kind (one per host's slot).
+    """
 
     def __init__(self) -> None:
         self.console = console()
         self.live = self.console.is_terminal
-        self.total = 0
-        self.finished = 0
+        self.queued: list[JobSpec] = []
+        self.finished: set[str] = set()
+        self.outcomes: list[JobOutcome] = []
         self.bar: Progress | None = None
         self.task: TaskID | None = None
 
     def __call__(self, event: str, job: JobSpec, outcome: JobOutcome | None) -> None:
-        label = f"{job.device} {job.case_name} " + " ".join(f"{k}={v}" for k, v in job.params.items())
+        if event == "starting":
+            self.console.print("Starting Ray and checking the hosts ...", markup=False, highlight=False)
+            return
         if event == "queued":
-            self.total += 1
+            self.queued.append(job)
             if self.live and self.bar is None:
                 self.bar = Progress(
-                    TextColumn("{task.description}"),
+                    TextColumn("{task.description}", markup=False),
                     BarColumn(),
                     MofNCompleteColumn(),
                     TimeElapsedColumn(),
+                    TextColumn("ETA"),
+                    TimeRemainingColumn(),
                     console=self.console,
                     transient=True,
                 )
                 self.bar.start()
                 self.task = self.bar.add_task("jobs", total=None)
             if self.bar is not None and self.task is not None:
-                self.bar.update(self.task, total=self.total)
+                self.bar.update(self.task, total=len(self.queued), description=self._running())
             return
         assert outcome is not None
-        self.finished += 1
-        note = "" if outcome.status == "ok" else f" ({outcome.error})"
-        line = f"[{self.finished}/{self.total}] {label}: {outcome.status}{note}"
+        self.finished.add(job.job_key)
+        self.outcomes.append(outcome)
+        count = f"[{len(self.finished)}/{len(self.queued)}]"
+        line = f"{count} {job_label(job)}: {outcome.describe()} in {outcome.seconds:.1f} s"
         if self.bar is not None and self.task is not None:
-            self.bar.update(self.task, advance=1, description=label)
-            self.bar.console.print(line)
+            self.bar.update(self.task, advance=1, description=self._running())
+            self.bar.console.print(line, markup=False, highlight=False)
         else:
             print(line, flush=True)
+
+    def _running(self) -> str:
+        running = [j for j in self.queued if j.job_key not in self.finished][:1]
+        return f"running: {job_label(running[0])}" if running else "finishing"
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None
+
+    def slowest(self, count: int = 3) -> str:
+        """`slowest: h200 qmm tokens=16384 ... 41.2 s, ...` for the end of the run."""
+        top = sorted(self.outcomes, key=lambda o: -o.seconds)[:count]
+        return "slowest: " + "; ".join(f"{job_label(o.job)} {o.seconds:.1f} s" for o in top) if top else ""
 
 
-def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None) -> None:
-    """Print what ran and the comparison table of the sweep's stored results."""
+def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None, view: ProgressView) -> None:
+    """Print what ran, where the time went and the comparison table of the sweep's stored results."""
     out = console()
-    if summary.ran == 0:
+    if summary.ran == 0 and not summary.interrupted:
         out.print(
             f"Nothing to do: all {summary.planned} jobs of sweep {summary.sweep!r} are complete in {store.root} "
-            "(use --force to run them again)."
+            "(use --force to run them again).",
+            markup=False,
         )
     else:
+        counts = f"{summary.failed} failed" + (f", {summary.contended} contended" if summary.contended else "")
         out.print(
-            f"Run {summary.run_id}: {summary.ran} jobs ran ({summary.failed} failed), "
-            f"{summary.skipped} already complete, in {summary.wall_seconds:.1f} s; results in {store.root}"
+            f"Run {summary.run_id}: {summary.ran} jobs ran ({counts}), "
+            f"{summary.skipped} already complete, in {summary.wall_seconds:.1f} s; results in {store.root}",
+            markup=False,
         )
+        account = run_account(summary.phase_totals(), summary.wall_seconds, summary.startup_seconds)
+        if account:
+            out.print(
+                f"sweep {summary.sweep}: {account} (per job: orchestrate phases --run {summary.run_id})", markup=False
+            )
+        if len(view.outcomes) > 1:
+            out.print(view.slowest(), markup=False)
+        if summary.contended:
+            out.print(
+                f"{summary.contended} jobs saw a foreign GPU user and are not complete: "
+                "run the same command again to measure them again.",
+                markup=False,
+            )
     table = store.read(sweep=summary.sweep)
     lines = summarize(table, baseline=baseline)
     out.print(summary_table(lines, baseline, f"sweep {summary.sweep}: {table.num_rows} rows"))
     note = left_out(table)
     if note:
-        out.print(note)
+        out.print(note, markup=False)
     for path, reason in store.broken:
-        out.print(f"warning: skipped broken fragment {path}: {reason}")
+        out.print(f"warning: skipped broken fragment {path}: {reason}", markup=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -121,7 +172,16 @@ def register(app: typer.Typer) -> None:
             )
         finally:
             view.close()
-        report_summary(summary, store, spec.baseline)
+        if summary.interrupted:
+            stored = sum(1 for o in summary.outcomes if o.status == "ok")
+            print(
+                f"interrupted: {stored} of {summary.planned - summary.skipped} jobs stored"
+                f"{f' ({summary.skipped} were complete before)' if summary.skipped else ''}; rerun to resume",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise typer.Exit(128 + summary.interrupted)  # as a shell reports a process ended by that signal
+        report_summary(summary, store, spec.baseline, view)
         verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
         if verdicts:
             print(verdicts, flush=True)
@@ -129,5 +189,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
         if summary.failed:
             raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why
+        if summary.contended:
+            raise typer.Exit(EXIT_CONTENDED)  # points left unmeasured: a foreign GPU user was there
         if verdict_code:
             raise typer.Exit(verdict_code)  # 1: a criterion failed; 4: none failed, one ambiguous

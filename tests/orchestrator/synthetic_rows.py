@@ -66,6 +66,7 @@ def job_table(
     context = JobContext(started_at=started_at or dt.datetime(2026, 11, 30, 10, 0, tzinfo=dt.UTC))
     context.contended = contended
     rows = RowBuilder(job, fingerprint(device), context)
+    busy = [(float("-inf"), float("inf"))] if contended else []  # a foreign user there all along
     for arm, metrics in values.items():
         for metric, samples in metrics.items():
             for i, v in enumerate(samples):
@@ -80,6 +81,7 @@ def job_table(
                     flops=2.0 * 1e9,
                     bytes_moved=1e8,
                 )
+    rows.apply_contention(busy)
     table = rows.table(status)
     if peaks is not None:
         n = table.num_rows

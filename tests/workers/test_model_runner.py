@@ -41,7 +41,8 @@ def _job(tmp_path: Path, *, arms: list[str], reps: int = 2, seed: int = 0, **par
         repetitions=reps,
         warmup=1,
         seed=seed,
-        lock=LockSettings(path=str(tmp_path / "gpu.lock")),
+        # the CPU-quiet gate is not under test here: a busy shared machine would flag the job contended
+        lock=LockSettings(path=str(tmp_path / "gpu.lock"), cpu_busy_threshold=1e9),
         spool_dir=str(tmp_path / "spool"),
     )
 
@@ -162,10 +163,10 @@ def test_an_arm_over_its_layer_tolerance_fails_all_its_rows(tmp_path: Path) -> N
     good = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu")  # type: ignore[arg-type]
     bad = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu", rel_error=0.99, tolerance=0.01)  # type: ignore[arg-type]
     bad.checked = "model.layers.0.mlp.up_proj (worst of 14)"
-    assert _arm_rows(rows, "native", [(0, bad), (1, good)], "/ckpt") == STATUS_FAILED
+    assert _arm_rows(rows, "native", [(0, bad, (0.0, 1.0)), (1, good, (1.0, 2.0))], "/ckpt") == STATUS_FAILED
     assert {r["status"] for r in rows.rows} == {STATUS_FAILED}
     assert all("rel_error 0.99 over tolerance 0.01 at model.layers.0.mlp.up_proj" in r["error"] for r in rows.rows)
     rows.rows.clear()
     flaky = Sample(**common, greedy_digest="b" * 16, route="r", device="cpu")  # type: ignore[arg-type]
-    assert _arm_rows(rows, "native", [(0, good), (1, flaky)], "/ckpt") == STATUS_FAILED
+    assert _arm_rows(rows, "native", [(0, good, (0.0, 1.0)), (1, flaky, (1.0, 2.0))], "/ckpt") == STATUS_FAILED
     assert all("greedy output changed" in r["error"] for r in rows.rows)

@@ -1,0 +1,408 @@
+"""A warm process that jobs and model samples are forked from: imports done, no device, no weights.
+
+A fresh `python -m workers run` pays Python's start-up and the imports of NumPy, pyarrow,
+pydantic, MLX and mlx-lm before any work (about 0.7 s on the 2-core CPU machine; 18 s on the
+H200, where transformers finds torch). The method asks for a fresh process per job and per cold
+model sample, not for those imports: so each host's Ray worker keeps one server that has done the
+imports once and forks a child per job or sample. Each child is still a process of its own with
+no MLX state: the server never touches the device (no context, no arrays, no compiled kernels in
+memory; MLX's on-disk JIT cache is shared as before), and it refuses to preload MLX where the
+import alone opened a GPU device (a forked child could not use it), preloading everything else.
+
+Protocol, over a Unix socket (mode 0600, in a 0700 directory): a client sends one JSON line
+`{"entry", "args", "env", "cwd"}` with its stdout and stderr descriptors (SCM_RIGHTS); the server
+forks, answers `{"pid": N}`, and `{"exit": CODE}` when the child ends (negative: the signal). A
+client that goes away first has its child's process group killed. The server ends with its
+parent (`PR_SET_PDEATHSIG`), and its children with it. Linux only: elsewhere (macOS, where
+forking after Apple's frameworks load is unsafe) callers start fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+SOCKET_ENV = "ORCHESTRATE_FORK_SERVER"  # the socket of the server a job's own children may use
+NOTE_ENV = "ORCHESTRATE_FORK_SERVER_NOTE"  # what that server preloaded
+FORKED_ENV = "ORCHESTRATE_FORKED"  # set in a forked child: "1"
+PARENT_ENV = "ORCHESTRATE_PARENT_PID"  # a fresh interpreter ends with this process (`die_with_parent`)
+# Entry points a child may run: name -> module whose `main(argv) -> int` it calls.
+ENTRIES = {"workers": "workers.__main__", "model_runner": "workers.model_runner"}
+BASE_PRELOAD = ("numpy", "pyarrow", "pyarrow.parquet", "pydantic", "workers.runner", "workers.model_runner")
+MLX_PRELOAD = (
+    "mlx.core", "mlx.nn", "kernels.qmm", "kernels.moe", "kernels.mlp", "kernels.model", "kernels.dispatch",
+    "mlx_lm.models.cache",
+)  # fmt: skip
+DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri")
+PR_SET_PDEATHSIG = 1
+
+
+def supported() -> bool:
+    """Whether this platform forks jobs from a warm server (Linux); elsewhere fresh interpreters."""
+    return sys.platform.startswith("linux")
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def die_with_parent() -> None:
+    """In a job's fresh interpreter: end when the Ray worker that started it ends (Linux).
+
+    The parent is named by `ORCHESTRATE_PARENT_PID`; if it is gone already, exit at once.
+    """
+    raw = os.environ.pop(PARENT_ENV, "")
+    if not raw.isdigit() or not supported():
+        return
+    _die_with_parent()
+    if os.getppid() != int(raw):
+        os._exit(1)
+
+
+def device_files_open() -> list[str]:
+    """GPU device files this process has open (an import that opened the device shows here)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                if target.startswith(DEVICE_FILES):
+                    found.append(target)
+    return sorted(set(found))
+
+
+def _preload(modules: tuple[str, ...]) -> None:
+    # transformers (imported by mlx-lm) imports torch when it finds it, for seconds; the samples
+    # never need it. Only this import sees the switch: children's commands get the caller's env.
+    saved = os.environ.get("USE_TORCH")
+    os.environ["USE_TORCH"] = "0"
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        if saved is None:
+            os.environ.pop("USE_TORCH", None)
+        else:
+            os.environ["USE_TORCH"] = saved
+
+
+# ------------------------------------------------------------------------------------ the server
+
+
+def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]) -> None:
+    """In the forked child: become the requested process, run its entry, exit. Never returns."""
+    code = 1
+    try:
+        for sock in closing:
+            sock.close()
+        os.setpgid(0, 0)
+        _die_with_parent()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (devnull, *fds):
+            os.close(fd)
+        for key, value in request.get("env", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.environ[FORKED_ENV] = "1"
+        if request.get("cwd"):
+            os.chdir(request["cwd"])
+        sys.argv = [request["entry"], *request["args"]]
+        main: Callable[[list[str]], int] = importlib.import_module(ENTRIES[request["entry"]]).main
+        code = int(main(list(request["args"])) or 0)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str, preload_mlx: bool) -> int:
+    """Run the server at socket `path` until its parent dies or it is told to stop (SIGTERM)."""
+    _die_with_parent()
+    t0 = time.perf_counter()
+    _preload(BASE_PRELOAD)
+    mlx_note = "mlx not preloaded"
+    if preload_mlx:
+        _preload(MLX_PRELOAD)
+        opened = device_files_open()
+        if opened:  # a forked child could not use a device its parent's import opened
+            print(f"unsafe {' '.join(opened)}", flush=True)
+            return 3
+        mlx_note = "mlx preloaded"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(16)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"ready {os.getpid()} {time.perf_counter() - t0:.3f} {mlx_note}", flush=True)
+    clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
+    conns: set[socket.socket] = set()  # open client connections
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # nobody reads the pipe the ready line went to
+    os.close(devnull)
+    while True:
+        readable, _, _ = select.select([listener, *conns], [], [], 0.02)
+        for sock in readable:
+            if sock is listener:
+                conn, _ = listener.accept()
+                conns.add(conn)
+                continue
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 2)
+            except OSError:
+                data, fds = b"", []
+            if not data:  # the client left: its child (if any) goes too
+                conns.discard(sock)
+                for pid, conn in list(clients.items()):
+                    if conn is sock:
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.killpg(pid, signal.SIGKILL)
+                sock.close()
+                continue
+            if not data.endswith(b"\n") or len(fds) != 2:  # one request per message, with two fds
+                for fd in fds:
+                    os.close(fd)
+                conns.discard(sock)
+                sock.close()
+                continue
+            request = json.loads(data)
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, [listener, *conns])
+            for fd in fds:
+                os.close(fd)
+            clients[pid] = sock
+            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _reap(clients, conns)
+
+
+def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = clients.pop(pid, None)
+        if conn is not None and conn in conns:
+            code = os.waitstatus_to_exitcode(status)
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+
+
+# ------------------------------------------------------------------------------------ the client
+
+
+class WarmProcess:
+    """A child forked by the server, seen from the client: its pid, its exit code, killing it."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pending = b""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The child's exit code (negative: the signal that ended it).
+
+        Raises:
+            subprocess.TimeoutExpired: It was still running after `timeout` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if left == 0.0 or not select.select([self._conn], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            data = self._conn.recv(4096)
+            if not data:  # the server died: so did the child (PDEATHSIG)
+                self.returncode = -int(signal.SIGKILL)
+                break
+            self._pending += data
+            while b"\n" in self._pending:
+                line, self._pending = self._pending.split(b"\n", 1)
+                message = json.loads(line)
+                if "exit" in message:
+                    self.returncode = int(message["exit"])
+        self._conn.close()
+        return self.returncode
+
+    def kill(self) -> None:
+        """Kill the child's process group (it has its own)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """The client's handle on a running server (started here, or inherited through `SOCKET_ENV`)."""
+
+    def __init__(self, path: str, proc: subprocess.Popen[bytes] | None = None, note: str = "") -> None:
+        self.path = path
+        self.proc = proc
+        self.note = note  # what the server preloaded, for the rows
+
+    @classmethod
+    def start(cls, env: dict[str, str], *, preload_mlx: bool = True, timeout: float = 300.0) -> ForkServer:
+        """Start a server with `env`; if preloading MLX opened the device, start one without it.
+
+        Raises:
+            OSError: The server could not start (the caller falls back to fresh interpreters).
+        """
+        directory = tempfile.mkdtemp(prefix="orchestrate-fork-")  # mode 0700
+        path = os.path.join(directory, "socket")
+        argv = [sys.executable, "-m", "workers.forkserver", path]
+        proc = subprocess.Popen(
+            [*argv, "mlx" if preload_mlx else "no-mlx"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline().decode().strip() if ready else ""
+        if line.startswith("unsafe") and preload_mlx:
+            proc.wait()
+            os.rmdir(directory)
+            return cls.start(env, preload_mlx=False, timeout=timeout)
+        if not line.startswith("ready"):
+            proc.kill()
+            proc.wait()
+            raise OSError(f"fork server did not start ({line or 'no answer'})")
+        return cls(path, proc, line.split(" ", 3)[-1])
+
+    @classmethod
+    def from_env(cls) -> ForkServer | None:
+        """The server this process was forked from, for its own children (None when there is none)."""
+        path = os.environ.get(SOCKET_ENV)
+        return cls(path, note=os.environ.get(NOTE_ENV, "")) if path and os.path.exists(path) else None
+
+    def alive(self) -> bool:
+        """Whether the server answers."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        return os.path.exists(self.path)
+
+    def spawn(
+        self, entry: str, args: list[str], *, env: dict[str, str | None], stdout: int, stderr: int, cwd: str = ""
+    ) -> WarmProcess:
+        """Fork a child running `entry`'s `main(args)` with `env` applied (None removes a key).
+
+        Raises:
+            OSError: The server is gone.
+        """
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.path)
+            request = {
+                "entry": entry,
+                "args": args,
+                "env": {**env, SOCKET_ENV: self.path, NOTE_ENV: self.note},
+                "cwd": cwd,
+            }
+            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [stdout, stderr])
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    raise OSError("the fork server closed the connection")
+                line += chunk
+        except OSError:
+            conn.close()
+            raise
+        first, _, rest = line.partition(b"\n")
+        proc = WarmProcess(conn, int(json.loads(first)["pid"]))
+        proc._pending = rest
+        return proc
+
+    def close(self) -> None:
+        """Stop a server started here (its children are killed with it)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(os.path.dirname(self.path))
+
+
+def run_entry(
+    entry: str,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    changes: dict[str, str],
+    stdout: int,
+    stderr: int,
+    timeout: float | None,
+    server: ForkServer | None,
+) -> tuple[int | None, str]:
+    """Run `entry`'s `main(args)` in a process of its own; (exit code, how it was started).
+
+    Forked from `server` when one is given and answers (only `changes` applied to the server's
+    environment), else a fresh interpreter with `env` (+ `changes`). A timeout kills the
+    process's group and gives exit code None.
+    """
+    proc: WarmProcess | subprocess.Popen[bytes] | None = None
+    how = "fresh interpreter"
+    if server is not None:
+        try:
+            proc = server.spawn(entry, args, env=dict(changes), stdout=stdout, stderr=stderr)
+            how = f"forked from a warm server ({server.note}; no device state, no weights)"
+        except OSError:
+            proc = None
+    if proc is None:
+        module = ENTRIES[entry].removesuffix(".__main__")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env={**env, **changes, PARENT_ENV: str(os.getpid())},
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        return proc.wait(timeout=timeout), how
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        return None, how
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m workers.forkserver SOCKET mlx|no-mlx`."""
+    args = sys.argv[1:] if argv is None else argv
+    return serve(args[0], preload_mlx=args[1] == "mlx")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
