@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env
-from workers.processes import is_descendant
+from workers.processes import is_descendant, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,8 @@ def _files(tmp_path: Path, *, reps: int, tokens: list[int], n: int = 256, thresh
     sweep = tmp_path / "sweep.toml"
     sweep.write_text(
         f'name = "gpuhost"\nrepetitions = {reps}\nwarmup = 1\nbaseline = "native"\n'
-        f'[[cases]]\ncase = "qmm"\narms = ["native"]\nparams = {{ tokens = {tokens}, n = {n}, k = {n}, dtype = "float32" }}\n'
+        '[[cases]]\ncase = "qmm"\narms = ["native"]\n'
+        f'params = {{ tokens = {tokens}, n = {n}, k = {n}, dtype = "float32" }}\n'
     )
     inventory = tmp_path / "local.toml"
     inventory.write_text(
@@ -117,7 +118,7 @@ def test_a_signal_stops_the_run_in_one_line_and_a_rerun_resumes(
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in tree):
         time.sleep(0.2)
-    left = [p for p in tree if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    left = [p for p in tree if pid_alive(p)]
     assert not left, f"processes outlived the run: {left}"
     fd = os.open(tmp_path / "gpu.lock", os.O_RDONLY)
     try:
