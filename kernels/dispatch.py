@@ -12,7 +12,6 @@ life of the process; the calibration time is part of the arm's build time.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Hashable
@@ -21,9 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from kernels.checking import Reference as ReferenceValue
+from kernels.checking import relative_error
 from kernels.registry import ArmPath
 
-Reference = Callable[..., np.ndarray]
+Reference = Callable[..., ReferenceValue]
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,6 @@ class RouteChoice:
 
 
 _CHOICES: dict[Hashable, RouteChoice] = {}
-
-
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """||out - ref|| / ||ref|| in float64; inf for a wrong shape or a non-finite output."""
-    out64 = np.asarray(out, dtype=np.float64)
-    if out64.shape != ref.shape or not np.all(np.isfinite(out64)):
-        return math.inf
-    denom = float(np.linalg.norm(ref))
-    return float(np.linalg.norm(out64 - ref) / (denom if denom > 0 else 1.0))
 
 
 def _seconds_per_call(run: Callable[..., Any], inputs: tuple[Any, ...], calls: int, repeats: int) -> float:

@@ -23,7 +23,11 @@ Arms, as an engine runs them (mlx-lm's `SwitchGLU`):
 * `auto-sorted`: the faster correct of native-sorted and custom-sorted, measured at build time
   (`kernels.dispatch`); its route names the choice.
 
-The reference is NumPy float64: each routed row times the float64 weights the arm holds.
+The reference is NumPy float64: each routed row times the float64 weights the arm holds. Where the
+whole product would cost more than the measurement (`kernels.checking.FULL_REFERENCE_MACS`), a
+stratified subset of the output features is checked, on every routed row (only those rows of each
+expert's weights are dequantized on the host); the rows record what was checked. Experts are drawn,
+quantized and packed on all the host's cores, each from its own child of the job's generator.
 """
 
 from __future__ import annotations
@@ -36,17 +40,22 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import dispatch, nvfp4
+from kernels import checking, dispatch, nvfp4
+from kernels.checking import Reference, ReferenceSubset
 from kernels.qmm import (
     AFFINE_BITS,
     AFFINE_GROUP,
     MLX_DTYPES,
     affine_weights,
+    in_parallel,
     mlx_backend,
+    pack_codes,
     to_float64,
     tolerance,
 )
 from kernels.registry import ArmPath, Workload
+
+REFERENCE_WEIGHTS = 5e7  # weights of all experts dequantized for a subset reference, at most
 
 # project(x_rows, rhs_indices, sorted_indices) -> y rows: one gather_qmm and what goes with it
 Projection = Callable[[mx.array, mx.array, bool], mx.array]
@@ -63,10 +72,14 @@ class ExpertWeights:
     scales: np.ndarray
     global_scales: np.ndarray | None
 
-    def dequantized(self, expert: int, dtype: npt.DTypeLike = np.float64) -> np.ndarray:
-        """Expert `expert`'s weights [F, D] (MLX's float32 values, exactly, as float64 by default)."""
+    def dequantized(self, expert: int, dtype: npt.DTypeLike = np.float64, rows: np.ndarray | None = None) -> np.ndarray:
+        """Expert `expert`'s weights [F, D] (or those `rows` of them): MLX's float32 values, exactly,
+        as float64 by default."""
         gs = None if self.global_scales is None else self.global_scales[expert]
-        return nvfp4.dequantize(self.codes[expert], self.scales[expert], gs, dtype=dtype)
+        codes, scales = self.codes[expert], self.scales[expert]
+        if rows is not None:
+            codes, scales = codes[rows], scales[rows]
+        return nvfp4.dequantize(codes, scales, gs, dtype=dtype)
 
 
 def expert_weights(
@@ -77,12 +90,17 @@ def expert_weights(
     codes = np.empty((experts, width, hidden), dtype=np.uint8)
     scales = np.empty((experts, width, hidden // nvfp4.GROUP_SIZE), dtype=np.uint8)
     gs = np.empty(experts, dtype=np.float32) if global_scale else None
-    for e in range(experts):
-        w = rng.standard_normal((width, hidden), dtype=np.float32) * np.float32(10.0 ** rng.uniform(-1, 1))
+    gens = rng.spawn(experts)
+
+    def one(e: int) -> None:  # expert e from the e-th child generator: the same on any host
+        gen = gens[e]
+        w = gen.standard_normal((width, hidden), dtype=np.float32) * np.float32(10.0 ** gen.uniform(-1, 1))
         g = nvfp4.natural_global_scale(w) if gs is not None else None
         if gs is not None and g is not None:
             gs[e] = g
         codes[e], scales[e] = nvfp4.quantize(w, g)
+
+    in_parallel(one, experts)
     return ExpertWeights(codes, scales, gs)
 
 
@@ -140,17 +158,20 @@ def affine_projection(wq: mx.array, scales: mx.array, biases: mx.array) -> Proje
 
 
 def gathered_reference(weights: Callable[[int], np.ndarray], x: mx.array, indices: mx.array) -> np.ndarray:
-    """float64 y [T, k, F]: each routed row times its expert's weights, expert by expert."""
+    """float64 y [T, k, F'] (F' the rows `weights` gives): each routed row times its expert's
+    weights, experts on all cores."""
     x64 = to_float64(x)
     idx = np.array(indices)
-    out: np.ndarray | None = None
-    for e in np.unique(idx):
-        w = weights(int(e))
-        if out is None:
-            out = np.zeros((*idx.shape, w.shape[0]), dtype=np.float64)
+    experts = [int(e) for e in np.unique(idx)]
+    width = weights(experts[0]).shape[0]
+    out = np.zeros((*idx.shape, width), dtype=np.float64)
+
+    def one(i: int) -> None:
+        e = experts[i]
         t, j = np.nonzero(idx == e)
-        out[t, j] = x64[t] @ w.T
-    assert out is not None
+        out[t, j] = x64[t] @ weights(e).T
+
+    in_parallel(one, len(experts))
     return out
 
 
@@ -181,14 +202,21 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     fused = backend != "cpu"  # gather_qmm's global_scale is GPU-only in MLX 0.32.4
 
     ew = expert_weights(e, f, d, rng, use_gs)
-    wq = mx.array(nvfp4.pack_codes(ew.codes))
+    # the output features the reference checks: all, or a stratified subset (kernels.checking)
+    cols: np.ndarray | None = None
+    if t * top_k * f * d > checking.FULL_REFERENCE_MACS:
+        count = max(64, int(REFERENCE_WEIGHTS / (e * d)))
+        cols = checking.stratified(f, count, np.random.default_rng(rng.integers(2**63)))
+    wq = mx.array(pack_codes(ew.codes.reshape(e * f, d)).reshape(e, f, d // 8))
     wscales = mx.array(ew.scales)
     gs = None if ew.global_scales is None else mx.array(ew.global_scales)
     mx.eval(wq, wscales, *([] if gs is None else [gs]))
     native = nvfp4_projection(wq, wscales, gs, fused)
     native_route = "gather_qmm(nvfp4)" if gs is None else (ROUTE_FUSED if fused else ROUTE_POST_SCALE)
 
-    native_holds = ew.dequantized  # one bound method, so the reference can share its product
+    def native_holds(expert: int) -> np.ndarray:  # one function, so the reference can share its product
+        return ew.dequantized(expert, rows=cols)
+
     affine: tuple[Projection, Callable[[int], np.ndarray]] | None = None
     paths: dict[str, ArmPath] = {}
     weights: dict[str, Callable[[int], np.ndarray]] = {}
@@ -197,10 +225,10 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         kind, _, order = arm.partition("-")
         if kind == "custom" and order == "sorted":  # issue 7: kernels.moe_nvfp4 (MLX twin without CUDA)
             paths[arm] = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
-            weights[arm] = ew.dequantized
+            weights[arm] = native_holds
             continue
         if kind == "auto" and order == "sorted":  # issue 7: built below, once inputs and reference exist
-            weights[arm] = ew.dequantized
+            weights[arm] = native_holds
             continue
         if kind not in ("native", "affine") or order not in ("sorted", "unsorted"):
             raise ValueError(f"moe-gather: unknown arm {arm!r}")
@@ -213,7 +241,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs hidden divisible by {AFFINE_GROUP} (hidden={d})"
                 continue
             if affine is None:
-                affine = _affine_experts(ew, dtype)
+                affine = _affine_experts(ew, dtype, cols)
             project, holds = affine
             route_name = f"gather_qmm(affine,g{AFFINE_GROUP},b{AFFINE_BITS})"
         paths[arm] = ArmPath(
@@ -227,15 +255,19 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         x = gen.standard_normal((t, d), dtype=np.float32)
         return mx.array(x).astype(dtype), mx.array(route(gen, t, e, top_k))
 
-    last: dict[int, tuple[mx.array, mx.array, np.ndarray]] = {}
+    last: dict[int, tuple[mx.array, mx.array, Reference]] = {}
 
-    def reference(arm: str, x: mx.array, indices: mx.array) -> np.ndarray:
+    def reference(arm: str, x: mx.array, indices: mx.array) -> Reference:
         # sorted and unsorted arms hold the same weights: one float64 product serves both
         holds = weights[arm]
         hit = last.get(id(holds))
         if hit is not None and hit[0] is x and hit[1] is indices:
             return hit[2]
-        y = gathered_reference(holds, x, indices)
+        full = gathered_reference(holds, x, indices)
+        y: Reference = full
+        if cols is not None:
+            what = f"{len(cols)} of {f} output features, every routed row"
+            y = ReferenceSubset(full, (Ellipsis, cols), (t, top_k, f), what)
         last[id(holds)] = (x, indices, y)
         return y
 
@@ -266,13 +298,29 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     )
 
 
-def _affine_experts(ew: ExpertWeights, dtype: mx.Dtype) -> tuple[Projection, Callable[[int], np.ndarray]]:
-    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64."""
+def _affine_experts(
+    ew: ExpertWeights, dtype: mx.Dtype, cols: np.ndarray | None
+) -> tuple[Projection, Callable[[int], np.ndarray]]:
+    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64;
+    the float64 weights each expert then holds (its `cols` rows, when given) for the reference."""
     experts = ew.codes.shape[0]
-    w = mx.array(np.stack([ew.dequantized(i, np.float32) for i in range(experts)])).astype(dtype)
+    values = np.empty(ew.codes.shape, dtype=np.float32)
+
+    def one(i: int) -> None:
+        values[i] = ew.dequantized(i, np.float32)
+
+    in_parallel(one, experts)
+    w = mx.array(values).astype(dtype)
     aq, ascales, abiases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
     mx.eval(aq, ascales, abiases)
-    return affine_projection(aq, ascales, abiases), lambda i: affine_weights(aq[i], ascales[i], abiases[i])
+    at = None if cols is None else mx.array(cols.astype(np.int32))
+
+    def holds(i: int) -> np.ndarray:
+        if at is None:
+            return affine_weights(aq[i], ascales[i], abiases[i])
+        return affine_weights(aq[i][at], ascales[i][at], abiases[i][at])
+
+    return affine_projection(aq, ascales, abiases), holds
 
 
 def expected_experts_touched(experts: int, top_k: int, tokens: int) -> float:

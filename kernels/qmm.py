@@ -22,22 +22,35 @@ its own rounding:
 Each arm's reference is the float64 NumPy product of x with the weights that arm really holds
 (the NVFP4 reference dequantization for native and dequant-gemm, the affine dequantization for
 affine, the dense weights for dense), so the relative error measures the kernel's arithmetic
-alone. `tolerance` states how much of it each path and dtype may show, and why.
+alone. `tolerance` states how much of it each path and dtype may show, and why. Where the whole
+float64 product would cost more than the measurement (over `kernels.checking.FULL_REFERENCE_MACS`
+multiply-adds), a stratified subset of its rows and columns is checked instead (every 64-row and
+21-column tile of the seeds' shape has checked elements), and only those rows of the weights are
+dequantized on the host: the rows record what was checked (`reference_subset`).
+
+The weights are drawn and quantized in blocks of `BLOCK_ROWS` rows, each from its own child of
+the job's generator, on all the host's cores (NumPy releases the GIL): the same seed gives the
+same weights on any host.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import dispatch, nvfp4
+from kernels import checking, dispatch, nvfp4
+from kernels.checking import Reference, ReferenceSubset
 from kernels.registry import ArmPath, Workload
+
+BLOCK_ROWS = 1024  # rows per block of weight draws (fixed: the draws depend on it, not on the host)
 
 AFFINE_GROUP = 64
 AFFINE_BITS = 4
@@ -110,25 +123,93 @@ class ProductReference:
     """float64 x @ W^T per arm, remembering the last product per weight matrix.
 
     Arms that hold the same weights (native, dequant-gemm, and dense when the dtype represents the
-    NVFP4 values exactly) share one matrix, so one product serves them all: at the seeds' shapes
-    a float64 product takes seconds.
+    NVFP4 values exactly) share one matrix, so one product serves them all. With `rows` (token
+    indices) and `cols` (output features, the weights' rows), the weights given are those rows
+    only, and the product is the subset `kernels.checking.ReferenceSubset`.
     """
 
-    def __init__(self, weights: dict[str, np.ndarray]) -> None:
+    def __init__(
+        self, weights: dict[str, np.ndarray], *, shape: tuple[int, int], rows: np.ndarray | None = None,
+        cols: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
         self._weights: dict[str, np.ndarray] = {}
         for arm, w in weights.items():
             same = next((v for v in self._weights.values() if v.shape == w.shape and np.array_equal(v, w)), None)
             self._weights[arm] = same if same is not None else w
-        self._last: dict[int, tuple[Any, np.ndarray]] = {}
+        self._last: dict[int, tuple[Any, Reference]] = {}
+        self.shape, self.rows, self.cols = shape, rows, cols
 
-    def __call__(self, arm: str, x: Any) -> np.ndarray:
+    def __call__(self, arm: str, x: Any) -> Reference:
         w = self._weights[arm]
         cached = self._last.get(id(w))
         if cached is not None and cached[0] is x:
             return cached[1]
-        y = to_float64(x) @ w.T
-        self._last[id(w)] = (x, y)
-        return y
+        x64 = to_float64(x)
+        ref: Reference
+        if self.rows is None or self.cols is None:
+            ref = x64 @ w.T
+        else:
+            m, n = self.shape
+            what = f"{len(self.rows)} of {m} rows x {len(self.cols)} of {n} columns"
+            ref = ReferenceSubset(x64[self.rows] @ w.T, np.ix_(self.rows, self.cols), self.shape, what)
+        self._last[id(w)] = (x, ref)
+        return ref
+
+
+def _blocks(n: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + BLOCK_ROWS, n)) for lo in range(0, n, BLOCK_ROWS)]
+
+
+def in_parallel(fn: Callable[[int], Any], count: int) -> list[Any]:
+    """`[fn(i) for i in range(count)]` on all the host's cores (for NumPy work, which frees the GIL)."""
+    with ThreadPoolExecutor(max_workers=min(count, os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, range(count)))
+
+
+def weight_draws(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """W [n, k] float32: standard normal draws, block b of `BLOCK_ROWS` rows from `rng`'s b-th child."""
+    blocks = _blocks(n)
+    gens = rng.spawn(len(blocks))
+    out = np.empty((n, k), dtype=np.float32)
+
+    def draw(b: int) -> None:
+        lo, hi = blocks[b]
+        gens[b].standard_normal((hi - lo, k), dtype=np.float32, out=out[lo:hi])
+
+    in_parallel(draw, len(blocks))
+    return out
+
+
+def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`weight_draws(n, k, rng)` quantized by the reference (no global scale), block by block.
+
+    Returns:
+        (codes uint8 [n, k], E4M3 scale bits uint8 [n, k/16]).
+    """
+    w = weight_draws(n, k, rng)
+    blocks = _blocks(n)
+    codes = np.empty((n, k), dtype=np.uint8)
+    scales = np.empty((n, k // nvfp4.GROUP_SIZE), dtype=np.uint8)
+
+    def quantize(b: int) -> None:
+        lo, hi = blocks[b]
+        codes[lo:hi], scales[lo:hi] = nvfp4.quantize(w[lo:hi])
+
+    in_parallel(quantize, len(blocks))
+    return codes, scales
+
+
+def pack_codes(codes: np.ndarray) -> np.ndarray:
+    """`nvfp4.pack_codes`, block by block on all cores."""
+    blocks = _blocks(codes.shape[0])
+    packed = np.empty((codes.shape[0], codes.shape[1] // 8), dtype=np.uint32)
+
+    def pack(b: int) -> None:
+        lo, hi = blocks[b]
+        packed[lo:hi] = nvfp4.pack_codes(codes[lo:hi])
+
+    in_parallel(pack, len(blocks))
+    return packed
 
 
 def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], float]:
@@ -136,15 +217,6 @@ def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], 
     arrays = make()
     mx.eval(*arrays)
     return arrays, time.perf_counter() - t0
-
-
-def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """W [n, k]: standard normal draws from `rng`, quantized by the reference (no global scale).
-
-    Returns:
-        (codes uint8 [n, k], E4M3 scale bits uint8 [n, k/16]).
-    """
-    return nvfp4.quantize(rng.standard_normal((n, k), dtype=np.float32))
 
 
 def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
@@ -168,10 +240,27 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     backend = mlx_backend()
 
     codes, scales = nvfp4_weights(n, k, rng)
-    w_nvfp4 = nvfp4.dequantize(codes, scales)  # float64, exact
-    packed = nvfp4.pack_codes(codes)
-    (wq, wscales), native_build = _timed_build(lambda: (mx.array(packed), mx.array(scales)))
-    del codes
+    # the reference's rows and columns: all of them, or a stratified subset (kernels.checking)
+    rows: np.ndarray | None = None
+    cols = np.arange(n)
+    if m * n * k > checking.FULL_REFERENCE_MACS:
+        pick = np.random.default_rng(rng.integers(2**63))
+        rows = checking.stratified(m, checking.MAX_ROWS, pick)
+        cols = checking.stratified(n, checking.MAX_COLS, pick)
+    w_nvfp4 = nvfp4.dequantize(codes[cols], scales[cols])  # float64, exact: the weights every NVFP4 arm holds
+    packed = pack_codes(codes)
+    t_upload = time.perf_counter()
+    wq, wscales = mx.array(packed), mx.array(scales)
+    mx.eval(wq, wscales)
+    native_build = time.perf_counter() - t_upload
+    del codes, packed
+    dense: list[mx.array] = []  # the NVFP4 values in the dtype (exact), made on the device once
+
+    def dense_weights() -> mx.array:
+        if not dense:
+            dense.append(mx.dequantize(wq, wscales, mode="nvfp4", dtype=dtype))
+            mx.eval(dense[0])
+        return dense[0]
 
     paths: dict[str, ArmPath] = {}
     weights: dict[str, np.ndarray] = {}
@@ -198,7 +287,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs k divisible by {AFFINE_GROUP} (k={k})"
                 continue
             (aq, ascales, abiases), seconds = _timed_build(
-                lambda: tuple(mx.quantize(mx.array(w_nvfp4, dtype=dtype), group_size=AFFINE_GROUP, bits=AFFINE_BITS))
+                lambda: tuple(mx.quantize(dense_weights(), group_size=AFFINE_GROUP, bits=AFFINE_BITS))
             )
             paths[arm] = ArmPath(
                 run=lambda x, aq=aq, s=ascales, b=abiases: mx.quantized_matmul(
@@ -208,16 +297,17 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 route=f"mx.quantized_matmul(affine,g{AFFINE_GROUP},b{AFFINE_BITS})",
                 build_seconds=seconds,
             )
-            weights[arm] = affine_weights(aq, ascales, abiases)
+            at = mx.array(cols.astype(np.int32))
+            weights[arm] = affine_weights(aq[at], ascales[at], abiases[at])
         elif arm == "dense":
-            (wd,), seconds = _timed_build(lambda: (mx.array(w_nvfp4, dtype=dtype),))
+            (wd,), seconds = _timed_build(lambda: (dense_weights(),))
             paths[arm] = ArmPath(
                 run=lambda x, wd=wd: x @ wd.T,
                 tolerance=tolerance("dense", dtype_name, k, backend),
                 route="matmul(dense)",
                 build_seconds=seconds,
             )
-            weights[arm] = to_float64(wd)
+            weights[arm] = to_float64(wd[mx.array(cols.astype(np.int32))])
         elif arm == "custom":  # issue 7: kernels.gemv_nvfp4 (M <= 8) / kernels.moe_nvfp4 (one expert)
             paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
             weights[arm] = w_nvfp4
@@ -228,8 +318,9 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             weights[arm] = w_nvfp4
         else:
             raise ValueError(f"qmm: unknown arm {arm!r}")
+    dense.clear()  # the dense arm keeps its own reference; nothing else holds the dequantized copy
 
-    reference = ProductReference(weights)
+    reference = ProductReference(weights, shape=(m, n), rows=rows, cols=None if rows is None else cols)
 
     def make_inputs(gen: np.random.Generator) -> tuple[Any, ...]:
         x = gen.standard_normal((m, k), dtype=np.float32)

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import numpy as np
+    from kernels.checking import Reference
 
 ParamType = type[int] | type[float] | type[str] | type[bool]
 
@@ -184,7 +184,7 @@ class Workload:
 
     arms: dict[str, ArmPath]
     make_inputs: Callable[[Any], tuple[Any, ...]]
-    reference: Callable[..., np.ndarray]  # (arm, *inputs) -> float64 array
+    reference: Callable[..., Reference]  # (arm, *inputs) -> float64 array, or a checked subset of it
     flops: float
     bytes_moved: float
     tokens: int

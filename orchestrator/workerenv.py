@@ -44,13 +44,25 @@ def installable(found: HostProbe, head_python: str) -> bool:
     return found.reachable and found.python == head_python
 
 
+# The MLX backend extra (pyproject.toml) a host's inventory backend needs. ROCm has no MLX wheel
+# on PyPI: such a host keeps the MLX it has (its own build), which pip finds already satisfied.
+BACKEND_EXTRAS = {"cpu": "cpu", "cuda": "cuda", "metal": "metal", "rocm": ""}
+
+
+def install_spec(remote_archive: str, backend: str) -> str:
+    """What pip installs on a host: the archive with the MLX backend extra of its backend."""
+    extra = BACKEND_EXTRAS.get(backend, "")
+    return f"{remote_archive}[{extra}]" if extra else remote_archive
+
+
 def install_worker_packages(host: HostSpec, found: HostProbe, archive: Path) -> None:
-    """Copy the source archive to the host and pip-install it with the host's Python."""
+    """Copy the source archive to the host and pip-install it (with its backend's MLX) with the host's Python."""
     workdir = host.workdir if not host.workdir.startswith("~") else found.home + host.workdir[1:]
     remote = f"{workdir}/{ARCHIVE}"
     with RemoteShell.connect(SshTarget.from_host(host)) as shell:
         shell.mkdir_p(workdir)
         shell.put(archive, remote, mode=0o600)
-        res = shell.run([host.python, "-m", "pip", "install", "--quiet", remote], timeout=PIP_TIMEOUT)
+        spec = install_spec(remote, host.backend)
+        res = shell.run([host.python, "-m", "pip", "install", "--quiet", spec], timeout=PIP_TIMEOUT)
     if not res.ok:
         raise InfrastructureError(f"host {host.name!r}: pip install of orchestrate failed: {res.last_error_line()}")

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kernels.checking import describe as describe_reference
+from kernels.checking import relative_error
 from kernels.registry import ArmPath, Workload
 from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobSpec, RowBuilder
@@ -35,17 +37,6 @@ MAX_CALLS_PER_SAMPLE = 64
 def abba_order(arms: Sequence[str], rep: int) -> list[str]:
     """The arms in the order of repetition `rep`: forward on even, reversed on odd."""
     return list(arms) if rep % 2 == 0 else list(reversed(arms))
-
-
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """||out - ref|| / ||ref|| in float64 (NaN or inf output gives inf)."""
-    out64 = np.asarray(out, dtype=np.float64)
-    if out64.shape != ref.shape:
-        return math.inf
-    if not np.all(np.isfinite(out64)):
-        return math.inf
-    denom = float(np.linalg.norm(ref))
-    return float(np.linalg.norm(out64 - ref) / (denom if denom > 0 else 1.0))
 
 
 def _to_numpy(out: Any) -> np.ndarray:
@@ -142,7 +133,7 @@ def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, .
         status=st,
         error=err,
         route=path.route,
-        extra={"tolerance": repr(path.tolerance)},
+        extra={"tolerance": repr(path.tolerance), "reference_subset": describe_reference(ref)},
     )
     rows.add(arm, "peak_memory_bytes", float(peak), "bytes", status=st, error=err, route=path.route)
     rows.add(arm, "build_seconds", path.build_seconds, "seconds", status=st, error=err, route=path.route)

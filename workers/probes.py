@@ -294,7 +294,6 @@ class CpuQuietProbe:
         return ProbeSample(foreign)
 
 
-
 def probe_for(backend: str, settings: LockSettings) -> GpuUserProbe:
     """The foreign-GPU-user probe for `backend` (cpu, cuda, metal, rocm).
 

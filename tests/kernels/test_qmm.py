@@ -92,7 +92,7 @@ def test_broken_arms_are_over_tolerance() -> None:
     assert rel_error(native(codes, np.roll(scales, 1, axis=0)), ref) > 0.1  # rows have similar scales
     assert rel_error(wl.arms["native"].run(x) * (1 + 2 * tol), ref) > tol
     # the dense arm is checked against the weights it holds, not against the unquantized ones
-    w_true = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    w_true = qmm.weight_draws(n, k, np.random.default_rng(seed))
     dense_unquantized = x @ mx.array(w_true).T
     assert rel_error(dense_unquantized, wl.reference("dense", x)) > 20 * wl.arms["dense"].tolerance
 

@@ -41,7 +41,7 @@ def test_head_and_ray_daemons_are_ours_a_busy_stranger_is_not(tmp_path: Path) ->
     assert got["head"] in got["ours"] and len(got["ours"]) >= 4  # head, raylet, GCS, the task's worker...
     assert got["kfd"] == [stranger.pid]
     assert got["nvidia_smi"] == [stranger.pid]
-    assert stranger.pid in got["cpu"]  # busy at 100 % of a core, over the 20 % threshold
+    assert stranger.pid in got["cpu"]  # spinning: over the 5 % threshold even on a loaded machine
     assert not set(got["cpu"]) & set(got["ours"])  # the spinning head and Ray's daemons are not foreign
 
 
