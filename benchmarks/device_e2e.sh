@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The product end to end on the lent GPU machine, the way the README tells a user to run it: the
+# real CLI with the embedded default (no inventory: `device = "auto"`), for the built-in sweeps
+# smoke, moe-gather and nvfp4-prefill (every case and point), then compare, check and report, and
+# the results packed for `orchestrate import` on another machine.
+#
+# One device call runs at most 10 minutes, so this script is resumable: it runs until its time
+# budget is spent, stopping `orchestrate run` with SIGTERM (which stores what finished and says
+# "interrupted: ...; rerun to resume"), and the next call, while the machine is still up, resumes
+# where it stopped (the results and spool live under /tmp/orchestrate-e2e on that machine). Here:
+#
+#   ../shared/device/stage.sh prepare                 # writes .device/p1..p3
+#   run (carry .device/p1): bash .device/p1/stash.sh
+#   run (carry .device/p2): bash .device/p2/stash.sh
+#   run (carry .device/p3): source .device/p3/install.sh && bash benchmarks/device_e2e.sh "$OUT" 540
+#   ... the last line again until it prints "all sweeps complete" (the machine stays up ~30 s)
+#
+# Writes under OUT: e2e.log (every command and its output), summary-<sweep>.txt (compare, check,
+# phases), report.html, and results.tar.xz (the Parquet fragments: unpack and
+# `orchestrate import` them, or point --results at the unpacked tree). SWEEPS overrides the list.
+set -u
+out=${1:?usage: device_e2e.sh OUT_DIR [SECONDS]}
+budget=${2:-540}
+state=/tmp/orchestrate-e2e
+mkdir -p "$out" "$state"
+export ORCHESTRATE_RESULTS=$state/results ORCHESTRATE_SPOOL=$state/spool PYTHONUNBUFFERED=1
+log=$out/e2e.log
+deadline=$((SECONDS + budget))
+note() { echo "== $*" | tee -a "$log"; }
+
+note "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+note "python3 -m workers device: $(python3 -m workers device 2>&1 | tail -1)"
+complete=1
+for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do
+  left=$((deadline - SECONDS - 45))  # keep time for the reports and the pack
+  if ((left < 60)); then
+    note "no time left for $sweep in this call: run the script again"
+    complete=0
+    break
+  fi
+  note "orchestrate run --sweep $sweep (budget ${left}s)"
+  timeout -s TERM -k 30 "$left" orchestrate run --sweep "$sweep" >"$state/run.out" 2>&1
+  rc=$?
+  cat "$state/run.out" >>"$log"
+  grep -E '^\[|^Run |^sweep |^slowest|^interrupted|not complete|Nothing to do|^[A-Z]+ +' "$state/run.out" | cut -c1-200
+  note "exit $rc"
+  if ((rc == 143 || rc == 124)); then  # stopped by the budget: resumes in the next call
+    complete=0
+    break
+  fi
+  if ((rc == 5)); then  # contended points: measured again by the next call
+    complete=0
+  fi
+done
+
+for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one file per sweep: the reply carries 8 files
+  {
+    echo "== orchestrate compare --sweep $sweep"
+    orchestrate compare --sweep "$sweep" 2>&1
+    echo "== orchestrate check --sweep $sweep"
+    orchestrate check --sweep "$sweep" 2>&1
+    echo "exit $?"
+    echo "== orchestrate phases --sweep $sweep"
+    orchestrate phases --sweep "$sweep" 2>&1
+  } >"$out/summary-$sweep.txt"
+done
+orchestrate report --html "$out/report.html" >>"$log" 2>&1 || note "report failed: $(tail -1 "$log")"
+tar -C "$state" -cJf "$out/results.tar.xz" results 2>>"$log"
+note "packed $(find "$state/results" -name 'part-*.parquet' | wc -l) fragments ($(du -h "$out/results.tar.xz" | cut -f1))"
+((complete)) && note "all sweeps complete" || note "not complete: run the script again while the machine is up"
