@@ -5,8 +5,12 @@
 Overhead per job = (wall time of a sweep of N jobs - the work they measured) / N, where "the work
 they measured" is the sum of every timed sample (seconds x calls per sample). A second figure
 subtracts the workers' whole in-process job time instead (footer `orchestrate.job_seconds`), which
-leaves what the orchestrator itself adds: Ray start, scheduling, the worker subprocess and the
-Parquet write. Each figure is the median of `--rounds` runs, each with fresh results and spool dirs.
+leaves what the orchestrator itself adds: Ray start, scheduling, the worker's process (forked from
+the warm server, or a fresh interpreter) and the Parquet writes. Both include the embedded Ray
+instance's start, shared by the N jobs; the third figure leaves it out: the slope between a sweep
+of N and one of 2N jobs, (wall(2N) - wall(N) - (job time(2N) - job time(N))) / N, is what each
+further job costs. Each figure is the median of `--rounds` runs, each with fresh results and spool
+dirs; a round of N jobs and one of 2N run side by side.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def one_round(sweep: SweepSpec) -> dict[str, float]:
         return {
             "wall": wall,
             "jobs": n,
+            "job_seconds": job_secs,
             "overhead_vs_measured": (wall - measured) / n,
             "overhead_vs_worker": (wall - job_secs) / n,
         }
@@ -77,9 +82,16 @@ def main() -> None:
     os.environ["HOME"] = home
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
-    rounds = [one_round(tiny_sweep(args.jobs)) for _ in range(args.rounds)]
-    for r in rounds:
-        print(f"  round: {r}")
+    rounds, doubled = [], []
+    for _ in range(args.rounds):  # N and 2N side by side, so drift hits both
+        rounds.append(one_round(tiny_sweep(args.jobs)))
+        doubled.append(one_round(tiny_sweep(2 * args.jobs)))
+    for r, d in zip(rounds, doubled, strict=True):
+        print(f"  round: {r}\n  round: {d}")
+    slopes = [
+        ((d["wall"] - r["wall"]) - (d["job_seconds"] - r["job_seconds"])) / args.jobs
+        for r, d in zip(rounds, doubled, strict=True)
+    ]
     print(f"sweep of {args.jobs} jobs: wall median {statistics.median(r['wall'] for r in rounds):.2f} s")
     print(
         f"overhead per job (wall - measured samples)/N: median "
@@ -88,6 +100,10 @@ def main() -> None:
     print(
         f"overhead per job (wall - worker job time)/N: median "
         f"{statistics.median(r['overhead_vs_worker'] for r in rounds):.3f} s"
+    )
+    print(
+        f"overhead per further job, Ray's start left out (slope N -> 2N): median {statistics.median(slopes):.3f} s "
+        f"(rounds: {', '.join(f'{s:.3f}' for s in slopes)})"
     )
     smoke = load_sweep("smoke")
     walls = [one_round(smoke)["wall"] for _ in range(args.smoke_rounds)]
