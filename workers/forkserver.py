@@ -103,6 +103,36 @@ def _preload(modules: tuple[str, ...]) -> None:
 # ------------------------------------------------------------------------------------ the server
 
 
+def _forked_mlx_works(timeout: float = 120.0) -> bool:
+    """Fork a child that runs one small MLX op on the default device; True when it succeeded in time.
+
+    A backend whose import left state a forked child cannot use (a thread, a driver handle) shows
+    here once, at the server's start, instead of as a hung or crashed job.
+    """
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            import mlx.core as mx
+
+            code = 0 if mx.sum(mx.ones((64, 64)) @ mx.ones((64, 64))).item() == 64.0**3 else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
+
+
 def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]) -> None:
     """In the forked child: become the requested process, run its entry, exit. Never returns."""
     code = 1
@@ -154,6 +184,9 @@ def serve(path: str, preload_mlx: bool) -> int:
         opened = device_files_open()
         if opened:  # a forked child could not use a device its parent's import opened
             print(f"unsafe {' '.join(opened)}", flush=True)
+            return 3
+        if not _forked_mlx_works():
+            print("unsafe: MLX failed or hung in a forked child", flush=True)
             return 3
         mlx_note = "mlx preloaded"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,0 +1,133 @@
+"""The warm fork server: jobs forked with imports done, killed on timeout or when their client goes,
+ended with the server's parent; and the Ray task body uses it (phases and rows say so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO, child_env
+from workers import forkserver
+from workers.contract import META_PHASES, JobSpec, LockSettings
+from workers.processes import pid_alive
+from workers.task import execute_job, job_env
+
+pytestmark = pytest.mark.slow
+
+
+def _job(tmp_path: Path, reps: int = 3, n: int = 64) -> JobSpec:
+    return JobSpec(
+        run_id="run1", sweep="fork", job_key=f"k{reps}", case="qmm", case_name="qmm",
+        params={"tokens": 16, "n": n, "k": n, "dtype": "float32"}, arms=["native"], device="cpu",
+        repetitions=reps, warmup=0, lock=LockSettings(path=str(tmp_path / "gpu.lock"), cpu_busy_threshold=1e9),
+        spool_dir=str(tmp_path / "spool"),
+    )  # fmt: skip
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server() -> forkserver.ForkServer:
+    srv = forkserver.ForkServer.start(job_env())
+    yield srv
+    srv.close()
+
+
+def test_a_forked_child_runs_an_entry_with_its_env(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    assert server.note == "mlx preloaded"  # MLX's CPU backend forks safely: the server checked it
+    out = tmp_path / "out.txt"
+    with out.open("wb") as fh:
+        code, how = forkserver.run_entry(
+            "workers", ["device"], env={}, changes={"MLX_SOMETHING": "1"}, stdout=fh.fileno(), stderr=fh.fileno(),
+            timeout=60, server=server,
+        )  # fmt: skip
+    assert code == 0 and how.startswith("forked from a warm server (mlx preloaded")
+    assert json.loads(out.read_text().strip().splitlines()[-1]) == {"device": "cpu", "backend": "cpu"}
+
+
+def test_a_timeout_kills_the_child(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(_job(tmp_path, reps=100000, n=512).model_dump_json())
+    with (tmp_path / "log").open("wb") as fh:
+        proc = server.spawn("workers", ["run", str(job), "--out", str(tmp_path / "o.parquet")], env={},
+                            stdout=fh.fileno(), stderr=fh.fileno())  # fmt: skip
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)
+        assert pid_alive(proc.pid)
+        proc.kill()
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert _gone(proc.pid)
+
+
+def test_a_client_that_goes_away_takes_its_child_with_it(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(_job(tmp_path, reps=100000, n=512).model_dump_json())
+    with (tmp_path / "log").open("wb") as fh:
+        proc = server.spawn("workers", ["run", str(job), "--out", str(tmp_path / "o.parquet")], env={},
+                            stdout=fh.fileno(), stderr=fh.fileno())  # fmt: skip
+    time.sleep(0.5)
+    assert pid_alive(proc.pid)
+    proc._conn.close()  # the Ray worker that asked for it died
+    assert _gone(proc.pid)
+
+
+def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from workers.forkserver import ForkServer; "
+         "s = ForkServer.start({**__import__('os').environ}, preload_mlx=False); print(s.proc.pid, flush=True); "
+         "time.sleep(600)"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    assert pid_alive(pid)
+    parent.kill()
+    parent.wait()
+    assert _gone(pid)
+
+
+def test_device_files_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forkserver, "DEVICE_FILES", ("/dev/null",))
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        assert "/dev/null" in forkserver.device_files_open()
+    finally:
+        os.close(fd)
+
+
+def test_the_ray_task_body_forks_the_job_and_records_its_phases(tmp_path: Path) -> None:
+    table = execute_job(_job(tmp_path).model_dump_json())
+    meta = table.schema.metadata or {}
+    assert meta[b"orchestrate.job_status"] == b"ok"
+    phases = json.loads(meta[META_PHASES])
+    assert phases["process"].startswith("forked from a warm server")
+    for name in ("worker_start", "fingerprint", "build", "reference", "warmup", "timed", "other", "task_overhead"):
+        assert phases[name] >= 0, name
+    assert phases["worker_start"] < 5.0  # a fork, not an interpreter's start-up and imports
+    inside = sum(v for k, v in phases.items() if k not in ("worker_start", "task_overhead", "spool_read", "process"))
+    assert inside == pytest.approx(float(meta[b"orchestrate.job_seconds"]), rel=0.02)
+    spooled = next((tmp_path / "spool").rglob("part-*.parquet"))
+    assert pq.read_table(spooled).num_rows == table.num_rows  # the host's copy, kept until the head stores it
+
+
+def test_fresh_interpreters_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORCHESTRATE_FRESH_INTERPRETERS", "1")
+    table = execute_job(_job(tmp_path).model_dump_json())
+    phases = json.loads((table.schema.metadata or {})[META_PHASES])
+    assert phases["process"] == "fresh interpreter"
+    assert table.num_rows > 0
