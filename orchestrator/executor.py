@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from types import FrameType
@@ -172,6 +173,7 @@ class RayExecutor:
         from workers.task import execute_job
 
         remote = ray.remote(execute_job)
+        head = f"{socket.gethostname()}:{os.getpid()}"  # the jobs' probes know this process as ours
         pending: dict[Any, JobSpec] = {}
         for job in jobs:
             ref = remote.options(
@@ -180,7 +182,7 @@ class RayExecutor:
                 num_cpus=0,
                 max_retries=3,  # a lost node: Ray retries on another live node of the same kind
                 name=f"{job.case_name}:{job.job_key}",
-            ).remote(job.model_dump_json(), self.job_timeout)
+            ).remote(job.model_dump_json(), self.job_timeout, head)
             pending[ref] = job
         while pending:
             self._signals.check()

@@ -10,10 +10,13 @@ busy, and is not ours. Ours, on a host, are exactly:
   and all its descendants: GCS, the dashboard and its agents, the log monitor, the raylet and its
   worker processes. The raylet is found through `RAY_RAYLET_PID`, which Ray sets in every worker
   it starts and which the job's process inherits. A raylet whose parent is an init process
-  (pid 1, a daemonised `ray start`) roots the tree itself, and the node's other daemons are
-  recognised by the Ray session directory they were started with (`--session-dir`, `--log_dir`),
-  which the raylet's own command line names;
-* the head of an embedded run, named by `ORCHESTRATE_HEAD_PID`, when it is an ancestor of the raylet.
+  (pid 1, a daemonised `ray start`) roots the tree itself;
+* every daemon of our Ray cluster on this host, the head's and other nodes' included: they are
+  started with the cluster's session (`/tmp/ray/session_<date>_<pid>`, one name for every node of
+  a cluster) in their command line, which the raylet's own command line names;
+* the head, named by `ORCHESTRATE_HEAD` (`host:pid`, set by the head for its tasks) when this is
+  its host, or by `ORCHESTRATE_HEAD_PID` (an embedded run's head) when it is an ancestor of the
+  raylet.
 
 Anything else is foreign, whatever its name: a process called `raylet` outside our node's tree and
 session is still a foreign user.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,8 +34,9 @@ from dataclasses import dataclass
 from workers.processes import is_descendant, parent_pid
 
 RAYLET_ENV = "RAY_RAYLET_PID"
-HEAD_ENV = "ORCHESTRATE_HEAD_PID"
-_SESSION_RE = re.compile(rb"(/[^\s\x00]*?/session_\d{4}-\d{2}-\d{2}_[0-9_-]+)")
+HEAD_ENV = "ORCHESTRATE_HEAD_PID"  # an embedded run's head (an ancestor of its raylet)
+HEAD_AT_ENV = "ORCHESTRATE_HEAD"  # `hostname:pid` of the head, for its tasks on any host
+_SESSION_RE = re.compile(rb"/(session_\d{4}-\d{2}-\d{2}_[0-9_-]+)")
 
 # pid -> (parent pid, CPU seconds, name): a process-table snapshot (`workers.probes.cpu_times`)
 ProcessTable = Mapping[int, tuple[int, float, str]]
@@ -52,7 +57,8 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _session_dir(pid: int) -> bytes | None:
+def _session(pid: int) -> bytes | None:
+    """The Ray session name (`session_2026-12-01_09-13-42_606965_29842`) a process was started with."""
     match = _SESSION_RE.search(_cmdline(pid))
     return match.group(1) if match else None
 
@@ -63,11 +69,11 @@ class OwnProcesses:
 
     Attributes:
         roots: Processes whose descendants (and themselves) are ours.
-        session_dir: The Ray session directory of the job's node, or None outside Ray.
+        session: The Ray session name of the job's cluster, or None outside Ray.
     """
 
     roots: tuple[int, ...]
-    session_dir: bytes | None = None
+    session: bytes | None = None
 
     def contains(self, pid: int, table: ProcessTable | None = None) -> bool:
         """Whether `pid` is one of ours (a root, a descendant of a root, or a daemon of our Ray session)."""
@@ -75,7 +81,7 @@ class OwnProcesses:
             return True
         if any(_descends(pid, root, table) for root in self.roots):
             return True
-        return self.session_dir is not None and _session_dir(pid) == self.session_dir
+        return self.session is not None and _session(pid) == self.session
 
 
 def _descends(pid: int, root: int, table: ProcessTable | None) -> bool:
@@ -100,13 +106,16 @@ def own_processes(job_root: int) -> OwnProcesses:
     session: bytes | None = None
     raylet = _env_pid(RAYLET_ENV)
     if raylet is not None and is_descendant(os.getpid(), raylet):
-        session = _session_dir(raylet)
+        session = _session(raylet)
         parent = parent_pid(raylet)
         # a node started by `ray start --block` or by an embedded head: its starter roots the tree
         roots.append(parent if parent is not None and parent > 1 and not _is_init(parent) else raylet)
         head = _env_pid(HEAD_ENV)
         if head is not None and is_descendant(raylet, head):
             roots.append(head)
+    host, _, pid = os.environ.get(HEAD_AT_ENV, "").rpartition(":")
+    if host == socket.gethostname() and pid.isdigit() and int(pid) > 1:
+        roots.append(int(pid))
     return OwnProcesses(tuple(dict.fromkeys(roots)), session)
 
 

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from workers import forkserver
 from workers.contract import META_PHASES, JobSpec, LockSettings, failed_job_table
+from workers.own_processes import HEAD_AT_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
@@ -118,9 +119,15 @@ def log_tail(path: Path, limit: int = TAIL_BYTES) -> str:
         return ""
 
 
-def execute_job(job_json: str, timeout: float | None = None) -> pa.Table:
-    """Run one job (JSON of a `JobSpec`) in its own process and return its rows as an Arrow table."""
+def execute_job(job_json: str, timeout: float | None = None, head: str | None = None) -> pa.Table:
+    """Run one job (JSON of a `JobSpec`) in its own process and return its rows as an Arrow table.
+
+    `head` (`hostname:pid`) names the head that submitted it, which the job's GPU-user probes then
+    know as one of ours (`workers.own_processes`).
+    """
     t0 = time.perf_counter()
+    if head:
+        os.environ[HEAD_AT_ENV] = head
     job = localise(JobSpec.model_validate_json(job_json))
     spool = spool_dir(job)
     job_file = spool / f"{job.job_key}.json"

@@ -52,7 +52,7 @@ def test_a_process_outside_every_root_is_foreign_whatever_its_name(tmp_path: Pat
     # started through a shell that exits at once: it is reparented away from this test's tree
     pid = int(subprocess.run(["sh", "-c", f"{fake} >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout)
     try:
-        own = OwnProcesses(roots=(os.getpid(),), session_dir=b"/tmp/ray/session_2026-12-01_00-00-00_000000_1")
+        own = OwnProcesses(roots=(os.getpid(),), session=b"session_2026-12-01_00-00-00_000000_1")
         assert not own.contains(pid)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
@@ -67,5 +67,41 @@ def test_a_process_outside_every_root_is_foreign_whatever_its_name(tmp_path: Pat
 def test_outside_ray_only_the_job_tree_is_ours(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
     own = own_processes(os.getpid())
-    assert own.roots == (os.getpid(),) and own.session_dir is None
+    assert own.roots == (os.getpid(),) and own.session is None
     assert not own.contains(os.getppid())  # whoever started us is not ours
+
+
+def _stranger(tmp_path: Path, *args: str) -> int:
+    """A sleeping process outside this test's tree (its shell exits at once), with `args` in its command line."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    quoted = " ".join(f"'{a}'" for a in args)
+    out = subprocess.run(["sh", "-c", f"{sys.executable} {script} {quoted} >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True)  # fmt: skip
+    return int(out.stdout)
+
+
+def test_daemons_of_our_ray_session_are_ours_on_any_node(tmp_path: Path) -> None:
+    """A head or another node on this host runs its daemons under the cluster's one session name."""
+    ours = _stranger(tmp_path, "--log_dir=/var/tmp/node-b/session_2026-12-01_10-00-00_123456_42/logs")
+    other = _stranger(tmp_path, "--log_dir=/tmp/ray/session_2026-12-01_11-11-11_654321_7/logs")
+    try:
+        own = OwnProcesses(roots=(os.getpid(),), session=b"session_2026-12-01_10-00-00_123456_42")
+        assert own.contains(ours)
+        assert not own.contains(other)  # another cluster's Ray on the same host is foreign
+    finally:
+        os.kill(ours, 9)
+        os.kill(other, 9)
+
+
+def test_the_head_named_for_this_host_is_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    head = _stranger(tmp_path)
+    try:
+        monkeypatch.setenv("ORCHESTRATE_HEAD", f"{socket.gethostname()}:{head}")
+        assert own_processes(os.getpid()).contains(head)
+        monkeypatch.setenv("ORCHESTRATE_HEAD", f"another-host.example:{head}")  # the same pid elsewhere
+        assert not own_processes(os.getpid()).contains(head)
+    finally:
+        os.kill(head, 9)
