@@ -137,6 +137,12 @@ def device_order(table: pa.Table, devices: set[str], spec: SweepSpec | None) -> 
     return sorted(devices, key=lambda d: (listed.index(d) if d in listed else len(listed), backends.get(d) == "cpu", d))
 
 
+def case_order(result: CompareResult, spec: SweepSpec | None) -> list[str]:
+    """The cases in the sweep file's order, then any others by name."""
+    listed = [entry.label for entry in spec.cases] if spec is not None else []
+    return sorted(result.varying, key=lambda c: (listed.index(c) if c in listed else len(listed), c))
+
+
 def _about(table: pa.Table, device: str) -> str:
     """`NVIDIA H200, cuda backend, MLX 0.32.4, host h200-1`: what one device's rows were measured on."""
     rows = table.filter(pc.equal(table["device"], device)).select(["backend", "gpu", "cpu", "hostname", "mlx_version"])
@@ -152,6 +158,7 @@ def _device_view(
     device: str,
     about: str,
     result: CompareResult,
+    cases: list[str],
     verdicts: list[CriterionVerdict],
     axes: CaseAxes,
     styles: ArmStyles,
@@ -166,7 +173,7 @@ def _device_view(
         view.headline = ratio_chart(title, panels, styles, uid=uid(), cols=4, size=(3.3, 1.95)) if panels else None
     elif verdicts:
         view.headline_note = "No criterion of the sweep applies to this device."
-    for case in result.varying:
+    for case in cases:
         if not any(r.case_name == case and r.dims.get("device") == device for r in result.rows):
             continue
         bounds: dict[str, list[Bound]] = defaultdict(list)
@@ -234,11 +241,17 @@ def sweep_view(
         return view
     baseline = default_baseline(order, spec.baseline if spec else None)
     result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
+    rank = {arm: i for i, arm in enumerate(order)}
+    for case, sides in result.case_sides.items():  # the sweep's order of arms, its baseline first
+        result.case_sides[case] = [sides[0], *sorted(sides[1:], key=lambda s: rank.get(s, len(rank)))]
+    cases = case_order(result, spec)
     baselines = {result.baseline_of(c) for c in result.varying} | {v.baseline for v in verdicts}
     styles = ArmStyles(order, baselines)
     axes = CaseAxes(result)
     devices = device_order(table, {r.dims["device"] for r in result.rows}, spec)
-    view.devices = [_device_view(d, _about(table, d), result, verdicts, axes, styles, threshold, uid) for d in devices]
+    view.devices = [
+        _device_view(d, _about(table, d), result, cases, verdicts, axes, styles, threshold, uid) for d in devices
+    ]
     if verdicts and len(devices) > 1:
         view.overview = overview_table(verdicts, devices)
     view.left_out = legend(result)

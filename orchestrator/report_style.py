@@ -197,7 +197,7 @@ def plain_numbers(ax: Axes) -> None:
 def svg_markup(fig: Figure, *, title: str, uid: str) -> Markup:
     """The figure as an inline `<svg>` element with a `<title>`; every id prefixed with `uid`."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight", pad_inches=0.05)
+    fig.savefig(buf, format="svg", metadata={"Date": None})
     text = buf.getvalue().decode()
     text = text[text.index("<svg") :]
     text = re.sub(r"\s*<metadata>.*?</metadata>", "", text, flags=re.S)

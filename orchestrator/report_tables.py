@@ -215,7 +215,8 @@ def cross_table(rows: list[CrossDeviceRow], styles: ArmStyles) -> TableView:
             if cell.fraction is None:
                 cells.append(Cell(f"{value} (no measured peak)", "num"))
                 continue
-            text = f"{value}: {cell.fraction:.0%} of {format_value(r.metric, cell.peak or math.nan)}"
+            share = f"{cell.fraction:.0%}" if cell.fraction >= 0.1 else f"{cell.fraction:.1%}"
+            text = f"{value}: {share} of {format_value(r.metric, cell.peak or math.nan)}"
             cls = "num"
             if cell.fraction > 1:
                 cls += " warn"
