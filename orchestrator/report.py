@@ -118,6 +118,7 @@ class SweepView:
     no_clean: bool = False
     criteria: TableView | None = None  # only when nothing is clean: the verdicts, all devices together
     overview: TableView | None = None  # several devices: criteria down, devices across
+    warnings: list[str] = field(default_factory=list)  # shown at the top
 
 
 def _slug(text: str) -> str:
@@ -199,8 +200,19 @@ def _device_view(
 
 
 def _cross_views(table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list[str], resamples: int,
-                 uid: Callable[[], str]) -> list[CrossView]:  # fmt: skip
+                 uid: Callable[[], str]) -> tuple[list[CrossView], list[str]]:  # fmt: skip
+    """The device-by-device view per case, and a warning per device with a share above 100 %."""
     rows = cross_device(table, resamples=resamples)
+    over: dict[str, int] = defaultdict(int)
+    for r in rows:
+        for device, cell in r.cells.items():
+            over[device] += cell.fraction is not None and cell.fraction > 1
+    warnings = [
+        f"{device}: {n} rate{'s' if n > 1 else ''} above 100 % of the device's measured peak. Its peak probe is "
+        "wrong (taken while the machine was busy, or too weak), so its shares of peak cannot be trusted."
+        for device, n in sorted(over.items())
+        if n
+    ]
     out = []
     for case in dict.fromkeys(r.case_name for r in rows):
         mine = [r for r in rows if r.case_name == case]
@@ -210,7 +222,7 @@ def _cross_views(table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list
         title = f"{case}: {what}, each arm's rate as a share of the device's own measured peak"
         chart = share_chart(title, panels, styles, uid=uid()) if panels else None
         out.append(CrossView(case, chart, cross_table(mine, styles)))
-    return out
+    return out, warnings
 
 
 def sweep_view(
@@ -246,7 +258,7 @@ def sweep_view(
         result.case_sides[case] = [sides[0], *sorted(sides[1:], key=lambda s: rank.get(s, len(rank)))]
     cases = case_order(result, spec)
     baselines = {result.baseline_of(c) for c in result.varying} | {v.baseline for v in verdicts}
-    styles = ArmStyles(order, baselines)
+    styles = ArmStyles(order, baselines, [result.sides_of(c) for c in result.varying])
     axes = CaseAxes(result)
     devices = device_order(table, {r.dims["device"] for r in result.rows}, spec)
     view.devices = [
@@ -255,7 +267,7 @@ def sweep_view(
     if verdicts and len(devices) > 1:
         view.overview = overview_table(verdicts, devices)
     view.left_out = legend(result)
-    view.cross = _cross_views(table, axes, styles, order, resamples, uid)
+    view.cross, view.warnings = _cross_views(table, axes, styles, order, resamples, uid)
     view.history = history_view(history, styles, uid, anchor=f"{view.anchor}-history")
     if view.history is not None:
         for device in view.devices:

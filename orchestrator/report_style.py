@@ -104,20 +104,32 @@ class ArmStyle:
 
 
 class ArmStyles:
-    """The report's fixed `{arm: style}` map: built once from every arm, in the sweep's order."""
+    """The report's fixed `{arm: style}` map: built once from every arm, in the sweep's order.
 
-    def __init__(self, arms: Iterable[str], baselines: Iterable[str]) -> None:
+    Arms that share a case (a chart) never share a style: each arm takes the first palette colour
+    (then dash) that no arm of its cases holds yet, so arms of different cases may reuse a colour
+    and a case of up to seven compared arms gets seven distinct colours.
+    """
+
+    def __init__(self, arms: Iterable[str], baselines: Iterable[str], cases: Iterable[Iterable[str]] = ()) -> None:
         self.baselines = set(baselines)
         self.styles: dict[str, ArmStyle] = {}
-        i = 0
+        together: dict[str, set[str]] = {}
+        for group in cases:
+            members = set(group)
+            for arm in members:
+                together.setdefault(arm, set()).update(members - {arm})
+        choices = [(c, d) for d in range(len(DASHES)) for c in range(len(PALETTE))]
+        taken: dict[str, int] = {}
         for arm in dict.fromkeys(arms):
             if arm in self.baselines:
                 self.styles[arm] = ArmStyle(BASELINE_COLOUR, "s", "--", baseline=True)
                 continue
-            self.styles[arm] = ArmStyle(
-                PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)], DASHES[(i // len(PALETTE)) % len(DASHES)]
-            )
-            i += 1
+            used = {taken[other] for other in together.get(arm, ()) if other in taken}
+            k = next((i for i in range(len(choices)) if i not in used), len(taken) % len(choices))
+            taken[arm] = k
+            colour, dash = choices[k]
+            self.styles[arm] = ArmStyle(PALETTE[colour], MARKERS[k % len(MARKERS)], DASHES[dash])
 
     def __getitem__(self, arm: str) -> ArmStyle:
         return self.styles[arm]
@@ -134,6 +146,7 @@ class XAxis:
     label: str
     values: tuple[float, ...]
     kind: str  # "category", "log" or "linear"
+    names: tuple[str, ...] = ()  # tick labels of a category axis (default: the values)
 
     def pos(self, x: float, slot: int = 0, slots: int = 1) -> float:
         """Where a point of series `slot` of `slots` goes: dodged around its x value."""
@@ -150,7 +163,7 @@ class XAxis:
 
     def apply(self, ax: Axes) -> None:
         """Scale, ticks and label of the axis on `ax`."""
-        ticks = [f"{v:g}" for v in self.values]
+        ticks = list(self.names) or [f"{v:g}" for v in self.values]
         if self.kind == "category":
             ax.xaxis.set_major_locator(FixedLocator(list(range(len(self.values)))))
             ax.set_xticklabels(ticks)
@@ -166,7 +179,9 @@ class XAxis:
 def x_axis(param: str | None, values: Iterable[float]) -> XAxis:
     """The axis for a parameter's values (see the module docstring); None: one unnamed point."""
     vals = tuple(sorted(set(values)))
-    label = X_LABELS.get(param, param) if param else "point"
+    if param is None:  # no numeric parameter varies: every point at one place, told apart by the legend
+        return XAxis("point (no numeric parameter varies)", (0.0,), "category", ("all points",))
+    label = X_LABELS.get(param, param)
     if len(vals) < 3:
         return XAxis(label, vals or (0.0,), "category")
     if vals[0] > 0 and all(b / a >= 1.5 for a, b in itertools.pairwise(vals)):
@@ -241,8 +256,9 @@ def chart(
             for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(label, handle)
         fig.suptitle(title, fontsize=10).set_gid("suptitle")
-        legend = fig.legend(
-            list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 5) or 1
-        )
+        # As many legend columns as fit the figure's width (a wider legend would be cut off).
+        widest = max((0.55 + 0.062 * len(label) for label in handles), default=1.0)
+        ncols = max(1, min(len(handles), int(fig.get_figwidth() / widest), 6))
+        legend = fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=ncols)
         legend.set_gid("legend")
         return svg_markup(fig, title=title, uid=uid)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from orchestrator.report import build_report, write_report
-from orchestrator.report_style import BASELINE_COLOUR, PALETTE, x_axis
+from orchestrator.report_style import BASELINE_COLOUR, PALETTE, ArmStyles, x_axis
 from orchestrator.specs import SweepSpec
 from orchestrator.store import ResultStore
 from tests.conftest import child_env
@@ -170,11 +170,24 @@ def test_one_colour_per_arm_across_every_chart_and_the_baseline_black(three_arm_
     assert f'background: {native.upper()}"></span>native' in doc.replace(native.lower(), native.upper())
 
 
+def test_arms_of_one_case_never_share_a_style_and_each_arm_keeps_one() -> None:
+    qmm = ["native", "affine", "dequant-gemm", "dense", "custom", "custom-ksplit", "auto", "extra"]
+    moe = ["affine-sorted", "native-sorted", "native-unsorted", "custom-sorted"]
+    styles = ArmStyles([*qmm, *moe], {"affine", "affine-sorted"}, [qmm, moe])
+    for case in (qmm, moe):
+        compared = [styles[a] for a in case if not styles[a].baseline]
+        assert len({(s.colour, s.linestyle) for s in compared}) == len(compared)
+    assert len({styles[a].colour for a in qmm if a != "affine"}) == 7  # seven colours before a dash repeats one
+    assert styles["affine"] == styles["affine-sorted"] and styles["affine"].colour == BASELINE_COLOUR
+    assert styles["native-sorted"].colour == styles["native"].colour  # another case may reuse a colour
+
+
 def test_axes_categorical_below_three_values_log_where_lengths_double(two_device_doc: str) -> None:
     assert x_axis("tokens", [32.0]).kind == "category"
     assert x_axis("tokens", [512.0, 4096.0]).kind == "category"
     assert x_axis("prompt_tokens", [512.0, 1024.0, 2048.0, 4096.0]).kind == "log"
     assert x_axis("n", [1.0, 2.0, 3.0, 4.0]).kind == "linear"
+    assert x_axis(None, [0.0]).names == ("all points",)  # not a meaningless `0` on the axis
     one = x_axis("tokens", [32.0])
     assert one.pos(32.0, 0, 2) < one.pos(32.0, 1, 2)  # two arms at one x are dodged apart
     assert abs(one.pos(32.0, 0, 2) - one.pos(32.0, 1, 2)) < 0.5  # and stay within their category
@@ -218,6 +231,8 @@ def test_shares_above_the_measured_peak_are_warned(two_device_doc: str) -> None:
     doc = report(two_device_rows(cpu_peak_gb=0.05))  # a probe taken on a busy machine: 40x too low
     assert re.search(r'<td class="num warn">[\d.]+ GB/s: \d{4}% of 0\.05000</td>', doc)
     assert "which is impossible: that device's peak probe is wrong" in html.unescape(doc)
+    top = html.unescape(doc[: doc.index("<section")])  # warned at the top too, before any section
+    assert "cpu: 6 rates above 100 % of the device's measured peak. Its peak probe is wrong" in top
     share = by_suptitle(charts(doc), "each arm's rate as a share")
     assert any(p.title.endswith("(above 100 %!)") for p in share.panels)
     assert "above 100 %: the peak probe is wrong" in [e.label for e in share.legend]
