@@ -79,7 +79,9 @@ def format_value(metric: str, value: float) -> str:
             if abs(value) >= scale:
                 return f"{value / scale:.2f} {unit}"
         return f"{value:.0f} B"
-    if metric == "seconds" or metric.endswith("_seconds"):
+    if metric == "load_seconds" or metric.endswith("_seconds"):
+        return f"{value:.1f}s"
+    if metric == "seconds":
         if value >= 1:
             return f"{_digits(value, 3)} s"
         return f"{_digits(value * 1e3, 3)} ms" if value >= 1e-3 else f"{_digits(value * 1e6, 3)} us"

@@ -66,7 +66,13 @@ MODEL = {
         "native": {"prefill_tok_s": 32_530, "decode_tok_s": 390, "peak_memory_bytes": 6.19e9, "load_seconds": 0.61},
     },
 }
-UNITS = {"prefill_tok_s": "tok/s", "decode_tok_s": "tok/s", "peak_memory_bytes": "bytes", "load_seconds": "seconds"}
+UNITS = {
+    "prefill_tok_s": "tok/s",
+    "decode_tok_s": "tok/s",
+    "peak_memory_bytes": "bytes",
+    "load_seconds": "seconds",
+    "seconds": "seconds",
+}
 
 
 def _job(spec: SweepSpec, case: str, params: dict[str, Any], arms: list[str]) -> RowBuilder:
@@ -119,21 +125,13 @@ def _qmm(spec: SweepSpec) -> list[pa.Table]:
     return out
 
 
-def _mlp(spec: SweepSpec) -> list[pa.Table]:
+def _jobs(
+    spec: SweepSpec, case: str, length_param: str, data: dict[int, dict[str, dict[str, float]]]
+) -> list[pa.Table]:
+    """One job per length: `data[length][arm][metric]` as one sample each."""
     out = []
-    for tokens, arms in MLP_PREFILL.items():
-        rows = _job(spec, "mlp", _point(spec, "mlp", "tokens", tokens), list(arms))
-        for arm, tok_s in arms.items():
-            rows.add(arm, "seconds", tokens / tok_s, "seconds", sample=0)
-            rows.add(arm, "prefill_tok_s", float(tok_s), "tok/s", sample=0)
-        out.append(_with_peaks(rows.table("ok")))
-    return out
-
-
-def _model(spec: SweepSpec) -> list[pa.Table]:
-    out = []
-    for prompt, arms in MODEL.items():
-        rows = _job(spec, "model", _point(spec, "model", "prompt_tokens", prompt), list(arms))
+    for length, arms in data.items():
+        rows = _job(spec, case, _point(spec, case, length_param, length), list(arms))
         for arm, metrics in arms.items():
             for metric, value in metrics.items():
                 rows.add(arm, metric, float(value), UNITS[metric], sample=0)
@@ -144,4 +142,10 @@ def _model(spec: SweepSpec) -> list[pa.Table]:
 def h200_rows() -> tuple[pa.Table, SweepSpec]:
     """BENCHMARKS.md's H200 numbers of the first seed's sweep as rows, with that sweep's spec."""
     spec = load_sweep("nvfp4-prefill")
-    return concat([*_qmm(spec), *_mlp(spec), *_model(spec)]), spec
+    mlp = {
+        tokens: {arm: {"prefill_tok_s": v, "seconds": tokens / v} for arm, v in arms.items()}
+        for tokens, arms in MLP_PREFILL.items()
+    }
+    return concat(
+        [*_qmm(spec), *_jobs(spec, "mlp", "tokens", mlp), *_jobs(spec, "model", "prompt_tokens", MODEL)]
+    ), spec

@@ -437,3 +437,15 @@ def test_a_sweep_without_clean_rows_still_reports_why() -> None:
     assert "No clean samples" in doc and "<svg" not in doc
     assert "MISSING qmm tokens=4096: native contended; affine contended" in doc
     assert '<td class="verdict AMBIGUOUS">AMBIGUOUS</td><td class="">native prefill within 3 % of affine' in doc
+
+
+def test_one_precision_in_a_column_trailing_zeros_kept() -> None:
+    from orchestrator.compare_render import format_value
+
+    assert [format_value("seconds", v) for v in (8e-3, 7.75e-3, 418e-6, 1.5)] == [
+        "8.00 ms",
+        "7.75 ms",
+        "418 us",
+        "1.50 s",
+    ]
+    assert [format_value("gb_per_s", v) for v in (4.0, 1.838)] == ["4.000", "1.838"]
