@@ -193,10 +193,21 @@ def axis_unit(metric: str, values: Iterable[float]) -> tuple[float, str]:
     """(divisor, unit) for a metric's axis, the unit the report's formatter prints for the largest value."""
     finite = [abs(v) for v in values if math.isfinite(v)]
     if finite:
-        m = re.search(r"([A-Za-zµ]+)$", format_value(metric, max(finite)))
+        m = re.search(r"(?:^|[\d\s])([A-Za-zµ]+)$", format_value(metric, max(finite)))  # `2.07 GB`, `0.7s`
         if m and m.group(1) in UNIT_DIVISORS:
             return UNIT_DIVISORS[m.group(1)], m.group(1)
     return 1.0, UNITS.get(metric, "")
+
+
+def with_unit(metric: str, value: float | None) -> str:
+    """The formatter's text for a value, with the metric's unit where the formatter leaves it out (rates)."""
+    if value is None:
+        return "-"
+    text = format_value(metric, value)
+    unit = UNITS.get(metric, "")
+    if not unit or unit in ("B", "s", "dimensionless") or text == "-" or text.endswith(unit):
+        return text
+    return f"{text} {unit}"
 
 
 def axis_label(metric: str, unit: str) -> str:

@@ -23,7 +23,7 @@ from orchestrator.compare_render import (
     shown_metrics,
 )
 from orchestrator.criteria import CriterionVerdict, Outcome, PointResult, bound_text
-from orchestrator.report_style import UNITS, ArmStyles
+from orchestrator.report_style import ArmStyles, with_unit
 from orchestrator.stats import Point
 
 FINGERPRINT_COLUMNS = (
@@ -210,8 +210,7 @@ def cross_table(rows: list[CrossDeviceRow], styles: ArmStyles) -> TableView:
             if cell is None:
                 cells.append(Cell("-", "num"))
                 continue
-            unit = UNITS.get(r.metric, "")
-            value = f"{format_value(r.metric, cell.summary.median)} {unit}"
+            value = with_unit(r.metric, cell.summary.median)
             if cell.fraction is None:
                 cells.append(Cell(f"{value} (no measured peak)", "num"))
                 continue
@@ -249,8 +248,6 @@ def hosts_table(table: pa.Table) -> TableView:
             else:
                 cells.append(Cell("" if value is None else str(value), "num" if c in NUMERIC_FINGERPRINT else ""))
         for metric, col in (("gb_per_s", "peak_copy_gb_s"), ("tflop_per_s", "peak_tflop_s")):
-            unit = "GB/s" if metric == "gb_per_s" else "TFLOP/s"
-            value = row[col]
-            cells.append(Cell(f"{format_value(metric, value)} {unit}" if value else "not measured", "num"))
+            cells.append(Cell(with_unit(metric, row[col]) if row[col] else "not measured", "num"))
         seen[fid] = cells
     return TableView(heads, list(seen.values()), "hosts")
