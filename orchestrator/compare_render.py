@@ -65,8 +65,13 @@ def ratio_label(metric: str) -> tuple[str, bool]:
     return RATIO_LABELS.get(metric, (f"{metric_label(metric)} ratio", False))
 
 
+def _digits(value: float, n: int) -> str:
+    """`n` significant digits with their trailing zeros (`8.00 ms` beside `7.75 ms`), no dangling point."""
+    return f"{value:#.{n}g}".rstrip(".")
+
+
 def format_value(metric: str, value: float) -> str:
-    """A metric's value in the seeds' units: tok/s with 2 decimals, GB, seconds, ms, else 4 digits."""
+    """A metric's value in the seeds' units: tok/s with 2 decimals, GB, s/ms/us, else 4 significant digits."""
     if value is None or not math.isfinite(value):
         return "-"
     if metric.endswith("_bytes"):
@@ -77,12 +82,14 @@ def format_value(metric: str, value: float) -> str:
     if metric == "load_seconds" or metric.endswith("_seconds"):
         return f"{value:.1f}s"
     if metric == "seconds":
-        return f"{value * 1e3:.3g} ms" if value >= 1e-3 else f"{value * 1e6:.3g} us"
+        if value >= 1:
+            return f"{_digits(value, 3)} s"
+        return f"{_digits(value * 1e3, 3)} ms" if value >= 1e-3 else f"{_digits(value * 1e6, 3)} us"
     if metric == "rel_error":
         return f"{value:.1e}"
     if abs(value) >= 100 or metric.endswith("_tok_s"):
         return f"{value:.2f}"
-    return f"{value:.4g}"
+    return _digits(value, 4)
 
 
 def verdict_label(verdict: Verdict, metric: str) -> str:

@@ -1,261 +1,278 @@
-"""`orchestrate report --html FILE`: one self-contained HTML file that answers the seeds.
+"""`orchestrate report --html FILE`: one self-contained HTML file, the sweep's answer for a person.
 
-Sections: the criteria verdicts; the comparison table; per device and case, each metric against
-the prompt length per arm with confidence bands and the gap chart; achieved bandwidth and FLOP
-rate as a share of each device's measured peak; the host fingerprints. Plots are matplotlib SVGs
-embedded as `data:` URIs; there is no script and no external resource, so the file opens
-anywhere, offline, as it is.
+In the order a reader needs it, per sweep and, inside it, per device:
+
+1. the headline: the sweep's acceptance criteria with their verdicts on that device, then one
+   chart of the main comparison (each criterion's arm against the baseline along the prompt
+   length, with intervals and the criterion's bound; without criteria, the first case's first
+   compared metric);
+2. the details, per case: a table with one row per point and arm (medians, ratios with their
+   intervals and coloured verdicts), each metric against x per arm, the gap chart;
+3. the device-by-device view: per arm, every device's bandwidth and FLOP rate as a share of its
+   own measured peak (shares above 100 % flagged: a bad peak probe);
+4. the history per host, when series have two or more runs, with the flagged steps;
+5. the host fingerprints.
+
+The page is rendered from `templates/report.html.j2` by Jinja2 with autoescape; charts are inline
+SVG (`report_plots`), one colour per arm for the whole report; there is no script and no
+external resource, so the file opens anywhere, offline, as it is.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import html
+import itertools
+import re
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import pyarrow as pa
+import pyarrow.compute as pc
+from markupsafe import Markup
 
-from orchestrator import report_plots as plots
 from orchestrator import stats
-from orchestrator.compare import METRIC_ORDER, compare_results, default_baseline, device_peaks, varying_params
-from orchestrator.compare_render import display_rows, format_value, metric_label
-from orchestrator.criteria import CriterionVerdict, describe, evaluate_criteria
+from orchestrator.compare import CompareResult, compare_results, cross_device, default_baseline
+from orchestrator.compare_render import legend, metric_label
+from orchestrator.criteria import CriterionVerdict, evaluate_criteria
 from orchestrator.errors import InputError
-from orchestrator.specs import Criterion, SweepSpec
-from orchestrator.stats import GroupKey, Point, Summary
+from orchestrator.report_history import HistoryView, history_view
+from orchestrator.report_panels import (
+    CaseAxes,
+    criterion_bounds,
+    gap_panels,
+    headline_panels,
+    metric_panels,
+    share_panels,
+)
+from orchestrator.report_plots import Bound, metric_chart, ratio_chart, share_chart
+from orchestrator.report_style import ArmStyles
+from orchestrator.report_tables import (
+    TableView,
+    comparison_table,
+    criteria_table,
+    cross_table,
+    device_verdict,
+    hosts_table,
+    overview_table,
+)
+from orchestrator.specs import SweepSpec
 
-LENGTH_PARAMS = ("prompt_tokens", "tokens")
-GAP_METRICS = ("prefill_tok_s", "decode_tok_s")
-PEAK_METRICS = {"gb_per_s": "peak_copy_gb_s", "tflop_per_s": "peak_tflop_s"}
-UNITS = {
-    "prefill_tok_s": "tok/s",
-    "decode_tok_s": "tok/s",
-    "seconds": "s",
-    "gb_per_s": "GB/s",
-    "tflop_per_s": "TFLOP/s",
-    "peak_memory_bytes": "bytes",
-    "load_seconds": "s",
-    "build_seconds": "s",
-    "rel_error": "relative error",
-}
-FINGERPRINT_COLUMNS = (
-    "fingerprint_id", "device", "backend", "hostname", "os", "cpu", "cpu_count", "memory_bytes",
-    "gpu", "gpu_driver", "mlx_version", "mlx_device", "blas", "threads",
-)  # fmt: skip
-CSS = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.85em; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }
-th { background: #f2f2f2; }
-.PASS { background: #d9f2d9; } .FAIL { background: #f7d4d4; } .AMBIGUOUS { background: #fbefc8; }
-img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
-pre { background: #f7f7f7; padding: 0.5em; white-space: pre-wrap; }
-.wide { overflow-x: auto; }
-table.criteria td:last-child { white-space: pre-line; font-family: monospace; }
-"""
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("orchestrator", "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
 
 
-def _x_param(points: list[Point]) -> str | None:
-    """The parameter on the x axis: a length if it varies, else the first numeric varying one."""
-    names = varying_params(points)
-    for name in names:
-        values = {v for p in points for k, v in p if k == name}
-        if all(_is_number(v) for v in values) and (name in LENGTH_PARAMS or len(values) > 1):
-            return name
-    return None
+@dataclass
+class CaseView:
+    """One case on one device: its table and charts."""
+
+    name: str
+    baseline: str
+    table: TableView
+    charts: list[Markup]
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+@dataclass
+class DeviceView:
+    """One device's headline and details."""
+
+    name: str
+    anchor: str
+    about: str
+    criteria: TableView | None
+    headline: Markup | None
+    headline_note: str
+    cases: list[CaseView] = field(default_factory=list)
+    history_anchor: str | None = None
 
 
-def _series_label(arm: str, point: Point, others: list[str]) -> str:
-    extra = [f"{k}={v}" for k, v in point if k in others]
-    return " ".join([arm, *extra])
+@dataclass
+class CrossView:
+    """One case across devices."""
+
+    case: str
+    chart: Markup | None
+    table: TableView
 
 
-class ReportData:
-    """Summaries of every group, indexed for the figures."""
+@dataclass
+class SweepView:
+    """One sweep's whole report."""
 
-    def __init__(self, table: pa.Table, resamples: int) -> None:
-        self.table = table
-        self.groups = stats.sample_groups(table)
-        self.summaries: dict[GroupKey, Summary] = stats.summarize_groups(self.groups, resamples=resamples)
-        self.resamples = resamples
-        self.by_case: dict[tuple[str, str], list[GroupKey]] = defaultdict(list)
-        for key in self.groups:
-            self.by_case[(key.device, key.case_name)].append(key)
-        self.peaks = device_peaks(table)
-
-    def case_points(self, case_name: str) -> list[Point]:
-        return sorted({k.point for k in self.groups if k.case_name == case_name})
-
-    def axis(self, case_name: str) -> tuple[str | None, list[str]]:
-        points = self.case_points(case_name)
-        x = _x_param(points)
-        return x, [n for n in varying_params(points) if n != x]
+    name: str
+    anchor: str
+    description: str
+    summary: str
+    devices: list[DeviceView]
+    left_out: list[str]
+    cross: list[CrossView]
+    history: HistoryView | None
+    hosts: TableView
+    no_clean: bool = False
+    criteria: TableView | None = None  # only when nothing is clean: the verdicts, all devices together
+    overview: TableView | None = None  # several devices: criteria down, devices across
+    warnings: list[str] = field(default_factory=list)  # shown at the top
 
 
-def _x_of(point: Point, xparam: str | None) -> float:
-    return float(dict(point)[xparam]) if xparam else 0.0
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
-def metric_section(data: ReportData, device: str, case_name: str) -> str:
-    """Each metric against the x parameter, a line per arm, with bootstrap bands."""
-    xparam, others = data.axis(case_name)
-    keys = data.by_case[(device, case_name)]
-    metrics = sorted(
-        {k.metric for k in keys},
-        key=lambda m: (m not in METRIC_ORDER, METRIC_ORDER.index(m) if m in METRIC_ORDER else 0, m),
-    )
-    panels: dict[str, tuple[str, list[plots.Series]]] = {}
-    for metric in metrics:
-        lines: dict[str, list[tuple[float, Summary]]] = defaultdict(list)
-        for k in keys:
-            if k.metric == metric:
-                lines[_series_label(k.arm, k.point, others)].append((_x_of(k.point, xparam), data.summaries[k]))
-        panels[metric_label(metric)] = (
-            UNITS.get(metric, metric),
-            [plots.series_of(lbl, pts) for lbl, pts in sorted(lines.items())],
-        )
-    uri = plots.metric_figure(f"{device}: {case_name}", xparam or "point", panels)
-    return _img(uri, f"{device} {case_name}: metrics per arm")
+def arm_order(table: pa.Table, spec: SweepSpec | None) -> list[str]:
+    """Every arm: the sweep's order first (case by case), then the others alphabetically."""
+    listed = [a for entry in spec.cases for a in entry.arm_names()] if spec is not None else []
+    return list(dict.fromkeys([*listed, *sorted(set(table["arm"].to_pylist()))]))
 
 
-def gap_section(
-    data: ReportData,
+def device_order(table: pa.Table, devices: set[str], spec: SweepSpec | None) -> list[str]:
+    """The sweep's `devices` order, then accelerators before CPUs, then by name."""
+    listed = spec.devices if spec is not None else []
+    backends = dict(zip(table["device"].to_pylist(), table["backend"].to_pylist(), strict=True))
+    return sorted(devices, key=lambda d: (listed.index(d) if d in listed else len(listed), backends.get(d) == "cpu", d))
+
+
+def case_order(result: CompareResult, spec: SweepSpec | None) -> list[str]:
+    """The cases in the sweep file's order, then any others by name."""
+    listed = [entry.label for entry in spec.cases] if spec is not None else []
+    return sorted(result.varying, key=lambda c: (listed.index(c) if c in listed else len(listed), c))
+
+
+def _about(table: pa.Table, device: str) -> str:
+    """`NVIDIA H200, cuda backend, MLX 0.32.4, host h200-1`: what one device's rows were measured on."""
+    rows = table.filter(pc.equal(table["device"], device)).select(["backend", "gpu", "cpu", "hostname", "mlx_version"])
+    first = rows.slice(0, 1).to_pylist()[0] if rows.num_rows else {}
+    hosts = sorted({h for h in rows["hostname"].to_pylist() if h})
+    parts = [first.get("gpu") or first.get("cpu") or "", f"{first.get('backend')} backend"]
+    parts.append(f"MLX {first.get('mlx_version')}" if first.get("mlx_version") else "")
+    parts.append(("host " if len(hosts) == 1 else "hosts ") + ", ".join(hosts) if hosts else "")
+    return ", ".join(p for p in parts if p)
+
+
+def _device_view(
     device: str,
-    case_name: str,
-    baseline: str,
+    about: str,
+    result: CompareResult,
+    cases: list[str],
+    verdicts: list[CriterionVerdict],
+    axes: CaseAxes,
+    styles: ArmStyles,
     threshold: float,
-    bounds: dict[str, list[tuple[str, float]]],
-) -> str:
-    """The gap of each arm to the baseline per length, with intervals and the criteria's bounds."""
-    xparam, others = data.axis(case_name)
-    keys = data.by_case[(device, case_name)]
-    present = {k.metric for k in keys}
-    metrics = [m for m in GAP_METRICS if m in present] or [m for m in ("seconds",) if m in present]
-    panels: dict[str, list[plots.Series]] = {}
-    for metric in metrics:
-        lines: dict[str, list[tuple[float, stats.Ratio]]] = defaultdict(list)
-        for k in keys:
-            if k.metric != metric or k.arm == baseline:
-                continue
-            base = data.groups.get(GroupKey(k.device, k.case_name, k.point, baseline, metric))
-            if not base:
-                continue
-            c = stats.compare_samples(
-                data.groups[k],
-                base,
-                metric=metric,
-                threshold=threshold,
-                seed=stats.seed_for(k, baseline),
-                resamples=data.resamples,
-            )
-            lines[_series_label(k.arm, k.point, others)].append((_x_of(k.point, xparam), c.speedup))
-        if lines:
-            panels[metric_label(metric)] = [plots.ratio_series(lbl, pts) for lbl, pts in sorted(lines.items())]
-    if not panels:
-        return ""
-    label_bounds = {metric_label(m): b for m, b in bounds.items()}
-    uri = plots.gap_figure(
-        f"{device}: {case_name}, gap to {baseline} (positive: better)",
-        xparam or "point",
-        panels,
-        threshold=threshold,
-        bounds=label_bounds,
+    uid: Callable[[], str],
+) -> DeviceView:
+    mine = [dv for dv in (device_verdict(v, device) for v in verdicts) if dv.points or dv.missing]
+    view = DeviceView(device, f"device-{_slug(device)}", about, criteria_table(mine) if mine else None, None, "")
+    if mine:
+        panels = headline_panels(mine, axes)
+        title = f"{device}: the criteria's ratios to the baseline, 95 % bootstrap intervals, bounds dash-dotted"
+        view.headline = ratio_chart(title, panels, styles, uid=uid(), cols=4, size=(3.3, 1.95)) if panels else None
+    elif verdicts:
+        view.headline_note = "No criterion of the sweep applies to this device."
+    for case in cases:
+        if not any(r.case_name == case and r.dims.get("device") == device for r in result.rows):
+            continue
+        bounds: dict[str, list[Bound]] = defaultdict(list)
+        for v in mine:
+            bounds[v.criterion.metric] += criterion_bounds(v, case, axes)
+        gaps = gap_panels(result, case, device, axes, {m: b for m, b in bounds.items() if b}, threshold)
+        if view.headline is None and not verdicts and gaps:  # no criteria: the main comparison heads the section
+            main = gaps[0]
+            title = f"{device}: {case} {metric_label(main.metric)}, each arm to {main.baseline} (95 % intervals)"
+            view.headline = ratio_chart(title, [main], styles, uid=uid(), cols=1)
+            view.headline_note = "The sweep declares no acceptance criteria; its main comparison:"
+        charts = []
+        metrics = metric_panels(result, case, device, axes)
+        if metrics:
+            title = f"{device}: {case}, medians per arm with 95 % bootstrap intervals"
+            charts.append(metric_chart(title, metrics, styles, uid=uid()))
+        if gaps:
+            title = f"{device}: {case}, ratio of medians to {result.baseline_of(case)} per arm (criteria dash-dotted)"
+            charts.append(ratio_chart(title, gaps, styles, uid=uid()))
+        table = comparison_table(result, case, device, styles)
+        view.cases.append(CaseView(case, result.baseline_of(case), table, charts))
+    return view
+
+
+def _cross_views(table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list[str], resamples: int,
+                 uid: Callable[[], str]) -> tuple[list[CrossView], list[str]]:  # fmt: skip
+    """The device-by-device view per case, and a warning per device with a share above 100 %."""
+    rows = cross_device(table, resamples=resamples)
+    over: dict[str, int] = defaultdict(int)
+    for r in rows:
+        for device, cell in r.cells.items():
+            over[device] += cell.fraction is not None and cell.fraction > 1
+    warnings = [
+        f"{device}: {n} rate{'s' if n > 1 else ''} above 100 % of the device's measured peak. Its peak probe is "
+        "wrong (taken while the machine was busy, or too weak), so its shares of peak cannot be trusted."
+        for device, n in sorted(over.items())
+        if n
+    ]
+    out = []
+    for case in dict.fromkeys(r.case_name for r in rows):
+        mine = [r for r in rows if r.case_name == case]
+        panels = share_panels(mine, case, axes, order)
+        devices = sorted({d for r in mine for d in r.cells})
+        what = "device by device" if len(devices) > 1 else devices[0]
+        title = f"{case}: {what}, each arm's rate as a share of the device's own measured peak"
+        chart = share_chart(title, panels, styles, uid=uid()) if panels else None
+        out.append(CrossView(case, chart, cross_table(mine, styles)))
+    return out, warnings
+
+
+def sweep_view(
+    table: pa.Table,
+    spec: SweepSpec | None,
+    history: pa.Table,
+    *,
+    threshold: float,
+    resamples: int,
+    uid: Callable[[], str],
+) -> SweepView:
+    """One sweep's sections (see the module docstring)."""
+    name = ", ".join(sorted(set(table["sweep"].to_pylist())))
+    clean = stats.clean_rows(table)
+    order = arm_order(table, spec)
+    verdicts = evaluate_criteria(table, spec, resamples=resamples) if spec is not None and spec.criteria else []
+    runs = sorted(set(table["run_id"].to_pylist()))
+    summary = (
+        f"{clean.num_rows} clean samples of {table.num_rows} rows (failed, unsupported and contended rows never "
+        f"count); runs {', '.join(runs)}; verdicts at a {threshold:.0%} threshold on 95 % bootstrap intervals of "
+        f"the median ({resamples} resamples)."
     )
-    return _img(uri, f"{device} {case_name}: gap to {baseline}")
-
-
-def peak_section(data: ReportData, case_name: str) -> str:
-    """Achieved GB/s and TFLOP/s per device and arm as a share of that device's measured peak."""
-    xparam, others = data.axis(case_name)
-    keys = [k for k in data.groups if k.case_name == case_name and k.metric in PEAK_METRICS]
-    if not keys:
-        return ""
-    with_peaks = any(data.peaks.get(k.device, {}).get(PEAK_METRICS[k.metric]) for k in keys)
-    panels: dict[str, list[plots.Series]] = {}
-    for metric, peak_col in PEAK_METRICS.items():
-        lines: dict[str, list[tuple[float, Summary]]] = defaultdict(list)
-        for k in keys:
-            if k.metric != metric:
-                continue
-            s = data.summaries[k]
-            peak = data.peaks.get(k.device, {}).get(peak_col)
-            if with_peaks:
-                if not peak:
-                    continue
-                s = Summary(s.n, s.median / peak * 100, s.ci_low / peak * 100, s.ci_high / peak * 100, s.cv)
-            lines[f"{k.device} {_series_label(k.arm, k.point, others)}"].append((_x_of(k.point, xparam), s))
-        if lines:
-            panels[metric_label(metric)] = [plots.series_of(lbl, pts) for lbl, pts in sorted(lines.items())]
-    if not panels:
-        return ""
-    title = f"{case_name}: share of each device's measured peak" if with_peaks else f"{case_name}: achieved rates"
-    uri = plots.peak_figure(title, xparam or "point", panels, fraction=with_peaks)
-    return _img(uri, title)
-
-
-def _img(uri: str, alt: str) -> str:
-    return f'<img class="plot" alt="{html.escape(alt)}" src="{uri}">'
-
-
-def _table(heads: list[str], rows: list[list[str]], row_classes: list[str] | None = None, css: str = "") -> str:
-    cls_attr = f' class="{css}"' if css else ""
-    out = [f"<table{cls_attr}><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + "</tr>"]
-    for i, cells in enumerate(rows):
-        cls = f' class="{row_classes[i]}"' if row_classes else ""
-        out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
-    return "\n".join(out) + "</table>"
-
-
-def criteria_bounds(
-    criteria: list[Criterion], case_name: str, spec: SweepSpec | None
-) -> dict[str, list[tuple[str, float]]]:
-    """Per metric, the bounds of the criteria that apply to a case, oriented like the gap chart."""
-    kinds = {c.label: c.case for c in spec.cases} if spec is not None else {}
-    out: dict[str, list[tuple[str, float]]] = defaultdict(list)
-    for c in criteria:
-        if c.case is not None and c.case not in (case_name, kinds.get(case_name)):
-            continue
-        for bound in (c.min_ratio, c.max_ratio):
-            if bound is not None:
-                out[c.metric].append((c.name, bound if stats.higher_is_better(c.metric) else 1 / bound))
-    return out
-
-
-def criteria_section(verdicts: list[CriterionVerdict]) -> str:
-    """The verdicts table, then every non-passing point and every missing one."""
-    rows, classes = [], []
-    for v in verdicts:
-        lines = describe(v)
-        rows.append(
-            [v.outcome.value, v.criterion.name, lines[0].split(": ", 1)[-1], "\n".join(x.strip() for x in lines[1:])]
-        )
-        classes.append(v.outcome.value)
-    return _table(["verdict", "criterion", "measured", "points not passing / missing"], rows, classes, "criteria")
-
-
-def fingerprint_section(table: pa.Table) -> str:
-    """One row per host fingerprint, with the peaks measured on it."""
-    cols = [c for c in FINGERPRINT_COLUMNS if c in table.column_names]
-    seen: dict[str, list[str]] = {}
-    data = table.select([*cols, "peak_copy_gb_s", "peak_tflop_s"]).to_pylist()
-    for row in data:
-        fid = str(row["fingerprint_id"])
-        if fid in seen:
-            continue
-        cells = [str(row[c]) if row[c] is not None else "" for c in cols]
-        cells.append(format_value("gb_per_s", row["peak_copy_gb_s"]) if row["peak_copy_gb_s"] else "not measured")
-        cells.append(format_value("tflop_per_s", row["peak_tflop_s"]) if row["peak_tflop_s"] else "not measured")
-        seen[fid] = cells
-    return _table([*cols, "peak copy GB/s", "peak TFLOP/s"], list(seen.values()))
+    description = spec.description if spec is not None else ""
+    view = SweepView(name, f"sweep-{_slug(name)}", description, summary, [], [], [], None, hosts_table(table))
+    if clean.num_rows == 0:
+        view.no_clean = True
+        view.criteria = criteria_table(verdicts) if verdicts else None
+        return view
+    baseline = default_baseline(order, spec.baseline if spec else None)
+    result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
+    rank = {arm: i for i, arm in enumerate(order)}
+    for case, sides in result.case_sides.items():  # the sweep's order of arms, its baseline first
+        result.case_sides[case] = [sides[0], *sorted(sides[1:], key=lambda s: rank.get(s, len(rank)))]
+    cases = case_order(result, spec)
+    baselines = {result.baseline_of(c) for c in result.varying} | {v.baseline for v in verdicts}
+    styles = ArmStyles(order, baselines, [result.sides_of(c) for c in result.varying])
+    axes = CaseAxes(result)
+    devices = device_order(table, {r.dims["device"] for r in result.rows}, spec)
+    view.devices = [
+        _device_view(d, _about(table, d), result, cases, verdicts, axes, styles, threshold, uid) for d in devices
+    ]
+    if verdicts and len(devices) > 1:
+        view.overview = overview_table(verdicts, devices)
+    view.left_out = legend(result)
+    view.cross, view.warnings = _cross_views(table, axes, styles, order, resamples, uid)
+    view.history = history_view(history, styles, uid, anchor=f"{view.anchor}-history")
+    if view.history is not None:
+        for device in view.devices:
+            device.history_anchor = next((h.anchor for h in view.history.hosts if h.device == device.name), None)
+    return view
 
 
 def build_report(
@@ -264,66 +281,38 @@ def build_report(
     spec: SweepSpec | None = None,
     threshold: float = stats.THRESHOLD,
     resamples: int = stats.RESAMPLES,
+    history: pa.Table | None = None,
 ) -> str:
     """The whole report as one HTML document (see the module docstring).
 
     Args:
-        table: the stored rows of one sweep (`ResultStore.read`).
-        spec: the sweep, for its baseline and criteria; None: baseline guessed, no criteria.
+        table: the stored rows to report on (`compare.select_results`: one sweep, newest runs).
+        spec: the sweep, for its arms' order, baseline and criteria; None: baseline guessed, no
+            criteria (a sweep whose name differs from the spec's gets no criteria either).
         threshold: the relevance threshold of the comparison verdicts.
         resamples: bootstrap resamples.
+        history: every stored run of the sweep, for the trend charts (default: `table` itself).
 
     Raises:
         InputError: the table has no rows at all.
     """
     if table.num_rows == 0:
         raise InputError("no result rows to report on")
-    clean = stats.clean_rows(table)
-    data = ReportData(table, resamples)
-    arms = sorted({k.arm for k in data.groups}) or sorted(set(table["arm"].to_pylist()))
-    baseline = default_baseline(arms, spec.baseline if spec else None)
-    sweep_names = sorted(set(table["sweep"].to_pylist()))
-    runs = sorted(set(table["run_id"].to_pylist()))
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<link rel="icon" href="data:,">',
-        f"<title>orchestrate report: {html.escape(', '.join(sweep_names))}</title>",
-        f"<style>{CSS}</style></head><body>",
-        f"<h1>Sweep {html.escape(', '.join(sweep_names))}</h1>",
-        f"<p>{clean.num_rows} clean samples of {table.num_rows} rows (failed, unsupported and contended rows never "
-        f"count); runs {html.escape(', '.join(runs))}; baseline arm <b>{html.escape(baseline)}</b>; verdict "
-        f"threshold {threshold:.0%}; 95 % bootstrap intervals of the median ({resamples} resamples). Generated "
-        f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC.</p>",
-    ]
-    criteria = spec.criteria if spec is not None else []
-    if spec is not None and spec.criteria:
-        verdicts = evaluate_criteria(table, spec, resamples=resamples)
-        parts += ["<h2>Acceptance criteria</h2>", criteria_section(verdicts)]
-    if clean.num_rows == 0:  # every row failed, was unsupported or contended: say so, plot nothing
-        parts.append("<p><b>No clean samples</b>: every row failed, was unsupported or was contended.</p>")
-        parts += ["<h2>Hosts</h2>", fingerprint_section(table), "</body></html>"]
-        return "\n".join(parts)
-    result = compare_results(table, baseline=baseline, threshold=threshold, resamples=resamples)
-    parts.append("<h2>Comparison</h2>")
-    for case, (heads, body) in display_rows(result).items():
-        title = f"{case} (baseline: {result.baseline_of(case)})"
-        parts += [f"<h3>{html.escape(title)}</h3>", '<div class="wide">', _table(heads, body), "</div>"]
-    for device in sorted({k.device for k in data.groups}):
-        parts.append(f"<h2>Device {html.escape(device)}</h2>")
-        for dev, case_name in sorted(data.by_case):
-            if dev != device:
-                continue
-            parts.append(f"<h3>{html.escape(case_name)}</h3>")
-            parts.append(metric_section(data, device, case_name))
-            case_base = result.baseline_of(case_name)
-            bounds = criteria_bounds(criteria, case_name, spec)
-            parts.append(gap_section(data, device, case_name, case_base, threshold, bounds))
-    peak_parts = [peak_section(data, case) for case in sorted({k.case_name for k in data.groups})]
-    if any(peak_parts):
-        parts += ["<h2>Bandwidth and FLOP rate against each device's measured peak</h2>", *peak_parts]
-    parts += ["<h2>Hosts</h2>", fingerprint_section(table), "</body></html>"]
-    return "\n".join(p for p in parts if p)
+    counter = itertools.count()
+
+    def uid() -> str:
+        return f"c{next(counter)}"
+
+    history = table if history is None else history
+    names = sorted(set(table["sweep"].to_pylist()))
+    sweeps = []
+    for name in names:
+        rows = table.filter(pc.equal(table["sweep"], name))
+        past = history.filter(pc.equal(history["sweep"], name)) if history.num_rows else history
+        own = spec if spec is not None and (spec.name == name or len(names) == 1) else None
+        sweeps.append(sweep_view(rows, own, past, threshold=threshold, resamples=resamples, uid=uid))
+    generated = f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC"
+    return _ENV.get_template("report.html.j2").render(sweeps=sweeps, generated=generated)
 
 
 def write_report(path: Path, document: str) -> Path:

@@ -23,12 +23,14 @@ def register(app: typer.Typer) -> None:
         all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
         results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
     ) -> None:
-        """Plots per device with confidence bands, gap chart, share of peak, criteria and hosts, in one file."""
+        """Per device the criteria and main comparison first, then tables and charts; peak shares, history, hosts."""
         from orchestrator.report import build_report, write_report  # matplotlib: only when reporting
 
         store = ResultStore(results_root(results_dir))
         table, spec = select_results(store, sweep, run, all_runs=all_runs)
-        path = write_report(html, build_report(table, spec=spec, threshold=threshold))
+        # The trend charts need every stored run of the sweep, not only the newest one per point.
+        history = store.read(sweep=table["sweep"][0].as_py()) if run is None and not all_runs else table
+        path = write_report(html, build_report(table, spec=spec, threshold=threshold, history=history))
         out = console()
         out.print(f"Report written to {path} ({path.stat().st_size / 1e3:.0f} kB)")
         for frag, reason in store.broken:

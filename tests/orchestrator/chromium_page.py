@@ -7,6 +7,7 @@ can assert that a report loads cleanly and shows every plot.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -137,6 +138,23 @@ class DevToolsPage:
             elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
                 report.errors.append(str(params["entry"].get("text")))
         return report
+
+    def evaluate(self, expression: str) -> Any:
+        """The value of a JavaScript expression in the page (promises awaited, returned by value)."""
+        reply = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        if "exceptionDetails" in reply:
+            raise RuntimeError(f"evaluate: {reply['exceptionDetails'].get('text')}")
+        return reply["result"].get("value")
+
+    def set_window(self, width: int, height: int) -> None:
+        """Make the page's viewport `width` x `height` CSS pixels (a desktop window, scale 1)."""
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def screenshot(self, path: Path) -> Path:
+        """Save what the viewport shows now (the first screen) as a PNG."""
+        shot = self.call("Page.captureScreenshot", format="png")
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
 
     def close(self) -> None:
         """Close the connection and stop the browser this object started."""

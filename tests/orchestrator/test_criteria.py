@@ -285,10 +285,10 @@ def test_run_ends_with_the_criteria_and_their_exit_code(tmp_path: Path, orchestr
     doc = html_file.read_text()
     if contended == {1, 16}:  # every job was flagged: nothing clean to plot, and the report says so
         assert "No clean samples" in doc
-    else:  # cpu: metrics and gap, and the rates against the measured peaks
-        assert doc.count('<img class="plot"') == 3
+    else:  # cpu: the criteria's headline chart, metrics and gap, and the rates against the measured peaks
+        assert doc.count('<svg class="chart"') == 4
     verdict = prefill_line.group(1)
-    assert f'<tr class="{verdict}"><td>{verdict}</td><td>native prefill 1000x affine' in doc
+    assert f'<td class="verdict {verdict}">{verdict}</td><td class="">native prefill 1000x affine' in doc
 
 
 def test_bad_where_is_refused_when_the_sweep_is_loaded(tmp_path: Path) -> None:
