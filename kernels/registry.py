@@ -87,7 +87,7 @@ register(
 register(
     CaseSpec(
         name="command",
-        module="workers.command",
+        module="workers.command_job",
         kind="command",
         arms=(),
         params={},

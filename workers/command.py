@@ -1,21 +1,23 @@
 """Command cases: an external benchmark built at a git commit, run per arm, its output parsed.
 
-`workers.runner` calls `run_command_job` under the host's GPU lock, so build and runs are one lock
-window. The job's `options` carry the case's `repo`, `ref`, `build`, `run`, `parse` and `timeout`;
-`arm_env` the environment overrides per arm. Steps:
+This module holds a command case's settings and the steps on the worker host; the job that runs
+them, arms and commits interleaved, is `workers.command_job`. The job's `options` carry the
+case's `repo`, `ref` (or `refs`: several commits compared in one job), `build`, `gate`, `run`,
+`parse` and `timeout`; `arm_env` the environment overrides per arm. The steps:
 
-1. Mirror `repo` (a git URL or a local path) into the host's cache and fetch it, so `ref` is
-   resolved afresh on every job; the commit goes into every row's `commit` column.
+1. Mirror `repo` (a git URL or a local path) into the host's cache and fetch it, so a ref is
+   resolved afresh on every run; the commit goes into every row's `commit` column.
 2. Check the commit out once per (host, commit, build command) and run `build` there, once: a
    marker beside the checkout records the build time, so a second job of that commit is a cache
    hit (`extra["build_cache"] = "hit"`) that still reports the original `build_seconds`.
-3. Run the `run` template (`{param}` from the job's parameters, plus `{arm}`, `{backend}`,
-   `{device}`, `{host}`, `{commit}`; values are shell-quoted) for warm-up + repetitions rounds,
-   arms interleaved ABBA, each with its arm's env and the case's timeout; parse each output.
+3. Run `gate` (the engine's own tests, e.g. `cargo test --test rocm_nvfp4_quant`) in that checkout,
+   once per (host, commit, run): it must pass before anything is timed; a failure fails the job
+   with the tail of the tests' output.
+4. Run the `run` template (`{param}` from the job's parameters, plus `{arm}`, `{backend}`,
+   `{device}`, `{host}`, `{commit}`; values are shell-quoted) and parse each output.
 
-A non-zero exit, a timeout, output that does not parse, a failed build or an unknown ref becomes a
-failed row carrying the tail of stderr, never an exception. The sha256 of the generated text (where
-the parser finds it) is `extra["output_sha256"]`, so byte-identical greedy output is a query.
+A non-zero exit, a timeout, output that does not parse, a failed build or gate or an unknown ref
+becomes a failed row carrying the tail of the output, never an exception.
 
 The cache lives in `$ORCHESTRATE_CACHE_DIR` or `~/.cache/orchestrate` (`options.cache_dir` wins).
 A relative local `repo` path starts at `options.base_dir`, else at the worker's working directory
@@ -35,15 +37,13 @@ import signal
 import string
 import subprocess
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from workers.contract import STATUS_FAILED, STATUS_OK, JobContext, JobSpec, RowBuilder
-from workers.parsers import OutputParseError, parser_for
+from workers.parsers import parser_for
 
 DEFAULT_TIMEOUT = 3600.0
 TAIL_CHARS = 1500
@@ -59,13 +59,15 @@ class CommandCase:
     """A command case's settings, as the head put them into `JobSpec.options`."""
 
     repo: str
-    ref: str
+    ref: str  # the ref this instance resolves (the first of `refs`; `for_ref` picks another)
     run: str
     build: str | None = None
     parse: str | dict[str, Any] | None = None
     timeout: float = DEFAULT_TIMEOUT
     base_dir: str | None = None  # where a relative local `repo` path starts
     cache_dir: str | None = None
+    refs: tuple[str, ...] = ()  # every ref of the job: BASE first, HEAD last
+    gate: str | None = None
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> CommandCase:
@@ -73,16 +75,23 @@ class CommandCase:
         for key in ("repo", "run"):
             if not options.get(key):
                 raise CommandCaseError(f"command case: options.{key} is missing")
+        refs = tuple(str(r) for r in options.get("refs") or [options.get("ref") or "HEAD"])
         return cls(
             repo=str(options["repo"]),
-            ref=str(options.get("ref") or "HEAD"),
+            ref=refs[0],
             run=str(options["run"]),
             build=options.get("build") or None,
             parse=options.get("parse"),
             timeout=float(options.get("timeout") or DEFAULT_TIMEOUT),
             base_dir=options.get("base_dir"),
             cache_dir=options.get("cache_dir"),
+            refs=refs,
+            gate=options.get("gate") or None,
         )
+
+    def for_ref(self, ref: str) -> CommandCase:
+        """The same case resolving `ref`."""
+        return replace(self, ref=ref)
 
 
 def template_fields(template: str) -> set[str]:
@@ -120,8 +129,17 @@ def check_case_settings(options: dict[str, Any], params: set[str]) -> None:
     for key in ("repo", "run"):
         if not options.get(key):
             raise ValueError(f"{key}: a command case needs `{key}`")
+    refs = options.get("refs")
+    if refs is not None:
+        if options.get("ref"):
+            raise ValueError("refs: give `ref` (one commit) or `refs` (commits compared), not both")
+        if not refs or any(not str(r).strip() for r in refs):
+            raise ValueError('refs: a list of git refs, BASE first, e.g. refs = ["v0.3.0", "main"]')
+        if len(set(refs)) != len(refs):
+            raise ValueError("refs: a ref is named twice")
     parser_for(options.get("parse"))
-    allowed = {"run": params | BUILTIN_FIELDS, "build": BUILTIN_FIELDS - {"arm"}}
+    per_commit = BUILTIN_FIELDS - {"arm"}
+    allowed = {"run": params | BUILTIN_FIELDS, "build": per_commit, "gate": per_commit}
     for key, names in allowed.items():
         template = options.get(key)
         if not template:
@@ -254,6 +272,51 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
 
 
 @dataclass(frozen=True)
+class GateResult:
+    """The correctness gate at one commit: how long it took, whether this run had it already, why it failed."""
+
+    seconds: float
+    cache_hit: bool
+    failure: str | None  # None: passed; else the command, how it ended and its output's tail
+
+
+def run_gate(
+    case: CommandCase, build: BuildResult, values: dict[str, Any], env: dict[str, str], run_id: str | None
+) -> GateResult:
+    """Run the case's `gate` in the built checkout, once per host, commit and run.
+
+    Its outcome (pass or fail) is kept for the run's later jobs on this host, which report the
+    original time as a cache hit; the next run tests again. The output is kept beside the build
+    (`<checkout>.gate-<key>.log`).
+
+    Raises:
+        CommandCaseError: the gate template names an unknown field.
+    """
+    assert case.gate is not None
+    command = render(case.gate, values, "gate")
+    key = hashlib.sha256(command.encode()).hexdigest()[:10]
+    marker = None
+    if run_id:
+        run_slug = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+        marker = cache_root(case) / "gates" / run_slug / f"{build.path.name}-{key}.json"
+    with _file_lock(build.path.with_name(build.path.name + ".lock")):
+        if marker is not None and marker.exists():
+            record = json.loads(marker.read_text())
+            return GateResult(float(record["seconds"]), True, record["failure"])
+        outcome = _run_shell(command, build.path, env, case.timeout)
+        output = outcome.stdout + ("\n" if outcome.stdout and outcome.stderr else "") + outcome.stderr
+        build.path.with_name(f"{build.path.name}.gate-{key}.log").write_text(output)
+        failure = None
+        if outcome.failure is not None:
+            how = outcome.failure.split("; stderr:")[0]
+            failure = f"gate `{command}` {how}: {_tail(output) or 'no output'}"
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"command": command, "seconds": outcome.seconds, "failure": failure}))
+        return GateResult(outcome.seconds, False, failure)
+
+
+@dataclass(frozen=True)
 class RunOutcome:
     """One run of a shell command."""
 
@@ -279,79 +342,3 @@ def _run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> 
     seconds = time.monotonic() - start
     failure = None if proc.returncode == 0 else _with_stderr(f"exited with {proc.returncode}", err)
     return RunOutcome(out, err, seconds, failure)
-
-
-def _arm_order(arms: list[str], rounds: int) -> Iterator[tuple[int, str]]:
-    """ABBA: even rounds in the sweep's order, odd rounds reversed."""
-    for r in range(rounds):
-        for arm in arms if r % 2 == 0 else list(reversed(arms)):
-            yield r, arm
-
-
-def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
-    """Build the case's repo at its ref and run its command per arm; rows go into `rows`.
-
-    Args:
-        job: the job; `options` holds repo/ref/build/run/parse/timeout, `arm_env` the env per arm.
-        rows: where the rows go.
-        context: the job's context; its `commit` is set to the resolved commit.
-
-    Returns:
-        "ok" when every arm ran and parsed, else "failed".
-    """
-    base: dict[str, Any] = {"backend": job.backend, "device": job.device, "host": job.host}
-    try:
-        case = CommandCase.from_options(job.options)
-        parse = parser_for(case.parse)
-        mirror, commit = resolve_commit(case, job.run_id)
-        context.commit = commit
-        build = build_commit(case, mirror, commit, {**base, "commit": commit})
-    except (CommandCaseError, ValueError) as exc:
-        for arm in job.arms:
-            rows.add(arm, "build_seconds", None, "seconds", status=STATUS_FAILED, error=str(exc))
-        return STATUS_FAILED
-
-    common = {"repo": case.repo, "ref": case.ref, "build_cache": "hit" if build.cache_hit else "miss"}
-    for arm in job.arms:
-        rows.add(arm, "build_seconds", build.seconds, "seconds", extra=common)
-    values = {**{k: v for k, v in job.params.items()}, **base, "commit": commit}
-    failed: set[str] = set()
-    samples: Counter[tuple[str, str]] = Counter()
-    for round_, arm in _arm_order(job.arms, job.warmup + job.repetitions):
-        if arm in failed:
-            continue
-        warm = round_ < job.warmup
-        try:
-            command = render(case.run, {**values, "arm": arm}, "run")
-        except CommandCaseError as exc:
-            rows.add(arm, "wall_seconds", None, "seconds", status=STATUS_FAILED, error=str(exc), extra=common)
-            failed.add(arm)
-            continue
-        env = {**os.environ, **job.arm_env.get(arm, {})}
-        outcome = _run_shell(command, build.path, env, case.timeout)
-        error = outcome.failure
-        parsed = None
-        if error is None:
-            try:
-                parsed = parse(outcome.stdout)
-            except OutputParseError as exc:
-                error = _with_stderr(f"output did not parse ({exc})", outcome.stderr)
-        phase = "warm-up" if warm else "run"
-        if error is not None or parsed is None:
-            rows.add(arm, "wall_seconds", outcome.seconds, "seconds", status=STATUS_FAILED,
-                     error=f"{phase} {round_}: {error}", extra=common)  # fmt: skip
-            failed.add(arm)
-            continue
-        if warm:
-            continue
-        extra = dict(common)
-        if parsed.text is not None:
-            extra["output_sha256"] = hashlib.sha256(parsed.text.encode()).hexdigest()
-            extra["output_chars"] = str(len(parsed.text))
-        route = f"command@{commit[:12]}"
-        for metric, value, unit in [("wall_seconds", outcome.seconds, "seconds")] + [
-            (m.metric, m.value, m.unit) for m in parsed.measurements
-        ]:
-            rows.add(arm, metric, value, unit, sample=samples[(arm, metric)], route=route, extra=extra)
-            samples[(arm, metric)] += 1
-    return STATUS_FAILED if failed else STATUS_OK

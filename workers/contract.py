@@ -213,11 +213,13 @@ class RowBuilder:
         bytes_moved: float | None = None,
         extra: dict[str, str] | None = None,
         window: Window | None = None,
+        commit: str | None = None,
     ) -> None:
         """Append one row: one measured value of one arm.
 
         `window` is when the value was measured (monotonic seconds); by default, the time since
         the previous row was added, which covers a sample measured just before its rows are added.
+        `commit` is the commit of the code it ran (one side of a commit comparison), else the job's.
         """
         now = time.monotonic()
         self.windows.append(window or (self._mark, now))
@@ -246,6 +248,7 @@ class RowBuilder:
             "mlx_version": fp.mlx_version,
             "code_version": job.code_version,
             "route": route,
+            "commit": commit,
             "flops": flops,
             "bytes_moved": bytes_moved,
             "peak_copy_gb_s": None,
@@ -307,7 +310,8 @@ class RowBuilder:
         """All rows so far as one Arrow table in `SCHEMA`, the job status in its metadata.
 
         The job-level facts (lock wait, attempts, contention, commit) are taken from the context
-        now, at the end of the job, when they are known.
+        now, at the end of the job, when they are known; a row's own commit (one side of a commit
+        comparison) wins over the job's.
         """
         ctx = self.context
         for row in self.rows:
@@ -316,7 +320,7 @@ class RowBuilder:
             row["lock_attempts"] = ctx.lock_attempts
             row["contention_samples"] = ctx.contention_samples
             row["foreign_pids"] = list(ctx.foreign_pids)
-            row["commit"] = ctx.commit
+            row["commit"] = row.get("commit") or ctx.commit
         return rows_to_table(self.rows, job_key=self.job.job_key, job_status=job_status)
 
 

@@ -1,14 +1,16 @@
 """Parsers that turn an external benchmark's output into metrics (command cases).
 
-A command case names its parser with `parse`, either a string or a table:
+A command case names its parser with `parse`, either a string or a table with `kind`:
 
-* `"bench-decode"`: the text block the seeds' `scripts/bench_decode.sh` (mlxcel-bench-decode)
-  prints: `[Load] wall: X s  MLX peak: Y GB`, the generated text, then `[Profile Results]`
-  with `Prompt tokens:`, `Generated tokens:`, `Prefill: N ms (N tok/s)`, `Decode: N ms (N tok/s)`
-  and `MLX peak memory: X GB`.
-* `"engine-bench"` or `{ kind = "prefixed-json", prefix = "[engine-bench]" }`: JSON objects on
-  lines behind a prefix; other lines are ignored.
-* `"json-lines"`: every line that starts with `{` is a JSON object.
+* `"bench-decode"`: mlxcel-bench-decode's `[Load]` line and `[Profile Results]` block (also
+  `mlxcel generate --profile`'s); `"bench-decode-csv"`: the CSV rows `scripts/bench_decode.sh`
+  prints; `"mlxcel-generate"`: `mlxcel generate`'s greedy text and timing line. The formats, as
+  the engine prints them, are described in `workers.engine_output`.
+* `"engine-bench"`: mlxcel-bench-engine's `[engine-bench] {json}` lines (its text lines behind
+  the prefix are skipped); it reports `cli` and `server` paths, so a run printing both needs
+  `{ kind = "engine-bench", select = { path = "cli" } }`. `{ kind = "prefixed-json", prefix =
+  "[x]" }`: JSON objects behind any prefix; other lines are ignored.
+* `"json-lines"`: every line that starts with `{` is a JSON object (`select` filters here too).
 * `{ kind = "regex", patterns = { decode_tok_s = 'Decode: .*\\((?P<value>[\\d.]+) tok/s' },
   units = { decode_tok_s = "tok/s" }, text = '(?s)<out>(.*)</out>' }`: named regular expressions,
   one per metric; every match is one value, the `value` group (or the first group) its number.
@@ -19,137 +21,33 @@ object of numbers (`{"decode_tok_s": 12.5, "peak_memory_bytes": 3.9e10}`); a str
 name's suffix (`_tok_s`: tok/s, `_bytes`: bytes, `_seconds`/`_s`: seconds, `_ms`: ms).
 
 Output that does not parse (empty, truncated, garbled) raises `OutputParseError` with a one-line
-reason; `workers.command` turns it into a failed row.
+reason, output declining the point (`SKIP:oom`) `OutputSkipped`; the command case turns them into
+failed and unsupported rows.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-# GB as the seeds' tools print it is decimal (1e9); GiB/MiB are binary.
-_MEMORY_UNITS = {
-    "B": 1.0,
-    "KB": 1e3,
-    "MB": 1e6,
-    "GB": 1e9,
-    "TB": 1e12,
-    "KIB": 2.0**10,
-    "MIB": 2.0**20,
-    "GIB": 2.0**30,
-    "TIB": 2.0**40,
-}
+from workers.engine_output import parse_bench_decode, parse_bench_decode_csv, parse_generate
+from workers.parsed import Measurement, OutputParseError, OutputSkipped, ParsedOutput, unit_for
+
+__all__ = [
+    "Measurement",
+    "OutputParseError",
+    "OutputSkipped",
+    "ParsedOutput",
+    "parse_bench_decode",
+    "parse_json_lines",
+    "parse_regex",
+    "parser_for",
+    "unit_for",
+]
+
 _TEXT_KEYS = ("text", "output", "generated_text")
-_NUM = r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)"
-
-
-class OutputParseError(ValueError):
-    """The benchmark's output does not hold what its parser expects."""
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One value a benchmark printed."""
-
-    metric: str
-    value: float
-    unit: str
-
-
-@dataclass
-class ParsedOutput:
-    """What a parser found: the measurements in order, and the generated text if printed."""
-
-    measurements: list[Measurement] = field(default_factory=list)
-    text: str | None = None
-
-    def add(self, metric: str, value: float, unit: str) -> None:
-        if not math.isfinite(value):
-            raise OutputParseError(f"{metric}: value {value!r} is not a finite number")
-        self.measurements.append(Measurement(metric, value, unit))
-
-
-def unit_for(metric: str) -> str:
-    """The unit a metric's name implies (`decode_tok_s` -> `tok/s`), or "" when it says none."""
-    for suffix, unit in (
-        ("_tok_s", "tok/s"),
-        ("_bytes", "bytes"),
-        ("_seconds", "seconds"),
-        ("_ms", "ms"),
-        ("_gb_per_s", "GB/s"),
-        ("_tflop_per_s", "TFLOP/s"),
-        ("_tokens", "tokens"),
-        ("_s", "seconds"),
-    ):
-        if metric.endswith(suffix):
-            return unit
-    return ""
-
-
-def _memory_bytes(number: str, unit: str) -> float:
-    return float(number) * _MEMORY_UNITS[unit.upper()]
-
-
-# ------------------------------------------------------------------------------------ bench-decode
-
-_LOAD_RE = re.compile(rf"^\[Load\]\s*wall:\s*{_NUM}\s*s(?:.*?MLX peak:\s*{_NUM}\s*([KMGT]i?B))?", re.M | re.I)
-_PROFILE_RE = re.compile(r"^\[Profile Results\]\s*$", re.M)
-_PHASE_RE = re.compile(rf"^\s*(Prefill|Decode):\s*{_NUM}\s*ms\s*\(\s*{_NUM}\s*tok/s\s*\)", re.M)
-_COUNT_RE = re.compile(r"^\s*(Prompt|Generated) tokens:\s*(\d+)\s*$", re.M)
-_LOG_LINE_RE = re.compile(r"^\[[A-Za-z][\w ./-]*\]")
-_PEAK_RE = re.compile(rf"^\s*MLX peak memory:\s*{_NUM}\s*([KMGT]i?B)\b", re.M | re.I)
-
-
-def parse_bench_decode(output: str) -> ParsedOutput:
-    """Parse mlxcel-bench-decode's `[Load]` line and `[Profile Results]` block.
-
-    Args:
-        output: the command's standard output.
-
-    Returns:
-        load_seconds, load_peak_memory_bytes, prompt_tokens, generated_tokens, prefill_seconds,
-        prefill_tok_s, decode_seconds, decode_tok_s and peak_memory_bytes (those printed), and the
-        generated text (what stands between the `[Load]` line and `[Profile Results]`).
-
-    Raises:
-        OutputParseError: no `[Profile Results]` block, or one without a Prefill/Decode line.
-    """
-    if not output.strip():
-        raise OutputParseError("empty output")
-    profile = _PROFILE_RE.search(output)
-    if profile is None:
-        raise OutputParseError("no [Profile Results] block (output truncated or not bench-decode)")
-    parsed = ParsedOutput()
-    load = _LOAD_RE.search(output, 0, profile.start())
-    if load is not None:
-        parsed.add("load_seconds", float(load.group(1)), "seconds")
-        if load.group(2) is not None:
-            parsed.add("load_peak_memory_bytes", _memory_bytes(load.group(2), load.group(3)), "bytes")
-    block = output[profile.end() :]
-    for m in _COUNT_RE.finditer(block):
-        parsed.add(f"{m.group(1).lower()}_tokens", float(m.group(2)), "tokens")
-    phases = 0
-    for m in _PHASE_RE.finditer(block):
-        phase = m.group(1).lower()
-        parsed.add(f"{phase}_seconds", float(m.group(2)) / 1000.0, "seconds")
-        parsed.add(f"{phase}_tok_s", float(m.group(3)), "tok/s")
-        phases += 1
-    if phases == 0:
-        raise OutputParseError("[Profile Results] has no 'Prefill: N ms (N tok/s)' or 'Decode: ...' line")
-    peak = _PEAK_RE.search(block)
-    if peak is not None:
-        parsed.add("peak_memory_bytes", _memory_bytes(peak.group(1), peak.group(2)), "bytes")
-    text_start = output.find("\n", load.end()) + 1 if load is not None else 0
-    lines = output[text_start : profile.start()].split("\n")
-    while lines and _LOG_LINE_RE.match(lines[0]):  # `[Prompt] ...`-style log lines before the text
-        lines.pop(0)
-    text = "\n".join(lines).strip("\n")
-    parsed.text = text if text.strip() else None
-    return parsed
 
 
 # -------------------------------------------------------------------------------------- JSON lines
@@ -172,26 +70,39 @@ def _take_object(parsed: ParsedOutput, obj: Any, where: str) -> None:
             parsed.add(key, float(value), unit_for(key))
 
 
-def parse_json_lines(output: str, prefix: str | None = None) -> ParsedOutput:
+def parse_json_lines(
+    output: str,
+    prefix: str | None = None,
+    *,
+    select: dict[str, Any] | None = None,
+    one_of: str | None = None,
+) -> ParsedOutput:
     """Parse JSON objects, one per line, optionally behind a prefix such as `[engine-bench]`.
 
     Args:
         output: the command's standard output.
-        prefix: lines that start with it carry JSON; None: lines that start with `{`.
+        prefix: lines that start with it and then `{` carry JSON (other lines behind the prefix,
+            such as mlxcel-bench-engine's `summary` header, are text); None: lines starting with `{`.
+        select: only objects whose fields have these values (e.g. `{"path": "cli"}`).
+        one_of: a field whose value must be the same in every object kept (mlxcel-bench-engine's
+            `path`): samples of two decode paths must not pool.
 
     Raises:
-        OutputParseError: a marked line that is not a JSON object (garbled or truncated), or no
-            numeric value at all.
+        OutputParseError: a marked line that is not a JSON object (garbled or truncated), objects
+            of several `one_of` values, or no numeric value at all.
     """
     if not output.strip():
         raise OutputParseError("empty output")
     parsed = ParsedOutput()
+    kinds: dict[str, int] = {}
     for number, line in enumerate(output.splitlines(), start=1):
         stripped = line.strip()
         if prefix is not None:
             if not stripped.startswith(prefix):
                 continue
             payload = stripped[len(prefix) :].strip()
+            if not payload.startswith("{"):
+                continue
         elif stripped.startswith("{"):
             payload = stripped
         else:
@@ -200,7 +111,17 @@ def parse_json_lines(output: str, prefix: str | None = None) -> ParsedOutput:
             obj = json.loads(payload)
         except json.JSONDecodeError as exc:
             raise OutputParseError(f"line {number}: not valid JSON ({exc.msg})") from None
+        if select and (not isinstance(obj, dict) or any(obj.get(k) != v for k, v in select.items())):
+            continue
+        if one_of is not None and isinstance(obj, dict) and one_of in obj:
+            kinds.setdefault(str(obj[one_of]), number)
         _take_object(parsed, obj, f"line {number}")
+    if len(kinds) > 1:
+        names = ", ".join(sorted(kinds))
+        raise OutputParseError(
+            f"the output holds several {one_of}s ({names}); choose one with parse = "
+            f'{{ kind = "engine-bench", select = {{ {one_of} = "{sorted(kinds)[0]}" }} }}'
+        )
     if not parsed.measurements:
         marker = f"'{prefix}' JSON lines" if prefix else "JSON lines"
         raise OutputParseError(f"no {marker} with numeric values in the output")
@@ -251,17 +172,30 @@ def parse_regex(
 # ------------------------------------------------------------------------------------------ dispatch
 
 
+def _json_options(spec: dict[str, Any]) -> dict[str, Any]:
+    select = spec.get("select")
+    if select is not None and (not isinstance(select, dict) or not select):
+        raise ValueError('parse.select: a table of field = value, e.g. { path = "cli" }')
+    return {"select": select, "one_of": spec.get("one_of")}
+
+
 def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
     kind = spec.get("kind")
-    if kind == "bench-decode":
-        return parse_bench_decode
+    fixed = {"bench-decode": parse_bench_decode, "bench-decode-csv": parse_bench_decode_csv,
+             "mlxcel-generate": parse_generate}  # fmt: skip
+    if kind in fixed:
+        return fixed[kind]
     if kind == "json-lines":
-        return lambda out: parse_json_lines(out, None)
-    if kind == "prefixed-json":
-        prefix = spec.get("prefix")
+        options = _json_options(spec)
+        return lambda out: parse_json_lines(out, None, **options)
+    if kind in ("prefixed-json", "engine-bench"):
+        prefix = spec.get("prefix", "[engine-bench]" if kind == "engine-bench" else None)
         if not isinstance(prefix, str) or not prefix:
             raise ValueError("parse.prefix: a non-empty string is needed for kind 'prefixed-json'")
-        return lambda out: parse_json_lines(out, prefix)
+        options = _json_options(spec)
+        if kind == "engine-bench":
+            options["one_of"] = options["one_of"] or "path"
+        return lambda out: parse_json_lines(out, prefix, **options)
     if kind == "regex":
         patterns = spec.get("patterns")
         if not isinstance(patterns, dict) or not patterns:
@@ -279,22 +213,20 @@ def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
             {str(k): str(v) for k, v in units.items()},
             text,
         )
-    raise ValueError(f"parse.kind: {kind!r} is not one of bench-decode, json-lines, prefixed-json, regex")
+    raise ValueError(f"parse.kind: {kind!r} is not one of {', '.join(KINDS)}")
 
 
-NAMED = {
-    "bench-decode": {"kind": "bench-decode"},
-    "engine-bench": {"kind": "prefixed-json", "prefix": "[engine-bench]"},
-    "json-lines": {"kind": "json-lines"},
-}
+KINDS = ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines", "prefixed-json", "regex")
+NAMED = {name: {"kind": name} for name in ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench",
+                                           "json-lines")}  # fmt: skip
 
 
 def parser_for(spec: str | dict[str, Any] | None) -> Callable[[str], ParsedOutput]:
     """The parse function a case's `parse` setting names.
 
     Args:
-        spec: a built-in name (`bench-decode`, `engine-bench`, `json-lines`) or a table with `kind`;
-            None means `json-lines`.
+        spec: a built-in name (`bench-decode`, `bench-decode-csv`, `mlxcel-generate`,
+            `engine-bench`, `json-lines`) or a table with `kind`; None means `json-lines`.
 
     Raises:
         ValueError: an unknown name or kind, or a table that misses what its kind needs.

@@ -26,7 +26,7 @@ from orchestrator.history import (
 )
 from orchestrator.store import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
-from workers.command import run_command_job
+from workers.command_job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
 # A benchmark whose speed is in speed.txt, with a deterministic +-2 % wobble from a call counter.

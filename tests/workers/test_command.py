@@ -12,7 +12,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from workers.command import run_command_job, template_fields
+from workers.command import template_fields
+from workers.command_job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
 # The script prints its speed (from speed.txt, scaled by $SPEED_SCALE) as an engine-bench line,
