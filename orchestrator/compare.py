@@ -3,8 +3,9 @@
 `compare_results(table, by="arm", baseline="affine")` answers: one row per case, parameter point
 and device (or arm, when devices are compared); for each metric the sides' medians with their
 bootstrap intervals and, for every side but the baseline, the ratio of medians to the baseline
-with its interval and verdict. `by` can also be `run_id`, `code_version` or `device`, to compare
-two runs, two commits or two machines on the same points.
+with its interval and verdict. `by` can also be `run`, `commit` or `device`, to compare two runs,
+two commits (an external benchmark's, `ref@commit`, BASE first, from `--ref BASE --ref HEAD`; for
+kernel cases this checkout's code version) or two machines on the same points.
 
 `arms` and `metrics` narrow the comparison to the named arms (in that order, the baseline first)
 and metrics; which of the computed metrics a table shows by default is `compare_render`'s choice.
@@ -24,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orchestrator import stats
+from orchestrator.commits import COMMIT_SIDE, base_side, head_rows, match_side, with_commit_sides
 from orchestrator.errors import InputError
 from orchestrator.specs import SweepSpec, builtin_sweeps, load_sweep
 from orchestrator.stats import Comparison, Point, Summary
@@ -40,7 +42,7 @@ METRIC_ORDER = (
     "tflop_per_s",
     "rel_error",
 )
-SIDE_COLUMNS = {"arm": "arm", "run": "run_id", "commit": "code_version", "device": "device"}
+SIDE_COLUMNS = {"arm": "arm", "run": "run_id", "commit": COMMIT_SIDE, "device": "device"}
 # Parameters that read as a prompt length, preferred on the x axis and as the first column.
 LENGTH_PARAMS = ("prompt_tokens", "tokens")
 
@@ -185,6 +187,11 @@ def compare_results(
     """
     if by not in SIDE_COLUMNS:
         raise InputError(f"--by {by!r} is not one of {', '.join(SIDE_COLUMNS)}")
+    # Commit comparisons: `--by commit` puts BASE and HEAD side by side (the engine's commit, or
+    # this checkout's code version for kernel cases); every other view sees HEAD alone.
+    table = with_commit_sides(table) if by == "commit" else head_rows(table)
+    if by == "commit":
+        baseline = base_side(table) if baseline is None else match_side(table, baseline)
     side_col = SIDE_COLUMNS[by]
     row_dims = [d for d in ("device", "arm") if d != side_col]
     rows = stats.clean_rows(table)

@@ -21,6 +21,7 @@ from enum import StrEnum
 import pyarrow as pa
 
 from orchestrator import stats
+from orchestrator.commits import head_rows
 from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
 from orchestrator.plan import points as case_points
 from orchestrator.specs import Criterion, SweepSpec
@@ -35,6 +36,7 @@ class Outcome(StrEnum):
     PASS = "PASS"
     FAIL = "FAIL"
     AMBIGUOUS = "AMBIGUOUS"
+    SKIPPED = "SKIPPED"  # nothing to judge by design (a comparison of commits on rows of one commit)
 
 
 @dataclass(frozen=True)
@@ -176,7 +178,16 @@ def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, m
 def evaluate_criterion(
     table: pa.Table, sweep: SweepSpec, criterion: Criterion, *, resamples: int = stats.RESAMPLES
 ) -> CriterionVerdict:
-    """Judge one criterion on stored rows of the sweep (see the module docstring)."""
+    """Judge one criterion on stored rows of the sweep (see the module docstring).
+
+    A ratio criterion judges HEAD alone where the rows hold a commit comparison; a same-output
+    criterion (`orchestrator.same_output`) every commit.
+    """
+    if criterion.kind == "same-output":
+        from orchestrator import same_output
+
+        return same_output.evaluate(table, sweep, criterion)
+    table = head_rows(table)
     baseline = criterion.baseline or sweep.baseline
     if baseline is None:
         raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
@@ -222,6 +233,11 @@ def validate_criteria(sweep: SweepSpec) -> None:
         InputError: a criterion without a baseline, or whose arms or `where` fit no case.
     """
     for criterion in sweep.criteria:
+        if criterion.kind == "same-output":
+            from orchestrator import same_output
+
+            same_output.validate(sweep, criterion)
+            continue
         baseline = criterion.baseline or sweep.baseline
         if baseline is None:
             raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
@@ -260,6 +276,10 @@ def bound_text(c: Criterion) -> str:
 
 def describe(v: CriterionVerdict) -> list[str]:
     """Human lines for one verdict: the headline, then ambiguous, failing and missing points."""
+    from orchestrator import same_output
+
+    if isinstance(v, same_output.OutputVerdict):
+        return same_output.describe(v)
     c = v.criterion
     head = f"{v.outcome.value:<9} {c.name}: {c.metric} {c.arm}/{v.baseline} {bound_text(c)}"
     worst = v.worst()

@@ -17,10 +17,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import InputError
 from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
 from workers.contract import JobSpec, LockSettings
 
-OPTION_FIELDS = ("repo", "ref", "build", "run", "parse", "timeout")
+OPTION_FIELDS = ("repo", "ref", "refs", "build", "gate", "run", "parse", "timeout")
 
 
 def new_run_id(now: dt.datetime | None = None) -> str:
@@ -91,6 +92,31 @@ def job_key(content: dict[str, Any]) -> str:
     """A stable hash of a job's content."""
     blob = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def with_refs(sweep: SweepSpec, refs: list[str]) -> SweepSpec:
+    """The sweep with every command case at `refs` (`orchestrate run --ref BASE --ref HEAD`).
+
+    One ref replaces the cases' `ref`; several make each job a commit comparison: every commit
+    built and gated, arms and commits interleaved in one lock window, BASE (the first) against
+    HEAD (the last).
+
+    Raises:
+        InputError: no command case in the sweep, an empty or repeated ref.
+    """
+    if not refs:
+        return sweep
+    if any(not r.strip() for r in refs) or len(set(refs)) != len(refs):
+        raise InputError(f"--ref {' --ref '.join(refs)}: give distinct, non-empty git refs, BASE first")
+    if not any(c.case == "command" for c in sweep.cases):
+        raise InputError(f"--ref: sweep {sweep.name!r} has no command case (only those build a repository at a ref)")
+    cases = [
+        c.model_copy(update={"ref": refs[0], "refs": None} if len(refs) == 1 else {"ref": None, "refs": list(refs)})
+        if c.case == "command"
+        else c
+        for c in sweep.cases
+    ]
+    return sweep.model_copy(update={"cases": cases})
 
 
 def lock_settings(host: HostSpec) -> LockSettings:

@@ -10,7 +10,7 @@ import re
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -63,7 +63,9 @@ class CaseEntry(Strict):
     # command cases (external benchmarks built at a commit)
     repo: str | None = None
     ref: str | None = None
+    refs: list[str] | None = None  # several commits compared in one job, BASE first
     build: str | None = None
+    gate: str | None = None  # the engine's own tests: must pass at the commit before any timing
     run: str | None = None
     parse: str | dict[str, Any] | None = None
     timeout: float | None = Field(default=None, gt=0)
@@ -119,9 +121,33 @@ class CaseEntry(Strict):
             if key not in self.params:
                 raise ValueError(f"params.{key}: required by case {self.case!r}")
         if spec.kind == "command":
-            settings = {f: getattr(self, f) for f in ("repo", "ref", "build", "run", "parse")}
+            settings = {f: getattr(self, f) for f in COMMAND_FIELDS}
             check_case_settings(settings, set(self.params))
+        else:
+            for f in COMMAND_FIELDS:
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f}: only a command case takes `{f}`")
         return self
+
+
+COMMAND_FIELDS = ("repo", "ref", "refs", "build", "gate", "run", "parse")
+
+
+class CommandDefaults(Strict):
+    """A sweep's `[command]` table: what its command cases share (a case's own value wins).
+
+    The one place to edit the engine's repository, ref and build, and shared parameters such
+    as the checkpoint (merged under each case's `params`).
+    """
+
+    repo: str | None = None
+    ref: str | None = None
+    refs: list[str] | None = None
+    build: str | None = None
+    gate: str | None = None
+    parse: str | dict[str, Any] | None = None
+    timeout: float | None = Field(default=None, gt=0)
+    params: dict[str, ParamValue | list[ParamValue]] = Field(default_factory=dict)
 
 
 def _type_ok(value: ParamValue, want: type) -> bool:
@@ -133,19 +159,37 @@ def _type_ok(value: ParamValue, want: type) -> bool:
 
 
 class Criterion(Strict):
-    """An acceptance criterion: `arm`'s metric over the baseline's, judged on its CI."""
+    """An acceptance criterion.
+
+    `kind = "ratio"` (the default): `arm`'s metric over the baseline's, judged on its CI.
+    `kind = "same-output"`: byte-identical greedy output (the rows' `output_sha256`) of `arm`
+    (empty: every arm of the case) and the baseline at every point (`across = "arms"`), or of each
+    arm at every commit of a commit comparison and at its BASE (`across = "commits"`).
+    """
 
     name: str
-    metric: str
-    arm: str
+    kind: Literal["ratio", "same-output"] = "ratio"
+    metric: str = ""
+    arm: str = ""
     baseline: str | None = None  # default: the sweep's baseline arm
     case: str | None = None  # default: every case that measures `metric`
     where: str | None = None  # e.g. "prompt_tokens >= 4096"
     min_ratio: float | None = Field(default=None, gt=0)
     max_ratio: float | None = Field(default=None, gt=0)
+    across: Literal["arms", "commits"] = "arms"  # same-output only
 
     @model_validator(mode="after")
     def _bounds(self) -> Criterion:
+        if self.kind == "same-output":
+            for name in ("metric", "min_ratio", "max_ratio"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: a same-output criterion compares greedy output, it takes no `{name}`")
+            return self
+        if self.across != "arms":
+            raise ValueError("across: only a same-output criterion compares across commits")
+        for name in ("metric", "arm"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}: a ratio criterion needs `{name}`")
         if self.min_ratio is None and self.max_ratio is None:
             raise ValueError("a criterion needs min_ratio or max_ratio")
         return self
@@ -171,8 +215,34 @@ class SweepSpec(Strict):
     warmup: int = Field(default=3, ge=0)
     baseline: str | None = None
     seed: int = 0
+    command: CommandDefaults | None = None
     cases: list[CaseEntry] = Field(min_length=1)
     criteria: list[Criterion] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _command_defaults(cls, data: Any) -> Any:
+        """Merge the `[command]` table into every command case before the cases are checked."""
+        if not isinstance(data, dict) or not isinstance(data.get("command"), dict):
+            return data
+        shared = data["command"]
+        cases = data.get("cases")
+        if not isinstance(cases, list):
+            return data
+        merged = []
+        for entry in cases:
+            if isinstance(entry, dict) and entry.get("case") == "command":
+                own = dict(entry)
+                for key, value in shared.items():
+                    if key == "params" and isinstance(value, dict):
+                        own["params"] = {**value, **(own.get("params") or {})}
+                    elif key in ("ref", "refs") and ("ref" in own or "refs" in own):
+                        continue  # the case names its own commit(s)
+                    else:
+                        own.setdefault(key, value)
+                entry = own
+            merged.append(entry)
+        return {**data, "cases": merged}
 
     @field_validator("name")
     @classmethod

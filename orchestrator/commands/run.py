@@ -17,9 +17,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from orchestrator.commits import compared_refs, head_rows
+from orchestrator.compare import compare_results
+from orchestrator.compare_render import print_comparison
 from orchestrator.console import console, summary_table
 from orchestrator.criteria import judge_stored, validate_criteria
-from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
+from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT, InputError
+from orchestrator.plan import with_refs
 from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
 from orchestrator.summary import left_out, summarize
@@ -134,11 +138,18 @@ def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None
                 markup=False,
             )
     table = store.read(sweep=summary.sweep)
-    lines = summarize(table, baseline=baseline)
+    lines = summarize(head_rows(table), baseline=baseline)  # a commit comparison's HEAD, as criteria judge it
     out.print(summary_table(lines, baseline, f"sweep {summary.sweep}: {table.num_rows} rows"))
     note = left_out(table)
     if note:
         out.print(note, markup=False)
+    this_run = store.read(sweep=summary.sweep, run=summary.run_id)
+    if compared_refs(this_run) > 1 and this_run.num_rows:
+        out.print("HEAD against BASE (this run's commits, interleaved in each job's lock window):")
+        try:
+            print_comparison(out, compare_results(this_run, by="commit"))
+        except InputError as exc:  # no clean sample of either commit: the rows above say why
+            out.print(f"no commit comparison: {exc.message}", markup=False)
     for path, reason in store.broken:
         out.print(f"warning: skipped broken fragment {path}: {reason}", markup=False)
 
@@ -153,9 +164,12 @@ def register(app: typer.Typer) -> None:
         results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
         force: bool = typer.Option(False, "--force", help="run jobs again even when complete in the store"),
         job_timeout: float | None = typer.Option(None, "--job-timeout", help="seconds before a job is failed"),
+        ref: list[str] | None = typer.Option(
+            None, "--ref", help="build the command cases at this git ref; twice (BASE, then HEAD): compare two commits"
+        ),
     ) -> None:
         """Run a sweep: every job not yet complete, one per host's GPU at a time."""
-        spec = load_sweep(sweep)
+        spec = with_refs(load_sweep(sweep), list(ref or []))
         validate_criteria(spec)  # a criterion no case can answer is refused before anything runs
         inv = load_inventory(inventory)
         store = ResultStore(results_root(results))

@@ -8,10 +8,10 @@ from orchestrator.criteria import validate_criteria
 from orchestrator.plan import expand
 from orchestrator.specs import builtin_sweeps, load_inventory, load_sweep
 
-EXPECTED_JOBS = {"smoke": 5, "nvfp4-prefill": 7 + 6 + 2, "moe-gather": 1}
+EXPECTED_JOBS = {"smoke": 5, "nvfp4-prefill": 7 + 6 + 2, "moe-gather": 1, "mlxcel-prefill": 6 + 2 + 1, "mlxcel-moe": 1 + 1}
 
 
-def test_the_three_builtin_sweeps_ship() -> None:
+def test_the_builtin_sweeps_ship() -> None:
     assert set(builtin_sweeps()) == set(EXPECTED_JOBS)
 
 
