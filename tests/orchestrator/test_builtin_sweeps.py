@@ -8,7 +8,13 @@ from orchestrator.criteria import validate_criteria
 from orchestrator.plan import expand
 from orchestrator.specs import builtin_sweeps, load_inventory, load_sweep
 
-EXPECTED_JOBS = {"smoke": 5, "nvfp4-prefill": 7 + 6 + 2, "moe-gather": 1, "mlxcel-prefill": 6 + 2 + 1, "mlxcel-moe": 1 + 1}
+EXPECTED_JOBS = {
+    "smoke": 5,
+    "nvfp4-prefill": 7 + 6 + 2,
+    "moe-gather": 1,
+    "mlxcel-prefill": 6 + 2 + 1,
+    "mlxcel-moe": 1 + 1,
+}
 
 
 def test_the_builtin_sweeps_ship() -> None:
