@@ -106,10 +106,11 @@ def _digests(table: pa.Table) -> tuple[dict[tuple[Any, ...], dict[str, int]], di
     seen: set[tuple[Any, ...]] = set()
     for row in table.select(cols).to_pylist():
         extra = dict(row["extra"] or [])
-        side = (int(extra.get("ref_index", 0)), commit_label(extra.get("ref"), row["commit"] or ""))
+        side = (int(extra.get("ref_index", 0)), _side_label(extra.get("ref"), row["commit"]))
         key = (row["device"], row["case_name"], stats.point_of(row["params"]), side, row["arm"])
         if row["status"] != "ok":
-            errors.setdefault(key, f"{row['status']}: {row['error'] or 'no error recorded'}")
+            first_line = (row["error"] or "no error recorded").strip().splitlines()[0]
+            errors.setdefault(key, f"{row['status']}: {first_line}")
             continue
         digest = next((extra[k] for k in DIGEST_KEYS if extra.get(k)), None)
         run = (row["run_id"], row["job_key"], side, row["arm"], row["sample"])
@@ -118,6 +119,12 @@ def _digests(table: pa.Table) -> tuple[dict[tuple[Any, ...], dict[str, int]], di
         seen.add(run)
         outputs[key][digest] = outputs[key].get(digest, 0) + 1
     return outputs, errors
+
+
+def _side_label(ref: str | None, commit: str | None) -> str:
+    if commit:
+        return commit_label(ref, commit)
+    return ref or "(no commit)"  # the ref did not resolve or build
 
 
 def _short(digests: dict[str, int]) -> str:

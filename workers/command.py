@@ -271,6 +271,26 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
         return BuildResult(path, seconds, cache_hit=False)
 
 
+_FAILURE_LINE = re.compile(r"panicked at|^test .* FAILED$|^test result:|^FAILED |^E  |^error(\[|:)", re.M)
+
+
+def _failure_summary(output: str) -> str:
+    """The lines that say what failed (a panic and its message, FAILED tests), then the output's tail.
+
+    A test runner's backtrace or build log can push the failure out of a plain tail.
+    """
+    lines = output.splitlines()
+    picked: list[str] = []
+    for i, line in enumerate(lines):
+        if _FAILURE_LINE.search(line):
+            picked.append(line.strip())
+            if "panicked at" in line and i + 1 < len(lines):
+                picked.append(lines[i + 1].strip())  # the panic's message
+    head = "; ".join(dict.fromkeys(picked[:12]))
+    tail = _tail(output) or "no output"
+    return f"{head}\n... {tail}" if head and head not in tail else tail
+
+
 @dataclass(frozen=True)
 class GateResult:
     """The correctness gate at one commit: how long it took, whether this run had it already, why it failed."""
@@ -309,7 +329,7 @@ def run_gate(
         failure = None
         if outcome.failure is not None:
             how = outcome.failure.split("; stderr:")[0]
-            failure = f"gate `{command}` {how}: {_tail(output) or 'no output'}"
+            failure = f"gate `{command}` {how}: {_failure_summary(output)}"
         if marker is not None:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(json.dumps({"command": command, "seconds": outcome.seconds, "failure": failure}))

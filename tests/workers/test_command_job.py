@@ -23,12 +23,18 @@ echo "$1 $(cat speed.txt)" >> "$ORDER_LOG"
 speed=$(awk -v s="$(cat speed.txt)" -v o="${OPT_OUT:-}" 'BEGIN { print (o == "1") ? s / 2 : s }')
 echo "[engine-bench] {\\"prefill_tok_s\\": $speed, \\"text\\": \\"$(cat text.txt)\\"}"
 """
-# A cargo-test-like gate: fails when tests.txt says so, printing the failure on stdout as cargo does.
+# A cargo-test-like gate: fails when tests.txt says so, as cargo prints it (the panic, then a long
+# backtrace under RUST_BACKTRACE=1, the summary; the build log and the rerun hint on stderr).
 GATE = """#!/usr/bin/env bash
+echo "   Compiling mlxcel v0.1.0" >&2
 echo "running 2 tests"
 if [ "$(cat tests.txt)" = pass ]; then echo "test result: ok. 2 passed; 0 failed"; exit 0; fi
+echo "test sorted_gather_route ... FAILED"
 echo "---- sorted_gather_route stdout ----"
-echo "thread 'sorted_gather_route' panicked: route output differs from the CPU reference at tolerance()"
+echo "thread 'sorted_gather_route' panicked at tests/rocm_nvfp4_quant.rs:4:5:"
+echo "route output differs from the CPU reference at tolerance()"
+echo "stack backtrace:"
+for i in $(seq 1 80); do echo "  $i: core::ops::function::FnOnce::call_once at library/core/src/ops/fn.rs:250"; done
 echo "test result: FAILED. 1 passed; 1 failed"
 echo "error: test failed, to rerun pass '--test rocm_nvfp4_quant'" >&2
 exit 101
