@@ -39,6 +39,7 @@ from workers.command import (
     resolve_commit,
     run_gate,
 )
+from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
 from workers.gpulock import GUARD_ENV
 from workers.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
@@ -162,7 +163,8 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     if missing:
         return out.fail(missing, "build_seconds", status=STATUS_UNSUPPORTED)
     try:
-        sides = _resolve_sides(case, job, base)
+        with phases.span("build"):
+            sides = _resolve_sides(case, job, base)
     except CommandCaseError as exc:
         return out.fail(str(exc), "build_seconds")
     context.commit = sides[-1].commit
@@ -176,7 +178,8 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     if case.gate:
         for side in sides:
             try:
-                gate = run_gate(case, side.build, {**base, "commit": side.commit}, env, job.run_id)
+                with phases.span("reference"):  # the gate is a command case's correctness check
+                    gate = run_gate(case, side.build, {**base, "commit": side.commit}, env, job.run_id)
             except CommandCaseError as exc:
                 return out.fail(str(exc), "gate_seconds", sides)
             extra = side.extra | {"gate_cache": "hit" if gate.cache_hit else "miss"}
@@ -218,7 +221,8 @@ def _measure(
                      commit=side.commit)  # fmt: skip
             failed.add((index, arm))
             continue
-        outcome = _run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
+        with phases.span("warmup" if warm else "timed"):
+            outcome = _run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
         error = outcome.failure
         parsed: ParsedOutput | None = None
         if error is None:
