@@ -218,12 +218,18 @@ def evaluate_criterion(
                 continue  # the point ran cleanly and simply does not measure this metric
             reason = _why_missing(rows_here, criterion.arm, baseline, criterion.metric) if rows_here else "not run"
             verdict.missing.append(MissingPoint(device, case_name, point, reason))
-    outcomes = {p.outcome for p in verdict.points}
-    if Outcome.FAIL in outcomes:
-        verdict.outcome = Outcome.FAIL
-    elif Outcome.AMBIGUOUS in outcomes or verdict.missing or not verdict.points:
-        verdict.outcome = Outcome.AMBIGUOUS
+    verdict.outcome = overall({p.outcome for p in verdict.points}, bool(verdict.missing) or not verdict.points)
     return verdict
+
+
+def overall(outcomes: set[Outcome], incomplete: bool) -> Outcome:
+    """A criterion's outcome from its points': FAIL when one fails, else AMBIGUOUS when one is or
+    the points are `incomplete` (one is missing, or none was judged), else PASS."""
+    if Outcome.FAIL in outcomes:
+        return Outcome.FAIL
+    if Outcome.AMBIGUOUS in outcomes or incomplete:
+        return Outcome.AMBIGUOUS
+    return Outcome.PASS
 
 
 def validate_criteria(sweep: SweepSpec) -> None:

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from orchestrator import stats
 from orchestrator.commits import commit_label
-from orchestrator.criteria import CriterionVerdict, MissingPoint, Outcome
+from orchestrator.criteria import CriterionVerdict, MissingPoint, Outcome, overall
 from orchestrator.errors import InputError
 from orchestrator.plan import points as case_points
 from orchestrator.specs import CaseEntry, Criterion, SweepSpec
@@ -179,11 +179,7 @@ def evaluate(table: pa.Table, sweep: SweepSpec, criterion: Criterion) -> OutputV
             for device in entry.devices or sweep.devices or seen_devices or ["(any device)"]:
                 sides = sorted(sides_of.get((device, entry.label, point), set()))
                 _judge_point(verdict, criterion, device, entry.label, point, sides, arms, reference, outputs, errors)
-    outcomes = {p.outcome for p in verdict.outputs}
-    if Outcome.FAIL in outcomes:
-        verdict.outcome = Outcome.FAIL
-    elif Outcome.AMBIGUOUS in outcomes or verdict.missing or not verdict.outputs:
-        verdict.outcome = Outcome.AMBIGUOUS
+    verdict.outcome = overall({p.outcome for p in verdict.outputs}, bool(verdict.missing) or not verdict.outputs)
     return verdict
 
 

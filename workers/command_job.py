@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workers import phases
 from workers.command import (
     BuildResult,
     CommandCase,
@@ -39,7 +40,6 @@ from workers.command import (
     resolve_commit,
     run_gate,
 )
-from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
 from workers.gpulock import GUARD_ENV
 from workers.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for

@@ -3,17 +3,16 @@ against a real git repository with shell benchmarks (the Cargo engine is in test
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 
 from tests.engine_repo import GUARD_SH, git
-from workers.command_job import command_env, run_command_job
-from workers.contract import HostFingerprint, JobContext, JobSpec, LockSettings, RowBuilder
+from tests.workers.test_command import run
+from workers.command_job import command_env
+from workers.contract import JobSpec, LockSettings
 from workers.gpulock import GUARD_ENV, GpuLock
 
 # Speed from speed.txt, halved for the opt-out arm; the arm, commit and env go to $ORDER_LOG.
@@ -39,12 +38,6 @@ echo "test result: FAILED. 1 passed; 1 failed"
 echo "error: test failed, to rerun pass '--test rocm_nvfp4_quant'" >&2
 exit 101
 """
-
-FINGERPRINT = HostFingerprint(
-    hostname="test-host", os="Linux", machine="x86_64", cpu="test cpu", cpu_count=2, memory_bytes=2**34,
-    mlx_version="0.32.4", mlx_device="Device(cpu, 0)", backend="cpu", threads=2, fingerprint_id="fp-test",
-)  # fmt: skip
-
 
 class Repo:
     def __init__(self, path: Path) -> None:
@@ -81,14 +74,6 @@ def job(
         arms=["default", "opt-out"], arm_env={"opt-out": {"OPT_OUT": "1"}}, options=opts, device="cpu",
         repetitions=2, warmup=0, lock=LockSettings(path=str(tmp_path / "gpu.lock")),
     )  # fmt: skip
-
-
-def run(spec: JobSpec) -> tuple[str, list[dict[str, Any]]]:
-    context = JobContext(started_at=dt.datetime.now(dt.UTC))
-    rows = RowBuilder(spec, FINGERPRINT, context)
-    status = run_command_job(spec, rows, context)
-    table: pa.Table = rows.table(status)
-    return status, table.to_pylist()
 
 
 def first_error(rows: list[dict[str, Any]]) -> str | None:
