@@ -28,11 +28,13 @@ A relative local `repo` path starts at `options.base_dir`, else at the worker's 
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import string
 import subprocess
@@ -256,6 +258,7 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
     with _file_lock(path.with_name(path.name + ".lock")):
         if marker.exists():
             record = json.loads(marker.read_text())
+            os.utime(marker)  # used now: the pruning below keeps the builds used last
             return BuildResult(path, float(record["build_seconds"]), cache_hit=True)
         if not (path / ".git").exists():
             _git("clone", "--quiet", "--no-checkout", str(mirror), str(path))
@@ -268,7 +271,50 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
             if outcome.failure:
                 raise CommandCaseError(f"build {outcome.failure}")
         marker.write_text(json.dumps({"commit": commit, "build": command, "build_seconds": seconds}))
-        return BuildResult(path, seconds, cache_hit=False)
+    prune_builds(path.parent, keep_builds())
+    return BuildResult(path, seconds, cache_hit=False)
+
+
+KEEP_BUILDS = 4
+RECENT_S = 24 * 3600.0
+
+
+def keep_builds() -> int:
+    """How many builds of one repository a host keeps (`$ORCHESTRATE_KEEP_BUILDS`, default 4)."""
+    raw = os.environ.get("ORCHESTRATE_KEEP_BUILDS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else KEEP_BUILDS
+
+
+def prune_builds(builds: Path, keep: int, *, recent_s: float = RECENT_S) -> list[Path]:
+    """Remove a repository's least recently used builds beyond the newest `keep`.
+
+    An engine's build is gigabytes and a nightly sweep makes one per commit; this keeps a host's
+    disk bounded. A build used within `recent_s` (this run's BASE and HEAD, say) or held by
+    another job (its lock is taken) is never removed.
+
+    Returns:
+        The checkouts removed.
+    """
+    markers = sorted(builds.glob("*.build.json"), key=lambda m: m.stat().st_mtime, reverse=True)
+    removed = []
+    for marker in markers[keep:]:
+        if time.time() - marker.stat().st_mtime < recent_s:
+            continue
+        path = marker.with_name(marker.name.removesuffix(".build.json"))
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use by another job
+            marker.unlink()
+            shutil.rmtree(path, ignore_errors=True)
+            for log in builds.glob(f"{glob.escape(path.name)}.*.log"):
+                log.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 _FAILURE_LINE = re.compile(r"panicked at|^test .* FAILED$|^test result:|^FAILED |^E  |^error(\[|:)", re.M)

@@ -4,6 +4,7 @@ against a real git repository with shell benchmarks (the Cargo engine is in test
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.engine_repo import GUARD_SH, git
 from tests.workers.test_command import run
+from workers.command import prune_builds
 from workers.command_job import command_env
 from workers.contract import JobSpec, LockSettings
 from workers.gpulock import GUARD_ENV, GpuLock
@@ -197,3 +199,36 @@ def test_guard_takes_its_own_lock_when_the_job_holds_another(
     shared = spec.model_copy(update={"lock": LockSettings(path=str(guard_lock))})
     with GpuLock(str(guard_lock), mode="job"):
         assert command_env(shared)[GUARD_ENV] == str(os.getpid())
+
+
+def test_old_builds_are_pruned_beyond_the_newest_few(repo: Repo, tmp_path: Path) -> None:
+    builds = tmp_path / "builds"
+    builds.mkdir()
+    day = 24 * 3600
+    for i in range(7):  # build i was last used i days ago
+        (builds / f"c{i}").mkdir()
+        (builds / f"c{i}" / "target").write_text("gigabytes")
+        (builds / f"c{i}.build.log").write_text("log")
+        marker = builds / f"c{i}.build.json"
+        marker.write_text("{}")
+        os.utime(marker, (time.time() - i * day - 60, time.time() - i * day - 60))
+    with GpuLock(str(builds / "c5.lock"), mode="job"):  # another job is using build 5
+        removed = prune_builds(builds, keep=3)
+    assert sorted(p.name for p in removed) == ["c3", "c4", "c6"]
+    assert sorted(p.name for p in builds.iterdir() if p.is_dir()) == ["c0", "c1", "c2", "c5"]
+    assert not (builds / "c6.build.log").exists() and (builds / "c5.build.log").exists()
+    assert prune_builds(builds, keep=1, recent_s=6 * day) == []  # every one left was used within 6 days
+    assert [p.name for p in prune_builds(builds, keep=1, recent_s=3 * day)] == ["c5"]  # c0..c2: within 3 days
+    # through a job: the second commit's build prunes the first (keep 1, no recency) only when it is old
+    first = repo.commit(100.0)
+    run(job(repo, tmp_path))
+    old = next((tmp_path / "cache" / "builds").rglob(f"{first[:16]}-*.build.json"))
+    os.utime(old, (time.time() - 2 * day, time.time() - 2 * day))
+    repo.commit(90.0)
+    os.environ["ORCHESTRATE_KEEP_BUILDS"] = "1"
+    try:
+        status, _ = run(job(repo, tmp_path, run_id="r2"))
+    finally:
+        del os.environ["ORCHESTRATE_KEEP_BUILDS"]
+    assert status == "ok"
+    assert not old.exists() and not old.with_name(old.name.removesuffix(".build.json")).exists()
