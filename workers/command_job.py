@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -197,7 +197,7 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
 def _measure(
     job: JobSpec,
     case: CommandCase,
-    parse: Any,
+    parse: Callable[[str], ParsedOutput],
     sides: list[Side],
     values: dict[str, Any],
     env: dict[str, str],
