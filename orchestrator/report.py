@@ -51,6 +51,7 @@ from orchestrator.report_plots import Bound, metric_chart, ratio_chart, share_ch
 from orchestrator.report_style import ArmStyles
 from orchestrator.report_tables import (
     TableView,
+    applies,
     comparison_table,
     criteria_table,
     cross_table,
@@ -166,7 +167,7 @@ def _device_view(
     threshold: float,
     uid: Callable[[], str],
 ) -> DeviceView:
-    mine = [dv for dv in (device_verdict(v, device) for v in verdicts) if dv.points or dv.missing]
+    mine = [dv for dv in (device_verdict(v, device) for v in verdicts) if applies(dv)]
     view = DeviceView(device, f"device-{_slug(device)}", about, criteria_table(mine) if mine else None, None, "")
     if mine:
         panels = headline_panels(mine, axes)

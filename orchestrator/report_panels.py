@@ -104,6 +104,8 @@ def headline_panels(verdicts: list[CriterionVerdict], axes: CaseAxes) -> list[Ra
     outcomes: dict[tuple[str, str, str], set[Outcome]] = defaultdict(set)
     for v in verdicts:
         c = v.criterion
+        if c.kind != "ratio":
+            continue  # a same-output criterion compares outputs: no ratio to chart
         for case in dict.fromkeys([p.case_name for p in v.points] + [m.case_name for m in v.missing]):
             key = (case, c.metric, v.baseline)
             panel = panels.setdefault(key, RatioPanel("", c.metric, axes.xparam.get(case), v.baseline, []))

@@ -22,8 +22,9 @@ from orchestrator.compare_render import (
     ratio_label,
     shown_metrics,
 )
-from orchestrator.criteria import CriterionVerdict, Outcome, PointResult, bound_text
+from orchestrator.criteria import CriterionVerdict, Outcome, PointResult, bound_text, overall
 from orchestrator.report_style import ArmStyles, with_unit
+from orchestrator.same_output import OutputVerdict, rule_text
 from orchestrator.stats import Point
 
 FINGERPRINT_COLUMNS = (
@@ -98,15 +99,24 @@ def comparison_table(result: CompareResult, case: str, device: str, styles: ArmS
 
 def device_verdict(v: CriterionVerdict, device: str) -> CriterionVerdict:
     """A criterion's verdict on one device's points alone (the rule of `criteria.evaluate_criterion`)."""
-    points = [p for p in v.points if p.device == device]
     missing = [m for m in v.missing if m.device == device]
-    outcomes = {p.outcome for p in points}
-    outcome = Outcome.PASS
-    if Outcome.FAIL in outcomes:
-        outcome = Outcome.FAIL
-    elif Outcome.AMBIGUOUS in outcomes or missing or not points:
-        outcome = Outcome.AMBIGUOUS
-    return CriterionVerdict(v.criterion, v.baseline, outcome, points, missing, v.shown)
+    if isinstance(v, OutputVerdict):
+        outputs = [p for p in v.outputs if p.device == device]
+        outcome = (
+            v.outcome
+            if v.outcome is Outcome.SKIPPED
+            else overall({p.outcome for p in outputs}, bool(missing) or not outputs)
+        )
+        return OutputVerdict(v.criterion, v.baseline, outcome, [], missing, v.shown, outputs, v.note)
+    points = [p for p in v.points if p.device == device]
+    return CriterionVerdict(v.criterion, v.baseline, overall({p.outcome for p in points}, bool(missing) or not points),
+                            points, missing, v.shown)  # fmt: skip
+
+
+def applies(v: CriterionVerdict) -> bool:
+    """Whether a (device's) verdict has anything to show: points judged or missing, or a reason it was skipped."""
+    judged = v.outputs if isinstance(v, OutputVerdict) else v.points
+    return bool(judged or v.missing or v.outcome is Outcome.SKIPPED)
 
 
 def criteria_table(verdicts: list[CriterionVerdict]) -> TableView:
@@ -116,6 +126,9 @@ def criteria_table(verdicts: list[CriterionVerdict]) -> TableView:
     body = []
     for v in verdicts:
         c = v.criterion
+        if isinstance(v, OutputVerdict):
+            body.append(_output_row(v))
+            continue
         rule = f"{c.arm} / {v.baseline} {metric_label(c.metric)} {bound_text(c)}"
         rule += f" where {c.where}" if c.where else ""
         rule += f" (case {c.case})" if c.case else ""
@@ -141,6 +154,27 @@ def criteria_table(verdicts: list[CriterionVerdict]) -> TableView:
             ]
         )
     return TableView(heads, body, "criteria")
+
+
+def _output_row(v: OutputVerdict) -> list[Cell]:
+    """A same-output criterion's row: outputs compared instead of ratios."""
+    c = v.criterion
+    rule = rule_text(v) + (f" where {c.where}" if c.where else "") + (f" (case {c.case})" if c.case else "")
+    failing = [p for p in v.outputs if p.outcome is not Outcome.PASS]
+    first = next((p for p in failing if p.outcome is Outcome.FAIL), failing[0] if failing else None)
+    worst = f"{first.detail} at {_short_label_of(v, first.case_name, first.point)}" if first else "-"
+    parts = [f"{len(failing)} not passing" if failing else "", f"{len(v.missing)} missing" if v.missing else ""]
+    summary = ", ".join(p for p in parts if p) or (v.note if v.outcome is Outcome.SKIPPED else "")
+    lines = [f"{p.outcome.value} {_short_label_of(v, p.case_name, p.point)} ({p.where}): {p.detail}" for p in failing]
+    lines += [f"MISSING {_short_label_of(v, m.case_name, m.point)}: {m.reason}" for m in v.missing]
+    judged = "-" if v.outcome is Outcome.SKIPPED else f"{len(v.outputs)} of {len(v.outputs) + len(v.missing)}"
+    return [
+        Cell(v.outcome.value, f"verdict {v.outcome.value}"),
+        Cell(c.name, sub=rule),
+        Cell(judged, "num"),
+        Cell(worst, "num"),
+        Cell(summary or "every point identical", "details", more=lines),
+    ]
 
 
 def criterion_details(v: CriterionVerdict) -> list[str]:
@@ -175,7 +209,7 @@ def overview_table(verdicts: list[CriterionVerdict], devices: list[str]) -> Tabl
         cells = [Cell(v.criterion.name)]
         for device in devices:
             dv = device_verdict(v, device)
-            if not dv.points and not dv.missing:
+            if not applies(dv):
                 cells.append(Cell("does not apply", "muted"))
                 continue
             worst = dv.worst()

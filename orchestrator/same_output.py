@@ -234,15 +234,17 @@ def _judge_point(
         verdict.outputs.append(OutputPoint(device, case_name, point, side[1], outcome, detail, differing))
 
 
+def rule_text(v: OutputVerdict) -> str:
+    """`byte-identical greedy output, every arm against opt-out`: what the criterion compares."""
+    c, arms = v.criterion, v.criterion.arm or "every arm"
+    what = f"{arms} against {v.baseline}" if c.across == "arms" else f"{arms} at every commit against BASE"
+    return f"byte-identical greedy output, {what}"
+
+
 def describe(v: OutputVerdict) -> list[str]:
     """Human lines for one verdict: the headline, then every non-passing and missing point."""
     c = v.criterion
-    what = (
-        f"{c.arm or 'every arm'} against {v.baseline}"
-        if c.across == "arms"
-        else f"{c.arm or 'every arm'} at every commit against BASE"
-    )
-    head = f"{v.outcome.value:<9} {c.name}: byte-identical greedy output, {what}"
+    head = f"{v.outcome.value:<9} {c.name}: {rule_text(v)}"
     if v.note:
         return [f"{head}; {v.note}"]
     passed = sum(1 for p in v.outputs if p.outcome is Outcome.PASS)

@@ -12,6 +12,8 @@ import pytest
 
 from orchestrator.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
 from orchestrator.errors import InputError
+from orchestrator.report import build_report
+from orchestrator.report_tables import applies, criteria_table, device_verdict, overview_table
 from orchestrator.specs import SweepSpec
 from tests.orchestrator.synthetic_rows import concat, fingerprint
 from workers.contract import JobContext, JobSpec, RowBuilder
@@ -161,3 +163,21 @@ def test_ratio_criteria_judge_head_alone_in_a_commit_comparison() -> None:
             rows.add("default", "decode_tok_s", speed, "tok/s", sample=i, extra=extra, commit=commit)
     (v,) = evaluate_criteria(concat([rows.table("ok")]), spec)
     assert v.outcome is Outcome.PASS and v.points[0].ratio.n_a == 4  # HEAD's 4 samples, not BASE's too
+
+
+def test_the_html_report_shows_same_output_verdicts() -> None:
+    spec = sweep(SAME_ARMS, SAME_COMMITS)
+    table = job({"opt-out": ["Paris", "Paris"], "default": ["Lyon", "Lyon"], "other": ["Paris", "Paris"]})
+    verdicts = evaluate_criteria(table, spec)
+    on_device = [device_verdict(v, "gfx1151") for v in verdicts]
+    assert [v.outcome for v in on_device] == [Outcome.FAIL, Outcome.SKIPPED]
+    assert all(applies(v) for v in on_device) and not applies(device_verdict(verdicts[0], "cpu"))
+    rows = criteria_table(on_device).rows
+    assert [r[0].text for r in rows] == ["FAIL", "SKIPPED"]
+    assert rows[0][1].sub.startswith("byte-identical greedy output, every arm against opt-out")
+    assert "default (" in rows[0][3].text and "differs from opt-out" in rows[0][3].text
+    assert "the rows hold one commit" in rows[1][4].text
+    overview = overview_table(verdicts, ["gfx1151", "cpu"]).rows
+    assert [[c.text for c in r[1:]] for r in overview] == [["FAIL", "does not apply"], ["SKIPPED", "SKIPPED"]]
+    html = build_report(table, spec=spec, resamples=100)
+    assert "byte-identical greedy output, every arm against opt-out" in html and 'class="verdict FAIL"' in html
