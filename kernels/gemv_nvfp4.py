@@ -185,14 +185,14 @@ def _kernel_constant_multiplier(global_scale: float | None) -> mx.array:
     return out
 
 
-def _kernel_multiplier(global_scale: mx.array | float | None) -> mx.array:
+def kernel_multiplier(global_scale: mx.array | float | None) -> mx.array:
     """The multiplier as the kernels take it: a buffer outside MLX's small-buffer pool."""
     if not isinstance(global_scale, mx.array):
         return _kernel_constant_multiplier(global_scale)
-    return off_small_pool(_global_multiplier(global_scale))
+    return off_small_pool(global_multiplier(global_scale))
 
 
-def _global_multiplier(global_scale: mx.array | float | None) -> mx.array:
+def global_multiplier(global_scale: mx.array | float | None) -> mx.array:
     """global_scale / 2688 as a float32 [1] (ones without); a Python number's is built once."""
     if not isinstance(global_scale, mx.array):
         return _constant_multiplier(global_scale)
@@ -225,7 +225,7 @@ def gemv_nvfp4_twin(
     """The kernel's function in MLX ops: `x @ dequant(w)^T * global_scale / 2688`, fp32 accumulate."""
     weights = dequantize_exact(w, scales)
     y = activations_as_kernel_sees_them(x) @ weights.T
-    return (y * _global_multiplier(global_scale)).astype(x.dtype)
+    return (y * global_multiplier(global_scale)).astype(x.dtype)
 
 
 def gemv_nvfp4_cuda(
@@ -255,7 +255,7 @@ def _launch(
 ) -> mx.array:
     """Run `cfg`'s kernel, its support already checked."""
     m, k = x.shape
-    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, _kernel_multiplier(global_scale))
+    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, kernel_multiplier(global_scale))
 
 
 @functools.cache

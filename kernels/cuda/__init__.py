@@ -1,7 +1,8 @@
 """CUDA sources of the custom NVFP4 kernels, and how they become `mx.fast.cuda_kernel` builds.
 
 The `.cu` files hold kernel *bodies* (MLX writes the signature from the input and output names);
-`nvfp4_mma.cuh` is the shared header. `CudaKernelSource` joins a body with its header, names the
+`nvfp4_mma.cuh` is the shared header (the GEMM adds `gemm_nvfp4.cuh`). `CudaKernelSource` joins a
+body with its headers, names the
 compiled kernel after a hash of the text (MLX caches compiled PTX by kernel name, so a changed
 source must never reuse an old name), and can render the whole translation unit the way MLX does,
 so that `nvcc` can check it on a machine without a GPU (`standalone_source`).
@@ -24,6 +25,14 @@ _STANDALONE_PRELUDE = """#include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
+#ifndef MLX_STANDALONE_SHAPE
+#define MLX_STANDALONE_SHAPE
+// MLX passes `<input>_shape` as a fixed-size array of int32 (mlx/backend/cuda/device/config.h)
+struct Shape {
+  int32_t v[10];
+  __device__ int32_t operator[](int i) const { return v[i]; }
+};
+#endif
 """
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -46,11 +55,13 @@ class CudaKernelSource:
         body_file: the `.cu` file holding the kernel body.
         inputs: input pointer names, in call order.
         outputs: output pointer names.
+        headers: the header files, in order (joined into MLX's `header`).
     """
 
     body_file: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    headers: tuple[str, ...] = (HEADER_FILE,)
 
     @property
     def body(self) -> str:
@@ -60,7 +71,7 @@ class CudaKernelSource:
     @property
     def header(self) -> str:
         """The header passed to MLX (helpers outside the kernel function)."""
-        return read_source(HEADER_FILE)
+        return "\n".join(read_source(h) for h in self.headers)
 
     @property
     def name(self) -> str:
@@ -87,7 +98,11 @@ class CudaKernelSource:
             prelude: False leaves out the includes and the header (for the second and later
                 instantiations in one file).
         """
-        params = [f"    const {_ARRAY_TYPES[input_dtypes[n]]}* {n}" for n in self.inputs]
+        params = []
+        for n in self.inputs:
+            params.append(f"    const {_ARRAY_TYPES[input_dtypes[n]]}* {n}")
+            if f"{n}_shape" in self.body:  # as MLX does: the shape follows its array
+                params.append(f"    const __grid_constant__ Shape {n}_shape")
         params += [f"    {_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in self.outputs]
         consts = []
         for key, value in template.items():

@@ -365,5 +365,5 @@ def test_small_inputs_are_padded_out_of_mlx_s_small_buffer_pool() -> None:
     big = mx.array([1.0, 2.0, 3.0], dtype=mx.float32)  # 12 bytes: already outside the pool
     assert off_small_pool(big) is big
     for gs, want in ((None, 1.0), (5376.0, 2.0), (mx.array([5376.0]), 2.0)):
-        mult = gemv_nvfp4._kernel_multiplier(gs)
+        mult = gemv_nvfp4.kernel_multiplier(gs)
         assert mult.nbytes > SMALL_POOL_BYTES and float(mult[0]) == want

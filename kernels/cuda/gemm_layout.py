@@ -1,0 +1,139 @@
+"""Launch shapes of the NVFP4 prefill GEMM (`gemm_nvfp4.cu`): the variant table and its arithmetic.
+
+Kept free of MLX so that `benchmarks.gemm_lab` sizes its launches from the same numbers as
+`kernels.gemm_nvfp4`. A variant is a named `GemmConfig`; `VARIANTS` holds every one the lab
+compares, `DEFAULT_VARIANT` names the one the library launches (set it from the lab's table:
+BENCHMARKS.md), and `ORCHESTRATE_GEMM_VARIANT` in the environment overrides it for a run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+MAX_SHARED_BYTES = 232448  # what one block may opt in to on sm_90 (227 KB)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch shape of the GEMM kernel (the template constants after T, N and K).
+
+    Attributes:
+        wm, wn: warps along M (x rows) and N (weight rows).
+        tm, tn: 16-row m tiles and 8-row n tiles per warp (warp tile 16 tm x 8 tn).
+        kh: 64-wide k halves per pipeline stage (BK = 64 kh).
+        stages: cp.async ring depth.
+        bdec: decode each k-tile's weights once per block into shared memory (else per warp, in
+            registers).
+        group_m: row tiles a column group walks before the next BN columns (L2 reuse).
+    """
+
+    wm: int = 2
+    wn: int = 4
+    tm: int = 4
+    tn: int = 8
+    kh: int = 1
+    stages: int = 4
+    bdec: bool = True
+    group_m: int = 8
+
+    @property
+    def bm(self) -> int:
+        """Rows of x per block."""
+        return 16 * self.tm * self.wm
+
+    @property
+    def bn(self) -> int:
+        """Weight rows per block."""
+        return 8 * self.tn * self.wn
+
+    @property
+    def bk(self) -> int:
+        """K per pipeline stage."""
+        return 64 * self.kh
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return 32 * self.wm * self.wn
+
+    def stage_bytes(self) -> int:
+        """One ring slot: x (BM x BK, 16-bit), codes (BN x BK / 2) and scales (BN x BK / 16)."""
+        return self.kh * (self.bm * 128 + self.bn * 32) + self.bn * 4 * self.kh
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a block: the ring, and the two decoded tiles of block decode."""
+        decoded = 2 * self.kh * self.bn * 128 if self.bdec else 0
+        return self.stages * self.stage_bytes() + decoded
+
+    def blocks(self, m: int, n: int) -> int:
+        """Blocks of the launch for M = m, N = n."""
+        return -(-m // self.bm) * -(-n // self.bn)
+
+    def template(self, n: int, k: int, xf16: bool) -> dict[str, int | bool]:
+        """The template constants after T, in the order MLX declares them."""
+        consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
+        consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
+        consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m}
+        return consts
+
+    def reason(self, n: int, k: int) -> str | None:
+        """Why this shape cannot run N = n, K = k (the kernel's static_asserts), or None."""
+        threads = self.threads
+        if n % 8:
+            return f"N={n} is not a multiple of 8"
+        if k % self.bk:
+            return f"K={k} is not a multiple of {self.bk}"
+        if self.tn % 2:
+            return f"tn={self.tn} is odd"
+        if self.stages < (3 if self.bdec else 2):
+            return f"stages={self.stages} is too few"
+        if (self.bm * 8 * self.kh) % threads or (self.bn * 2 * self.kh) % threads:
+            return f"{self} copies do not split evenly over {threads} threads"
+        if self.bdec and (self.bn * 4 * self.kh) % threads:
+            return f"{self} decode groups do not split evenly over {threads} threads"
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+        return None
+
+    def __str__(self) -> str:
+        dec = "block" if self.bdec else "warp"
+        return (
+            f"gemm({self.bm}x{self.bn}x{self.bk}, warps {self.wm}x{self.wn}, {self.stages} stages, "
+            f"{dec} decode, group {self.group_m})"
+        )
+
+
+# The variants the lab times side by side (benchmarks/gemm_lab.py). Names: b|w (block or warp
+# decode), BMxBN, k BK, s STAGES.
+VARIANTS: dict[str, GemmConfig] = {
+    "b128x256k64s4": GemmConfig(),
+    "b128x256k64s3": GemmConfig(stages=3),
+    "w128x256k64s4": GemmConfig(bdec=False),
+    "w128x256k128s3": GemmConfig(bdec=False, kh=2, stages=3),
+    "b256x128k64s4": GemmConfig(wm=4, wn=2),
+    "w256x128k64s4": GemmConfig(wm=4, wn=2, bdec=False),
+    # 4 warps and under 114 KB of shared memory: two blocks per multiprocessor
+    "b128x128k64s3": GemmConfig(wm=2, wn=2, stages=3),
+    "w128x128k64s4": GemmConfig(wm=2, wn=2, bdec=False),
+}
+DEFAULT_VARIANT = "b128x256k64s4"  # not yet measured on the H200: the lab's first run picks it
+VARIANT_ENV = "ORCHESTRATE_GEMM_VARIANT"
+
+
+def default_variant() -> str:
+    """The variant the library launches: `$ORCHESTRATE_GEMM_VARIANT` if set, else DEFAULT_VARIANT.
+
+    Raises:
+        ValueError: the environment names no variant of VARIANTS.
+    """
+    name = os.environ.get(VARIANT_ENV, "") or DEFAULT_VARIANT
+    if name not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}={name!r}: not one of {', '.join(VARIANTS)}")
+    return name
+
+
+def describe(name: str) -> dict[str, object]:
+    """A variant's fields and derived sizes, for the lab's JSON."""
+    cfg = VARIANTS[name]
+    return {"name": name, **asdict(cfg), "bm": cfg.bm, "bn": cfg.bn, "bk": cfg.bk, "smem": cfg.smem_bytes()}

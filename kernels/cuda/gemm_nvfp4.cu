@@ -1,0 +1,298 @@
+// Body of the NVFP4 prefill GEMM: y[M, N] = x[M, K] @ dequant(w)[N, K]^T * gsv, for M > 8.
+// (A kernel body for mx.fast.cuda_kernel: MLX writes the signature; the header is nvfp4_mma.cuh
+// followed by gemm_nvfp4.cuh.)
+//
+// Inputs:  x [M, K] T (bfloat16 or float16), w [N, K/8] uint32 (E2M1 codes, MLX layout),
+//          scales [N, K/16] uint8 (E4M3), gsv [1] float (global_scale / 2688, or 1).
+// Output:  y [M, N] T.
+// Template constants (kernels/cuda/gemm_layout.py writes them): T, XF16 (T is float16), N (a
+//          multiple of 8), K (a multiple of 64 * KH), WM x WN warps, each TM x TN tiles of 16 x 8
+//          outputs (block tile BM = 16 TM WM rows of x by BN = 8 TN WN rows of w), KH (k64 halves
+//          per stage: BK = 64 KH), STAGES (cp.async ring depth), BDEC (bool: decode into shared
+//          memory once per block, else in registers per warp), GROUP_M (raster group height).
+//          M is read at run time from x's shape.
+// Launch:  ceil(M / BM) * ceil(N / BN) blocks of 32 WM WN threads, dynamic shared memory
+//          gemm_layout.smem_bytes(...).
+//
+// Each block owns one BM x BN tile of y (blocks walk GROUP_M row tiles down before moving to the
+// next BN columns, so a wave's x rows and weight rows stay in L2) and all of K, in BK steps
+// through a STAGES-deep ring filled by cp.async: x as BM rows of 64 values per k64 half (128 B a
+// row, 16-byte units XOR-swizzled by row & 7), codes as BN rows of 32 bytes, scales as BN rows of
+// 4 KH bytes. Nothing but the packed weights is ever read; no dequantized copy exists outside the
+// block's shared memory and registers. The MMAs are mma.sync m16n8k16 (A = x, B = the weights,
+// fp32 accumulators), nvfp4::mma_bf16 / mma_f16; decode as gemm_nvfp4.cuh says.
+//
+// BDEC = false (warp decode): lane (g = lane / 4, t = lane % 4) of a warp owns, in each k64 half,
+//   k in [16 t, 16 t + 16): code words 2t and 2t+1 of each of its TN weight rows (one E4M3 scale:
+//   group t), and the same 16 values of its x rows, read as two 16-byte pieces and byte-permuted
+//   into pairs (x_j, x_j+4) to match the decoded pairs (code j, code j+4). The k order inside an
+//   MMA is thereby permuted the same way on both sides; a sum does not care.
+// BDEC = true (block decode): the block's threads decode the next k-tile's codes (one 16-code
+//   group each, E4M3 scale applied) into a shared BN x BK tile of the 16-bit type, in natural
+//   order, swizzled like x, double-buffered, interleaved with the MMAs of the current k-tile;
+//   both operands then come by ldmatrix. Each weight is decoded once per block instead of once
+//   per warp row, at the price of the tile's shared-memory writes and reads.
+//
+// Ring discipline: one barrier per k-tile. After it, the ring slot of k-tile kt - 1 is refilled
+// (every warp has finished reading it) and the k-tile kt is computed; the block-decode variant
+// also decodes k-tile kt + 1, so it waits for one k-tile more (STAGES >= 3).
+constexpr bool F16 = XF16;
+constexpr int NWARPS = WM * WN;
+constexpr int NT = 32 * NWARPS;
+constexpr int BM = 16 * TM * WM;
+constexpr int BN = 8 * TN * WN;
+constexpr int BK = 64 * KH;
+constexpr int KT = K / BK;
+constexpr int XS_BYTES = BM * 128;  // one k64 half of x
+constexpr int WS_BYTES = BN * 32;   // one k64 half of codes
+constexpr int SROW = 4 * KH;        // a row's scale bytes per stage
+constexpr int STAGE_BYTES = KH * (XS_BYTES + WS_BYTES) + BN * SROW;
+constexpr int DS_BYTES = BN * 128;  // one k64 half of decoded weights (block decode)
+constexpr int NUM_N = (N + BN - 1) / BN;
+constexpr int XCOPIES = BM * 8 * KH / NT;  // 16-byte copies of x per thread per stage
+constexpr int WCOPIES = BN * 2 * KH / NT;  // ... of codes
+constexpr int SCOPIES = (BN + NT - 1) / NT;  // scale rows per thread per stage
+constexpr int ITEMS = BN * 4 * KH / NT;    // 16-code groups each thread decodes per k-tile
+constexpr int KSTEPS = 4 * KH;             // MMA k-steps per k-tile
+constexpr int LEAD = BDEC ? 1 : 0;         // k-tiles the decode runs ahead of the MMAs
+static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
+static_assert(K % BK == 0 && KT >= 1, "K must be a multiple of 64 * KH");
+static_assert(N % 8 == 0, "N must be a multiple of 8");
+static_assert(TN % 2 == 0, "TN must be even (ldmatrix reads two 8-row weight tiles at once)");
+static_assert(STAGES >= 2 + LEAD, "the ring needs STAGES >= 2 (3 with block decode)");
+static_assert((BM * 8 * KH) % NT == 0 && (BN * 2 * KH) % NT == 0, "copies must split evenly");
+static_assert(!BDEC || (BN * 4 * KH) % NT == 0, "decode items must split evenly");
+static_assert(STAGE_BYTES % 128 == 0, "ring slots must keep the 128-byte swizzle period");
+extern __shared__ __align__(128) uint8_t smem[];
+const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+const int M = x_shape[0];
+const int tid = threadIdx.x;
+const int lane = tid & 31;
+const int warp = tid >> 5;
+const int g = lane >> 2;
+const int t = lane & 3;
+const int wm = warp / WN;
+const int wn = warp % WN;
+
+// ---- the block's tile: GROUP_M row tiles per column group, rows fastest
+const int num_m = (M + BM - 1) / BM;
+const int per_group = GROUP_M * NUM_N;
+const int group = static_cast<int>(blockIdx.x) / per_group;
+const int first_m = group * GROUP_M;
+const int gsize = min(num_m - first_m, GROUP_M);
+const int in_group = static_cast<int>(blockIdx.x) - group * per_group;
+const int m0 = (first_m + in_group % gsize) * BM;
+const int n0 = (in_group / gsize) * BN;
+
+// ---- copies of k-tile kt into ring slot `slot` (an empty group past the last k-tile). Each
+// thread's copies keep their rows and units from k-tile to k-tile: copy p of a kind moves row
+// row0 + p * ROWS, so only its source advances (by BK). Rows past M or N are zero-filled from a
+// clamped (valid) address.
+constexpr int XROWS = NT / (8 * KH);  // x rows one pass of the block's threads covers
+constexpr int WROWS = NT / (2 * KH);  // ... code rows
+static_assert(XROWS % 8 == 0 && WROWS % 8 == 0, "copy passes must keep row & 7");
+const int xrow = tid / (8 * KH);
+const int xu = tid % (8 * KH);
+const T* const xsrc = x + static_cast<size_t>(min(m0 + xrow, M - 1)) * K + xu * 8;
+const uint32_t xdst = (xu / 8) * XS_BYTES + xrow * 128 + (((xu % 8) ^ (xrow & 7)) << 4);
+const int wrow = tid / (2 * KH);
+const int wu = tid % (2 * KH);
+const uint8_t* const wsrc =
+    reinterpret_cast<const uint8_t*>(w) + static_cast<size_t>(min(n0 + wrow, N - 1)) * (K / 2) + wu * 16;
+const uint32_t wdst = KH * XS_BYTES + (wu / 2) * WS_BYTES + wrow * 32 + (wu % 2) * 16;
+auto issue = [&](int kt, int slot) {
+  if (kt < KT) {
+    const uint32_t st = sbase + slot * STAGE_BYTES;
+#pragma unroll
+    for (int p = 0; p < XCOPIES; ++p) {
+      const bool ok = m0 + xrow + p * XROWS < M;
+      const T* src = xsrc + (ok ? static_cast<size_t>(p * XROWS) * K : 0) + kt * BK;
+      nvfp4g::cp_async<16>(st + xdst + p * XROWS * 128, src, ok);
+    }
+#pragma unroll
+    for (int p = 0; p < WCOPIES; ++p) {
+      const bool ok = n0 + wrow + p * WROWS < N;
+      const uint8_t* src = wsrc + (ok ? static_cast<size_t>(p * WROWS) * (K / 2) : 0) + kt * (BK / 2);
+      nvfp4g::cp_async<16>(st + wdst + p * WROWS * 32, src, ok);
+    }
+#pragma unroll
+    for (int p = 0; p < SCOPIES; ++p) {
+      const int row = tid + NT * p;
+      if (BN % NT == 0 || row < BN) {
+        const bool ok = n0 + row < N;
+        const uint8_t* src = scales + static_cast<size_t>(min(n0 + row, N - 1)) * (K / 16) + kt * SROW;
+        nvfp4g::cp_async<SROW>(st + KH * (XS_BYTES + WS_BYTES) + row * SROW, src, ok);
+      }
+    }
+  }
+  nvfp4::cp_async_commit();
+};
+
+float acc[TM][TN][4];
+#pragma unroll
+for (int i = 0; i < TM; ++i)
+#pragma unroll
+  for (int j = 0; j < TN; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.f;
+
+// ---- block decode: item p of this thread (one 16-code group: half h, row, group gq) of the
+// k-tile in ring slot `slot`, into decoded buffer `buf`. Items p and p + 1 of one half are NT / 4
+// rows apart (row & 7 kept), so their addresses differ by constants.
+constexpr int IROWS = NT / 4;
+constexpr int IPH = BN * 4 / NT;  // items per half
+static_assert(!BDEC || (IROWS % 8 == 0 && (BN * 4) % NT == 0), "decode items must keep row & 7");
+const uint32_t dbase = sbase + STAGES * STAGE_BYTES;  // 2 buffers of KH halves of DS_BYTES
+const int irow = tid / 4;
+const int igq = tid % 4;
+const uint32_t icode = KH * XS_BYTES + irow * 32 + igq * 8;
+const uint32_t iscale = KH * (XS_BYTES + WS_BYTES) + irow * SROW + igq;
+const uint32_t idec0 = irow * 128 + (((2 * igq) ^ (irow & 7)) << 4);
+const uint32_t idec1 = irow * 128 + (((2 * igq + 1) ^ (irow & 7)) << 4);
+auto decode_item = [&](int slot, int buf, int p) {
+  const int h = p / IPH;
+  const int r = (p % IPH) * IROWS;
+  const uint32_t st = sbase + slot * STAGE_BYTES;
+  const uint2 cw = nvfp4g::lds64(st + icode + h * WS_BYTES + r * 32);
+  const uint32_t s = nvfp4g::scale_splat<F16>(nvfp4g::lds8(st + iscale + r * SROW + 4 * h));
+  const uint32_t db = dbase + (buf * KH + h) * DS_BYTES + r * 128;
+  nvfp4g::sts128(db + idec0, nvfp4g::decode_word_natural<F16>(cw.x, s));
+  nvfp4g::sts128(db + idec1, nvfp4g::decode_word_natural<F16>(cw.y, s));
+};
+
+// ldmatrix lane offsets (k-step 0 of a k64 half; k-step s flips bits 5-6: unit 2s + c is
+// (c ^ row & 7) ^ 2s for c in {0, 1}); m tile i adds 16 rows, weight tile pair jj 16 rows.
+const int arow = wm * 16 * TM + (lane & 7) + ((lane >> 3) & 1) * 8;
+const uint32_t aoff = arow * 128 + (((lane >> 4) ^ (arow & 7)) << 4);
+const int brow = wn * 8 * TN + (lane & 7) + (lane >> 4) * 8;
+const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);
+
+// Block decode: the MMAs of the k-tile in `slot` from decoded buffer `buf`, and, spread over its
+// k-steps, the decode of the next k-tile (ring slot `next`) into the other buffer.
+auto compute_block = [&](int slot, int buf, int next, bool decode_next) {
+  const uint32_t xs = slot * STAGE_BYTES;
+  const uint32_t db = dbase + buf * KH * DS_BYTES;
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    const int h = ks / 4;
+    const uint32_t flip = (ks % 4) << 5;
+    uint32_t a[TM][4];
+    uint32_t b[TN][2];
+    const uint32_t abase = sbase + ((xs + h * XS_BYTES + aoff) ^ flip);
+#pragma unroll
+    for (int i = 0; i < TM; ++i) nvfp4g::ldmatrix_x4(a[i], abase + i * 16 * 128);
+    const uint32_t bbase = db + ((h * DS_BYTES + boff) ^ flip);
+#pragma unroll
+    for (int jj = 0; jj < TN / 2; ++jj) {
+      uint32_t r[4];
+      nvfp4g::ldmatrix_x4(r, bbase + jj * 16 * 128);
+      b[2 * jj][0] = r[0];
+      b[2 * jj][1] = r[1];
+      b[2 * jj + 1][0] = r[2];
+      b[2 * jj + 1][1] = r[3];
+    }
+    if (decode_next) {
+#pragma unroll
+      for (int p = 0; p < ITEMS; ++p) {
+        if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) nvfp4g::mma<F16>(acc[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+  }
+};
+
+// Warp decode: lane offsets of its x pieces (rows g, g + 8 of m tile 0: row & 7 == g), code
+// words and scales (weight row g of tile 0).
+const uint32_t xoff = (wm * 16 * TM + g) * 128;
+const uint32_t woff = KH * XS_BYTES + (wn * 8 * TN + g) * 32 + t * 8;
+const uint32_t soff = KH * (XS_BYTES + WS_BYTES) + (wn * 8 * TN + g) * SROW + t;
+
+// Warp decode: the MMAs of the k-tile in `slot`, codes decoded in registers.
+auto compute_warp = [&](int slot) {
+  const uint32_t st = sbase + slot * STAGE_BYTES;
+#pragma unroll
+  for (int h = 0; h < KH; ++h) {
+    uint32_t sp[TN];
+    uint2 cw[TN];  // code words 2t, 2t + 1 of weight row g of each tile (one 8-byte read: a
+                   // half-warp's reads cover 4 rows x 32 contiguous bytes, conflict-free)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      sp[j] = nvfp4g::scale_splat<F16>(nvfp4g::lds8(st + soff + j * 8 * SROW + 4 * h));
+      cw[j] = nvfp4g::lds64(st + woff + h * WS_BYTES + j * 8 * 32);
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t a[TM][2][4];  // [m tile][row g, row g + 8][pair j: (x_j, x_j+4)]
+      const uint32_t xp = st + h * XS_BYTES + xoff + (((2 * t + kk) ^ g) << 4);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+        nvfp4g::permute_x8(nvfp4g::lds128(xp + i * 16 * 128), a[i][0]);
+        nvfp4g::permute_x8(nvfp4g::lds128(xp + i * 16 * 128 + 8 * 128), a[i][1]);
+      }
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        uint32_t d[4];
+        nvfp4g::decode_word<F16>(kk == 0 ? cw[j].x : cw[j].y, sp[j], d);
+#pragma unroll
+        for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+          for (int i = 0; i < TM; ++i)
+            nvfp4g::mma<F16>(acc[i][j], a[i][0][2 * sub], a[i][1][2 * sub], a[i][0][2 * sub + 1],
+                             a[i][1][2 * sub + 1], d[2 * sub], d[2 * sub + 1]);
+      }
+    }
+  }
+};
+
+// ---- the pipeline: ring slots as counters (slot of k-tile kt: kt % STAGES)
+#pragma unroll
+for (int s = 0; s < STAGES - 1; ++s) issue(s, s);
+int slot = 0;                // k-tile kt's slot
+int refill = STAGES - 1;     // slot of k-tile kt + STAGES - 1 (that of kt - 1)
+if constexpr (BDEC) {
+  nvfp4::cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
+  __syncthreads();                     // ... and everyone's
+#pragma unroll
+  for (int p = 0; p < ITEMS; ++p) decode_item(0, 0, p);
+}
+for (int kt = 0; kt < KT; ++kt) {
+  nvfp4::cp_async_wait<STAGES - 2 - LEAD>();  // k-tile kt + LEAD has landed
+  __syncthreads();  // ... for every thread; and every warp is done with k-tile kt - 1
+  issue(kt + STAGES - 1, refill);
+  const int next = slot + 1 == STAGES ? 0 : slot + 1;
+  if constexpr (BDEC) {
+    compute_block(slot, kt & 1, next, kt + 1 < KT);
+  } else {
+    compute_warp(slot);
+  }
+  refill = slot;
+  slot = next;
+}
+nvfp4::cp_async_wait<0>();
+
+// ---- epilogue: c0, c1 = (x row g, weight rows 2t, 2t+1), c2, c3 = x row g + 8
+const float mult = gsv[0] * (F16 ? NVFP4G_EPILOGUE_F16 : NVFP4G_EPILOGUE_BF16);
+#pragma unroll
+for (int i = 0; i < TM; ++i) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int row = m0 + wm * 16 * TM + 16 * i + g + 8 * hf;
+    if (row >= M) continue;
+    T* const yrow = y + static_cast<size_t>(row) * N;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int col = n0 + wn * 8 * TN + 8 * j + 2 * t;
+      if (col >= N) continue;
+      const float lo = acc[i][j][2 * hf] * mult;
+      const float hi = acc[i][j][2 * hf + 1] * mult;
+      if constexpr (F16) {
+        *reinterpret_cast<__half2*>(yrow + col) = __floats2half2_rn(lo, hi);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(yrow + col) = __floats2bfloat162_rn(lo, hi);
+      }
+    }
+  }
+}

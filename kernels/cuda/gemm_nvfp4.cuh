@@ -1,0 +1,151 @@
+// NVFP4 prefill GEMM building blocks (gemm_nvfp4.cu), after nvfp4_mma.cuh in the kernel's header.
+//
+// Weights decode exactly into the tensor cores' 16-bit type, two codes per 32-bit register:
+//
+// * a code word w (code i at bits 4i..4i+3, MLX's layout) shifted left by 12 - 4j holds codes j and
+//   j + 4 at nibble 3 of its two 16-bit halves; `e2m1_pair` moves each nibble's sign to bit 15 and
+//   its three magnitude bits to the type's lowest exponent bits and top mantissa bit. That is the
+//   bf16 E2M1 * 2^-126 (magnitude at bits 8..6), or the f16 E2M1 * 2^-14 (bits 11..9); code 1
+//   (0.5) lands on a subnormal, which the 16-bit FMA keeps.
+// * one packed multiply by the group's E4M3 scale, splat in both halves (bf16: E4M3 * 2^100; f16:
+//   E4M3 itself), gives E2M1 * E4M3 * 2^-26 (bf16) or * 2^-14 (f16): exact (at most 6 significant
+//   bits), and inside both types' ranges (f16 down to its subnormal step 2^-24 exactly).
+// * the epilogue multiplies the fp32 sums by 2^26 (2^14) and the tensor's global scale.
+//
+// Range: with f16 every product of an f16 activation and a decoded weight lies in [2^-48, 2^14),
+// so the fp32 sums are exact products added in fp32 for any input. With bf16 the offset 2^-26 keeps
+// the sum of up to 24576 products of the largest bf16 activation (about 2^128) and the largest
+// weight (6 * 448, about 2^11.4) under fp32's maximum; products |x w| (w the weight, E2M1 * E4M3)
+// under 2^-100 fall into fp32's subnormals.
+// (The decode GEMV's bf16 route uses 2^-62, which loses them below 2^-64.)
+//
+// `decode_word` leaves pairs (j, j + 4) (the warp-decode variant permutes x the same way);
+// `decode_word_natural` byte-permutes them into (0,1) (2,3) (4,5) (6,7), the order of a row of
+// the shared bf16/f16 tile the block-decode variant writes and ldmatrix reads.
+
+namespace nvfp4g {
+
+#define NVFP4G_EPILOGUE_BF16 67108864.0f  // 2^26
+#define NVFP4G_EPILOGUE_F16 16384.0f                 // 2^14
+
+template <bool F16>
+__device__ __forceinline__ uint32_t e2m1_pair(uint32_t t) {
+  if constexpr (F16) {
+    return (t & 0x80008000u) | ((t >> 3) & 0x0E000E00u);
+  } else {
+    return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
+  }
+}
+
+// d = a * s (packed, exact here); the -0 addend keeps a * s for every a, signed zeros included.
+template <bool F16>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t s) {
+  uint32_t d;
+  if constexpr (F16) {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(s), "r"(0x80008000u));
+  } else {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(s), "r"(0x80008000u));
+  }
+  return d;
+}
+
+// One E4M3 scale byte (bits 0-7 of b) -> its splat in both halves: f16 E4M3 (hardware
+// conversion, exact) or bf16 E4M3 * 2^100 (through f32; 4 significant bits survive every step).
+template <bool F16>
+__device__ __forceinline__ uint32_t scale_splat(uint32_t b) {
+  uint32_t h;
+  const unsigned short pair = static_cast<unsigned short>(b & 0xFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
+  if constexpr (F16) {
+    return __byte_perm(h, 0u, 0x1010);
+  } else {
+    const unsigned short lo = static_cast<unsigned short>(h & 0xFFFFu);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(lo));
+    f *= 1267650600228229401496703205376.0f;  // 2^100
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(f), "f"(f));
+    return d;
+  }
+}
+
+// Eight codes -> four registers of scaled pairs: d[j] = (code j, code j + 4).
+template <bool F16>
+__device__ __forceinline__ void decode_word(uint32_t w, uint32_t s, uint32_t (&d)[4]) {
+  d[0] = mul2<F16>(e2m1_pair<F16>(w << 12), s);
+  d[1] = mul2<F16>(e2m1_pair<F16>(w << 8), s);
+  d[2] = mul2<F16>(e2m1_pair<F16>(w << 4), s);
+  d[3] = mul2<F16>(e2m1_pair<F16>(w), s);
+}
+
+// Eight codes -> their scaled values in order: (0,1) (2,3) (4,5) (6,7).
+template <bool F16>
+__device__ __forceinline__ uint4 decode_word_natural(uint32_t w, uint32_t s) {
+  uint32_t d[4];
+  decode_word<F16>(w, s, d);
+  return make_uint4(__byte_perm(d[0], d[1], 0x5410), __byte_perm(d[2], d[3], 0x5410),
+                    __byte_perm(d[0], d[1], 0x7632), __byte_perm(d[2], d[3], 0x7632));
+}
+
+// 16 bytes of x (x0..x7) -> the pairs the warp-decode variant multiplies with decode_word's:
+// p[j] = (x_j, x_{j+4}).
+__device__ __forceinline__ void permute_x8(const uint4& v, uint32_t (&p)[4]) {
+  p[0] = __byte_perm(v.x, v.z, 0x5410);
+  p[1] = __byte_perm(v.x, v.z, 0x7632);
+  p[2] = __byte_perm(v.y, v.w, 0x5410);
+  p[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                    uint32_t b0, uint32_t b1) {
+  if constexpr (F16) {
+    nvfp4::mma_f16(c, a0, a1, a2, a3, b0, b1);
+  } else {
+    nvfp4::mma_bf16(c, a0, a1, a2, a3, b0, b1);
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t lds8(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=h"(v) : "r"(addr));
+  return static_cast<uint32_t>(v);
+}
+
+__device__ __forceinline__ void sts128(uint32_t addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Asynchronous copies of BYTES (4, 8 or 16) from global to shared memory; where `pred` is false
+// nothing is read and the destination is zero-filled. 16 bytes bypass L1 (.cg).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool pred) {
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(pred ? 16 : 0)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" :: "r"(dst), "l"(src), "n"(BYTES),
+                 "r"(pred ? BYTES : 0) : "memory");
+  }
+}
+
+}  // namespace nvfp4g

@@ -1,0 +1,155 @@
+"""NVFP4 prefill GEMM (M > 8 rows) as a custom CUDA kernel, with its pure-MLX twin.
+
+`gemm_nvfp4(x, w, scales, global_scale)` computes `x @ dequant(w)^T` (times MLX's
+`global_scale / 2688` where one is given) for weights in MLX's nvfp4 layout (uint32 codes
+[N, K/8], uint8 E4M3 scales [N, K/16]) and bfloat16 or float16 activations. On MLX's CUDA backend
+(sm_89+: the kernel converts E4M3 scales in hardware) it runs `kernels/cuda/gemm_nvfp4.cu`: tiles
+of x and of the packed weights stream through a cp.async ring in shared memory, the codes are
+decoded exactly into the tensor cores' 16-bit type on the fly (E4M3 group scale applied), and
+mma.sync m16n8k16 accumulates in fp32; the global scale is one multiply in the epilogue. No
+dequantized copy of the weights ever exists in device memory. Launch shapes are the named
+variants of `kernels.cuda.gemm_layout` (the default: `gemm_layout.default_variant()`).
+
+Elsewhere, or where a shape or dtype is outside the kernel's limits, it runs `gemm_nvfp4_twin`:
+the same function in MLX ops (exactly dequantized weights, x as given, fp32 products), the
+kernel's correctness check and the fallback. Kernel and twin agree to fp32 summation order.
+(Why mma.sync and not Hopper's wgmma: MLX 0.32's `mx.fast.cuda_kernel` compiles through NVRTC for
+`sm_90`, and wgmma needs `sm_90a`; see BENCHMARKS.md.)
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from kernels.cuda import HEADER_FILE, CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
+from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, default_variant
+from kernels.gemv_nvfp4 import TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
+
+GEMM_SOURCE = CudaKernelSource(
+    body_file="gemm_nvfp4.cu",
+    inputs=("x", "w", "scales", "gsv"),
+    outputs=("y",),
+    headers=(HEADER_FILE, "gemm_nvfp4.cuh"),
+)
+MIN_ROWS = 9  # below, the decode GEMV (kernels.gemv_nvfp4) is the kernel for the job
+DTYPES = ("bfloat16", "float16")
+__all__ = ["DTYPES", "MIN_ROWS", "TOLERANCE", "gemm_nvfp4", "gemm_nvfp4_cuda", "gemm_nvfp4_twin", "route"]
+
+
+def _dtype_name(x: mx.array) -> str:
+    return str(x.dtype).removeprefix("mlx.core.")
+
+
+@functools.cache
+def kernel_supports(m: int, n: int, k: int, dtype: str, variant: str | None = None) -> str | None:
+    """Why the CUDA kernel at `variant` (default: the library's) cannot take this call here, or
+    None when it can (cached: the answer depends on the shape and the device only)."""
+    name = variant or default_variant()
+    if name not in VARIANTS:
+        return f"unknown GEMM variant {name!r}"
+    if m < 1:
+        return f"M={m}"
+    if dtype not in DTYPES:
+        return f"{dtype} activations (the GEMM takes {' or '.join(DTYPES)})"
+    cfg = VARIANTS[name]
+    reason = cfg.reason(n, k)
+    if reason is not None:
+        return reason
+    device = cuda_device()
+    if device is None:
+        return "no CUDA device"
+    if device.compute_capability < (8, 9):
+        return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
+    if cfg.smem_bytes() > device.max_shared_per_block:
+        return f"{name} needs {cfg.smem_bytes()} bytes of shared memory per block, the device allows {device.max_shared_per_block}"
+    return None
+
+
+def gemm_nvfp4_twin(
+    x: mx.array, w: mx.array, scales: mx.array, global_scale: mx.array | float | None = None
+) -> mx.array:
+    """The kernel's function in MLX ops: `x @ dequant(w)^T * global_scale / 2688`, fp32 products."""
+    weights = dequantize_exact(w, scales)
+    y = x.astype(mx.float32) @ weights.T
+    return (y * global_multiplier(global_scale)).astype(x.dtype)
+
+
+def gemm_nvfp4_cuda(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | float | None = None,
+    variant: str | None = None,
+    poison: bool = False,
+) -> mx.array:
+    """The CUDA kernel (MLX's CUDA backend only) at `variant` (default: the library's); `poison`
+    fills the output with NaN before the kernel runs (checks that every element is written)."""
+    m, k = x.shape
+    n = w.shape[0]
+    name = variant or default_variant()
+    reason = kernel_supports(m, n, k, _dtype_name(x), name)
+    if reason is not None:
+        raise ValueError(f"gemm_nvfp4 kernel: {reason}")
+    return _launcher(m, n, k, x.dtype, name, poison)(x, w, scales, kernel_multiplier(global_scale))
+
+
+@functools.cache
+def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool = False) -> Callable[..., mx.array]:
+    """The kernel call for one shape, traced once by `mx.compile` (see kernels.gemv_nvfp4). M is
+    read by the kernel from x's shape, so every M shares one NVRTC build per (N, K, dtype)."""
+    cfg: GemmConfig = VARIANTS[name]
+    kernel = compiled_kernel(GEMM_SOURCE, cfg.smem_bytes())
+    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
+    template += cfg.template(n, k, dtype == mx.float16).items()
+    grid = cfg.blocks(m, n) * cfg.threads
+
+    def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
+        (y,) = kernel(
+            inputs=[x, w, scales, gsv],
+            template=template,
+            grid=(grid, 1, 1),
+            threadgroup=(cfg.threads, 1, 1),
+            output_shapes=[(m, n)],
+            output_dtypes=[dtype],
+            init_value=float("nan") if poison else None,
+        )
+        return y
+
+    from kernels import gemv_nvfp4
+
+    return mx.compile(launch) if gemv_nvfp4.COMPILE_LAUNCH else launch
+
+
+def gemm_nvfp4(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | float | None = None,
+    variant: str | None = None,
+) -> mx.array:
+    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
+    m, k = x.shape
+    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), variant) is None:
+        return _launcher(m, w.shape[0], k, x.dtype, variant or default_variant())(
+            x, w, scales, kernel_multiplier(global_scale)
+        )
+    return gemm_nvfp4_twin(x, w, scales, global_scale)
+
+
+def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None = None) -> str:
+    """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
+    name = variant or default_variant()
+    if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
+        return f"cuda_kernel(gemm_nvfp4:{name})"
+    return "mlx-twin(x @ dequantize_exact)"
+
+
+def build_seconds(x: mx.array, w: mx.array, scales: mx.array, global_scale: float | None) -> float:
+    """Compile (first call) and run once; the seconds it took (a job's build time)."""
+    start = time.perf_counter()
+    mx.eval(gemm_nvfp4(x, w, scales, global_scale))
+    return time.perf_counter() - start
