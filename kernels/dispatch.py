@@ -152,30 +152,21 @@ def qmm_custom_path(
     """The qmm case's `custom` arm on packed NVFP4 weights [n, k/8] and E4M3 scales [n, k/16]
     (`custom-ksplit`: `kernel="ksplit"`).
 
-    M <= 8: the decode GEMV kernel (the stream kernel where it applies, else K-split; K-split
-    for `custom-ksplit`). Larger M: the expert-batched MoE kernel with one expert (a plain NVFP4
-    GEMM on tensor cores, 32 rows per pass). Without MLX's CUDA backend: the twins. The first
-    call (NVRTC compile) is timed as the build.
+    `kernels.nvfp4_linear.nvfp4_matmul`: M <= 8, the decode GEMV kernel (the stream kernel where
+    it applies, else K-split; K-split for `custom-ksplit`); larger M, the prefill GEMM
+    (`kernels.gemm_nvfp4`, bfloat16 and float16 on sm_89+), or where it cannot run on CUDA
+    (float32), the expert-batched MoE kernel with one expert. Without MLX's CUDA backend: the
+    twins. The first call (NVRTC compile) is timed as the build.
     """
     import mlx.core as mx
 
-    from kernels import gemv_nvfp4, moe_nvfp4
+    from kernels import gemv_nvfp4
+    from kernels.nvfp4_linear import matmul_route, nvfp4_matmul
 
-    if m <= gemv_nvfp4.MAX_ROWS:
+    def run(x: Any) -> Any:
+        return nvfp4_matmul(x, wq, scales, kernel=kernel)
 
-        def run(x: Any) -> Any:
-            return gemv_nvfp4.gemv_nvfp4(x, wq, scales, kernel=kernel)
-
-        route = gemv_nvfp4.route(m, n, k, dtype_name, kernel)
-    else:
-        w3, s3 = wq[None], scales[None]
-        lhs = mx.arange(m, dtype=mx.uint32)
-        rhs = mx.zeros((m,), dtype=mx.uint32)
-
-        def run(x: Any) -> Any:
-            return moe_nvfp4.moe_gather_nvfp4(x, w3, s3, None, lhs, rhs)
-
-        route = moe_nvfp4.route(n, k) + "[one expert]"
+    route = matmul_route(m, n, k, dtype_name, kernel)
     dtype = getattr(mx, dtype_name)
     t0 = time.perf_counter()
     mx.eval(run(mx.zeros((m, k), dtype=dtype)))

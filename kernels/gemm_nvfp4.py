@@ -8,7 +8,8 @@ of x and of the packed weights stream through a cp.async ring in shared memory, 
 decoded exactly into the tensor cores' 16-bit type on the fly (E4M3 group scale applied), and
 mma.sync m16n8k16 accumulates in fp32; the global scale is one multiply in the epilogue. No
 dequantized copy of the weights ever exists in device memory. Launch shapes are the named
-variants of `kernels.cuda.gemm_layout` (the default: `gemm_layout.default_variant()`).
+variants of `kernels.cuda.gemm_layout` (by default `gemm_layout.variant_for(M)`, which the
+environment can override).
 
 Elsewhere, or where a shape or dtype is outside the kernel's limits, it runs `gemm_nvfp4_twin`:
 the same function in MLX ops (exactly dequantized weights, x as given, fp32 products), the
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from kernels.cuda import HEADER_FILE, CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
-from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, default_variant
+from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, variant_for
 from kernels.gemv_nvfp4 import TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
 
 GEMM_SOURCE = CudaKernelSource(
@@ -46,9 +47,9 @@ def _dtype_name(x: mx.array) -> str:
 
 @functools.cache
 def kernel_supports(m: int, n: int, k: int, dtype: str, variant: str | None = None) -> str | None:
-    """Why the CUDA kernel at `variant` (default: the library's) cannot take this call here, or
-    None when it can (cached: the answer depends on the shape and the device only)."""
-    name = variant or default_variant()
+    """Why the CUDA kernel at `variant` (default: the library's for M) cannot take this call here,
+    or None when it can (cached: the answer depends on the shape and the device only)."""
+    name = variant or variant_for(m)
     if name not in VARIANTS:
         return f"unknown GEMM variant {name!r}"
     if m < 1:
@@ -65,7 +66,8 @@ def kernel_supports(m: int, n: int, k: int, dtype: str, variant: str | None = No
     if device.compute_capability < (8, 9):
         return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
     if cfg.smem_bytes() > device.max_shared_per_block:
-        return f"{name} needs {cfg.smem_bytes()} bytes of shared memory per block, the device allows {device.max_shared_per_block}"
+        allowed = device.max_shared_per_block
+        return f"{name} needs {cfg.smem_bytes()} bytes of shared memory per block, the device allows {allowed}"
     return None
 
 
@@ -90,7 +92,7 @@ def gemm_nvfp4_cuda(
     fills the output with NaN before the kernel runs (checks that every element is written)."""
     m, k = x.shape
     n = w.shape[0]
-    name = variant or default_variant()
+    name = variant or variant_for(m)
     reason = kernel_supports(m, n, k, _dtype_name(x), name)
     if reason is not None:
         raise ValueError(f"gemm_nvfp4 kernel: {reason}")
@@ -130,19 +132,21 @@ def gemm_nvfp4(
     scales: mx.array,
     global_scale: mx.array | float | None = None,
     variant: str | None = None,
+    gsv: mx.array | None = None,
 ) -> mx.array:
-    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
+    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin (`gsv`: as
+    in `kernels.gemv_nvfp4.gemv_nvfp4`, the kernel's multiplier computed once by the caller)."""
     m, k = x.shape
-    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), variant) is None:
-        return _launcher(m, w.shape[0], k, x.dtype, variant or default_variant())(
-            x, w, scales, kernel_multiplier(global_scale)
-        )
+    name = variant or variant_for(m)
+    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), name) is None:
+        mult = gsv if gsv is not None else kernel_multiplier(global_scale)
+        return _launcher(m, w.shape[0], k, x.dtype, name)(x, w, scales, mult)
     return gemm_nvfp4_twin(x, w, scales, global_scale)
 
 
 def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None = None) -> str:
     """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
-    name = variant or default_variant()
+    name = variant or variant_for(m)
     if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
         return f"cuda_kernel(gemm_nvfp4:{name})"
     return "mlx-twin(x @ dequantize_exact)"

@@ -251,11 +251,17 @@ def _dtype_name(x: mx.array) -> str:
 
 
 def _launch(
-    x: mx.array, w: mx.array, scales: mx.array, global_scale: mx.array | float | None, cfg: GemvConfig
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    global_scale: mx.array | float | None,
+    cfg: GemvConfig,
+    gsv: mx.array | None = None,
 ) -> mx.array:
-    """Run `cfg`'s kernel, its support already checked."""
+    """Run `cfg`'s kernel, its support already checked (`gsv`: the precomputed multiplier)."""
     m, k = x.shape
-    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, kernel_multiplier(global_scale))
+    mult = gsv if gsv is not None else kernel_multiplier(global_scale)
+    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, mult)
 
 
 @functools.cache
@@ -303,16 +309,18 @@ def gemv_nvfp4(
     global_scale: mx.array | float | None = None,
     config: GemvConfig | None = None,
     kernel: str | None = None,
+    gsv: mx.array | None = None,
 ) -> mx.array:
     """`x[M, K] @ dequant(w)^T`: a CUDA kernel where one applies, else the MLX twin. `config`
     fixes the launch shape; `kernel="ksplit"` asks for the K-split kernel (default: the stream
-    kernel where it applies)."""
+    kernel where it applies); `gsv`, `kernel_multiplier(global_scale)` computed once by the
+    caller, spares the kernels that small computation per call (the twin uses `global_scale`)."""
     m, k = x.shape
     n = w.shape[0]
     dtype = _dtype_name(x)
     cfg = config or choose_config(m, n, k, dtype, kernel)
     if cuda_backend_available() and config_supports(cfg, m, n, k, dtype) is None:
-        return _launch(x, w, scales, global_scale, cfg)
+        return _launch(x, w, scales, global_scale, cfg, gsv)
     return gemv_nvfp4_twin(x, w, scales, global_scale)
 
 

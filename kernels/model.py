@@ -17,12 +17,17 @@ tensor's absolute maximum; the layer decodes `raw * global_scale / 2688`, see ML
 * `affine`: the fallback an engine takes where native NVFP4 is slow: each NVFP4 layer is
   dequantized (global scale included) and repacked at load time to affine 4-bit, group 64. The
   repack is part of the load, as it is in the engine, so it shows in load time and peak memory.
+* `custom`: NVFP4 as stored, every NVFP4 linear of the decoder swapped at load for
+  `kernels.nvfp4_linear.Nvfp4Linear` (the same arrays): our decode GEMV for M <= 8 rows (decode
+  steps), our prefill GEMM above, the global scale fused into their epilogue; the kernels' MLX
+  twins where MLX has no CUDA backend (the route says which).
 
 Any mlx-lm checkpoint directory (e.g. an `-nvfp4` conversion) loads through `mlx_lm` as it is;
 `native` then needs NVFP4 layers in it and says so with `ArmUnsupported` when there are none.
 
 `check_layers` is the case's correctness check: the loaded layers of the first and last block
-against the checkpoint's codes and scales read back from disk and decoded by `kernels.nvfp4`.
+against the checkpoint's codes and scales read back from disk and decoded by `kernels.nvfp4`
+(for `custom` at a decode and at a prefill row count, one per kernel).
 """
 
 from __future__ import annotations
@@ -44,13 +49,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from kernels import nvfp4
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
-ARMS = ("native", "affine")
+ARMS = ("native", "affine", "custom")
 MODEL_TYPES = {"llama": "llama", "gemma": "gemma3_text"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 AFFINE_GROUP_SIZE = 64
 AFFINE_BITS = 4
 AFFINE_TOLERANCE = 0.3  # an affine-repacked layer against the NVFP4 reference (see check_layers)
 CHECKPOINT_FORMAT = 1  # bump when the generated layout changes (invalidates cached checkpoints)
+PREFILL_CHECK_ROWS = 64  # rows of the custom arm's second layer check: the prefill GEMM's path
 
 
 class ArmUnsupported(Exception):
@@ -203,7 +209,8 @@ class TensorScaledLinear(nn.Module):
     def __init__(self, inner: nn.QuantizedLinear, global_scale: mx.array) -> None:
         super().__init__()
         self.inner = inner
-        self.decode_scale = (global_scale.astype(mx.float32) / MLX_GLOBAL_SCALE_DIVISOR).reshape(())
+        self.global_scale = global_scale.astype(mx.float32).reshape(())  # MLX's convention, as stored
+        self.decode_scale = self.global_scale / MLX_GLOBAL_SCALE_DIVISOR
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -275,10 +282,14 @@ def check_layers(
     independent of the loader it checks, and at the layer, where a wrong or dropped global scale
     gives an error near 1 (Gemma's sandwich norms hide such a scale from the logits). `native`
     may show rounding (`kernels.qmm.tolerance`, plus 2 u where the tensor scale is one more
-    multiply in the dtype); `affine` also its requantization to 4-bit g64, which on these weights
-    stays near 0.1 (`AFFINE_TOLERANCE` allows 0.3).
+    multiply in the dtype), `custom` that or its kernels' own bound (`kernels.gemv_nvfp4.TOLERANCE`),
+    checked at `rows` (the decode GEMV) and `PREFILL_CHECK_ROWS` (the prefill GEMM); `affine` also
+    its requantization to 4-bit g64, which on these weights stays near 0.1 (`AFFINE_TOLERANCE`
+    allows 0.3).
     """
     from kernels import qmm
+    from kernels.gemv_nvfp4 import TOLERANCE as KERNEL_TOLERANCE
+    from kernels.nvfp4_linear import Nvfp4Linear
 
     stored = _stored(path)
     modules = dict(model.named_modules())
@@ -300,18 +311,28 @@ def check_layers(
         picked = np.sort(rng.choice(scales.shape[0], size=min(scales.shape[0], out_rows), replace=False))
         packed = np.array(stored[f"{layer}.weight"])[picked]
         w = nvfp4.dequantize(nvfp4.unpack_codes(packed), scales[picked], gs)
-        x_mx = mx.array(rng.standard_normal((rows, w.shape[1])).astype(np.float32)).astype(dtype)
-        ref = np.array(x_mx.astype(mx.float32), dtype=np.float64) @ w.T
-        out = modules[layer](x_mx)
-        got = np.array(out.astype(mx.float32), dtype=np.float64)[:, picked]
-        rel = float(np.linalg.norm(got - ref) / max(float(np.linalg.norm(ref)), 1e-30))
         if arm == "affine":
             tol = AFFINE_TOLERANCE
         else:
             tol = qmm.tolerance("native", dtype_name, w.shape[1], qmm.mlx_backend())
             if isinstance(modules[layer], TensorScaledLinear):
                 tol += 2 * qmm.UNIT_ROUNDOFF[dtype_name]  # the scale and its product rounded to the dtype
-        checked.append((rel if np.isfinite(rel) else float("inf"), tol, layer))
+            if isinstance(modules[layer], Nvfp4Linear):  # our kernels' own bound (the GEMV's
+                tol = max(tol, KERNEL_TOLERANCE[dtype_name])  # float32 x: a bf16 pair, 2^-16)
+        # the custom layers route by row count: check the decode GEMV and the prefill GEMM
+        row_counts = (rows, PREFILL_CHECK_ROWS) if isinstance(modules[layer], Nvfp4Linear) else (rows,)
+        for count in row_counts:
+            x_mx = mx.array(rng.standard_normal((count, w.shape[1])).astype(np.float32)).astype(dtype)
+            ref = np.array(x_mx.astype(mx.float32), dtype=np.float64) @ w.T
+            got = np.array(modules[layer](x_mx).astype(mx.float32), dtype=np.float64)[:, picked]
+            rel = float(np.linalg.norm(got - ref) / max(float(np.linalg.norm(ref)), 1e-30))
+            checked.append(
+                (
+                    rel if np.isfinite(rel) else float("inf"),
+                    tol,
+                    f"{layer} (M={count})" if len(row_counts) > 1 else layer,
+                )
+            )
     if not checked:
         return LayerCheck(0.0, "", 0, 0.0)
     rel, tol, layer = max(checked, key=lambda c: c[0] / c[1])
@@ -354,6 +375,34 @@ def _repack_affine(model: nn.Module, layers: list[tuple[str, nn.Module]], dtype:
         model.update_modules(tree_unflatten([(path, affine)]))
 
 
+def _swap_custom(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[Any]:
+    """Every NVFP4 linear (generated tensor-scaled ones and mlx-lm's own, lm_head included) ->
+    `Nvfp4Linear`, on the same arrays; NVFP4 embeddings stay as they are. Returns the new layers."""
+    from kernels.nvfp4_linear import Nvfp4Linear
+
+    swapped: list[tuple[str, nn.Module]] = []
+    for path, module in layers:
+        if isinstance(module, TensorScaledLinear):
+            swapped.append((path, Nvfp4Linear.from_quantized(module.inner, module.global_scale)))
+        elif isinstance(module, nn.QuantizedLinear):
+            swapped.append((path, Nvfp4Linear.from_quantized(module)))
+    if swapped:
+        model.update_modules(tree_unflatten(swapped))
+    return [m for _, m in swapped]
+
+
+def _custom_route(swapped: list[Any], dtype: mx.Dtype) -> str:
+    """The custom arm's route: what decode steps and prefill chunks of the first layer run."""
+    from kernels.nvfp4_linear import matmul_route
+
+    n, k = swapped[0].shape
+    name = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
+    decode, prefill = matmul_route(1, n, k, name), matmul_route(512, n, k, name)
+    scaled = sum("global_scale" in m for m in swapped)
+    fused = f", global scale in the epilogue x{scaled}" if scaled else ""
+    return f"custom nvfp4 x{len(swapped)}: decode {decode}, prefill {prefill}{fused}"
+
+
 def _model_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype the model computes in: that of its first floating parameter (norms, embeddings)."""
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
@@ -381,12 +430,17 @@ def load_decoder(path: Path, arm: str) -> LoadedDecoder:
         model, config = load_model(path, lazy=True)
     layers = _nvfp4_layers(model)
     scaled = sum(isinstance(m, TensorScaledLinear) for _, m in layers)
+    if arm in ("native", "custom") and not layers:
+        raise ArmUnsupported(f"{path} has no NVFP4 layers (quantization: {config.get('quantization')})")
     if arm == "native":
-        if not layers:
-            raise ArmUnsupported(f"{path} has no NVFP4 layers (quantization: {config.get('quantization')})")
         route = f"nvfp4 quantized_matmul x{len(layers)}" + (
             f", tensor-scale multiply after the product x{scaled}" if scaled else ""
         )
+    elif arm == "custom":
+        swapped = _swap_custom(model, layers)
+        if not swapped:
+            raise ArmUnsupported(f"{path} has NVFP4 embeddings but no NVFP4 linear layers")
+        route = _custom_route(swapped, _model_dtype(model))
     elif layers:
         _repack_affine(model, layers, _model_dtype(model))
         route = f"affine {AFFINE_BITS}-bit g{AFFINE_GROUP_SIZE}, repacked from NVFP4 at load x{len(layers)}"

@@ -11,9 +11,10 @@ its own rounding:
   engine without NVFP4 uses), `mx.quantized_matmul(mode="affine")`.
 * `dequant-gemm`: `mx.dequantize` to the dtype, then one matmul, both inside the timed call.
 * `dense`: the NVFP4-dequantized weights held in the dtype, one matmul: the upper bound.
-* `custom`: the hand-written kernels of issue 7 (`kernels.gemv_nvfp4` for tokens <= 8: its
-  stream kernel where it applies, else its K-split kernel; the expert-batched `kernels.moe_nvfp4`
-  with one expert above; their MLX twins without CUDA).
+* `custom`: the hand-written kernels (`kernels.gemv_nvfp4` for tokens <= 8: its stream kernel
+  where it applies, else its K-split kernel; above, the prefill GEMM `kernels.gemm_nvfp4` of
+  issue 20 for bfloat16/float16, the expert-batched `kernels.moe_nvfp4` with one expert for
+  float32 on CUDA; their MLX twins without CUDA).
 * `custom-ksplit`: the same, with the GEMV's K-split kernel wherever the CUDA path runs (so a
   sweep compares the two GEMV kernels).
 * `auto`: per shape, the fastest correct of native, dequant-gemm, custom and custom-ksplit,
@@ -308,7 +309,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 build_seconds=seconds,
             )
             weights[arm] = to_float64(wd[mx.array(cols.astype(np.int32))])
-        elif arm == "custom":  # issue 7: kernels.gemv_nvfp4 (M <= 8) / kernels.moe_nvfp4 (one expert)
+        elif arm == "custom":  # kernels.gemv_nvfp4 (M <= 8) / kernels.gemm_nvfp4 (M > 8)
             paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
             weights[arm] = w_nvfp4
         elif arm == "custom-ksplit":  # the same with the GEMV's K-split kernel

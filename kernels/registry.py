@@ -100,7 +100,7 @@ register(
         name="model",
         module="workers.model_runner",
         kind="model",
-        arms=("native", "affine"),
+        arms=("native", "affine", "custom"),
         params={
             "prompt_tokens": int,
             "decode_tokens": int,

@@ -2,8 +2,8 @@
 
 Kept free of MLX so that `benchmarks.gemm_lab` sizes its launches from the same numbers as
 `kernels.gemm_nvfp4`. A variant is a named `GemmConfig`; `VARIANTS` holds every one the lab
-compares, `DEFAULT_VARIANT` names the one the library launches (set it from the lab's table:
-BENCHMARKS.md), and `ORCHESTRATE_GEMM_VARIANT` in the environment overrides it for a run.
+compares; `DEFAULT_RULE` says which one the library launches at each M (set it from the lab's
+table: BENCHMARKS.md), and `ORCHESTRATE_GEMM_VARIANT` in the environment overrides it for a run.
 """
 
 from __future__ import annotations
@@ -117,20 +117,44 @@ VARIANTS: dict[str, GemmConfig] = {
     "b128x128k64s3": GemmConfig(wm=2, wn=2, stages=3),
     "w128x128k64s4": GemmConfig(wm=2, wn=2, bdec=False),
 }
-DEFAULT_VARIANT = "b128x256k64s4"  # not yet measured on the H200: the lab's first run picks it
+# Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
+# at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
+# environment variable overrides it for a run without a code change, e.g.
+#   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
+DEFAULT_RULE = "b128x256k64s4"  # not yet measured on the H200: the lab's first run picks it
+DEFAULT_VARIANT = DEFAULT_RULE.rsplit(",", 1)[-1]
 VARIANT_ENV = "ORCHESTRATE_GEMM_VARIANT"
 
 
-def default_variant() -> str:
-    """The variant the library launches: `$ORCHESTRATE_GEMM_VARIANT` if set, else DEFAULT_VARIANT.
+def parse_rule(rule: str, origin: str = "rule") -> list[tuple[int | None, str]]:
+    """`"name@max_m,...,name"` -> [(max_m or None, name)], every name checked against VARIANTS.
 
     Raises:
-        ValueError: the environment names no variant of VARIANTS.
+        ValueError: an unknown variant, a bad bound, or no entry for the largest M (naming `origin`).
     """
-    name = os.environ.get(VARIANT_ENV, "") or DEFAULT_VARIANT
-    if name not in VARIANTS:
-        raise ValueError(f"{VARIANT_ENV}={name!r}: not one of {', '.join(VARIANTS)}")
-    return name
+    entries: list[tuple[int | None, str]] = []
+    for item in (part.strip() for part in rule.split(",")):
+        name, _, bound = item.partition("@")
+        if name not in VARIANTS:
+            raise ValueError(f"{origin}: {name!r} is not a GEMM variant (one of {', '.join(VARIANTS)})")
+        if bound and not bound.isdigit():
+            raise ValueError(f"{origin}: {item!r}: the bound after @ must be a row count")
+        entries.append((int(bound) if bound else None, name))
+    if entries[-1][0] is not None:
+        raise ValueError(f"{origin}: {rule!r} ends with a bound; the last entry must be a bare variant name")
+    return entries
+
+
+def variant_for(m: int) -> str:
+    """The variant the library launches for M = m: `$ORCHESTRATE_GEMM_VARIANT`'s rule if set,
+    else DEFAULT_RULE's.
+
+    Raises:
+        ValueError: the environment's rule is malformed (see `parse_rule`).
+    """
+    env = os.environ.get(VARIANT_ENV, "")
+    rule = parse_rule(env, VARIANT_ENV) if env else parse_rule(DEFAULT_RULE, "DEFAULT_RULE")
+    return next(name for bound, name in rule if bound is None or m <= bound)
 
 
 def describe(name: str) -> dict[str, object]:

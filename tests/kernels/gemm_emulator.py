@@ -197,7 +197,8 @@ class GemmEmulator:
         self.KSTEPS = 4 * self.KH
         self.XROWS, self.WROWS = self.NT // (8 * self.KH), self.NT // (2 * self.KH)
         self.IROWS, self.IPH = self.NT // 4, self.BN * 4 // self.NT
-        assert self.STAGE == c.stage_bytes() and self.STAGES * self.STAGE + (2 * self.KH * self.DS if self.BDEC else 0) == c.smem_bytes()
+        assert c.stage_bytes() == self.STAGE
+        assert c.smem_bytes() == self.STAGES * self.STAGE + (2 * self.KH * self.DS if self.BDEC else 0)
 
     # -- memory
     def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
@@ -207,7 +208,13 @@ class GemmEmulator:
     def _words(self, addr: np.ndarray, count: int, kind: str) -> list[np.ndarray]:
         b = self._read(addr, 4 * count).astype(U32)
         self._note(kind, 4 * count, addr)
-        return [b[..., 4 * i] | (b[..., 4 * i + 1] << U32(8)) | (b[..., 4 * i + 2] << U32(16)) | (b[..., 4 * i + 3] << U32(24)) for i in range(count)]
+        return [
+            b[..., 4 * i]
+            | (b[..., 4 * i + 1] << U32(8))
+            | (b[..., 4 * i + 2] << U32(16))
+            | (b[..., 4 * i + 3] << U32(24))
+            for i in range(count)
+        ]
 
     def _write_words(self, addr: np.ndarray, words: list[np.ndarray], kind: str) -> None:
         self._note(kind, 4 * len(words), addr)
@@ -237,7 +244,9 @@ class GemmEmulator:
         self.wg = packed.astype(U32).reshape(-1).view(np.uint8)
         self.sg = scales.astype(np.uint8).reshape(-1)
 
-    def run(self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray, gsv: float) -> tuple[np.ndarray, np.ndarray]:
+    def run(
+        self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray, gsv: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """y [M, N] in float64 (before the kernel's rounding to T) and how often each was written."""
         self.load(xbits, packed, scales)
         m = self.M
@@ -396,7 +405,12 @@ class GemmEmulator:
                         bregs = d[:, :, 2 * sub : 2 * sub + 2]
                         bm = fragments_to_b(bregs, f16)
                         aregs = np.stack(
-                            [a[:, :, :, 0, 2 * sub], a[:, :, :, 1, 2 * sub], a[:, :, :, 0, 2 * sub + 1], a[:, :, :, 1, 2 * sub + 1]],
+                            [
+                                a[:, :, :, 0, 2 * sub],
+                                a[:, :, :, 1, 2 * sub],
+                                a[:, :, :, 0, 2 * sub + 1],
+                                a[:, :, :, 1, 2 * sub + 1],
+                            ],
                             axis=-1,
                         )
                         am = fragments_to_a(aregs, f16)

@@ -27,7 +27,7 @@ import pytest
 
 from kernels import gemm_nvfp4, nvfp4
 from kernels.cuda import CudaDevice, cuda_backend_available, read_source
-from kernels.cuda.gemm_layout import DEFAULT_VARIANT, VARIANT_ENV, VARIANTS, GemmConfig, default_variant
+from kernels.cuda.gemm_layout import DEFAULT_VARIANT, VARIANT_ENV, VARIANTS, GemmConfig, parse_rule, variant_for
 from kernels.gemm_nvfp4 import GEMM_SOURCE, gemm_nvfp4_twin
 from tests.kernels import gemm_emulator as ge
 
@@ -138,10 +138,14 @@ def test_bf16_offset_keeps_every_sum_finite_and_small_products_normal() -> None:
 # ------------------------------------------------------------------ the whole kernel, emulated
 
 
-def random_problem(m: int, n: int, k: int, f16: bool, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def random_problem(
+    m: int, n: int, k: int, f16: bool, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x as exact 16-bit values (several octaves), NVFP4 weights: (x values, x bits, codes, scales)."""
     rng = np.random.default_rng(seed)
-    codes, scales = nvfp4.quantize((rng.standard_normal((n, k)) * 2.0 ** rng.integers(-3, 4, (n, 1))).astype(np.float32))
+    codes, scales = nvfp4.quantize(
+        (rng.standard_normal((n, k)) * 2.0 ** rng.integers(-3, 4, (n, 1))).astype(np.float32)
+    )
     x = (rng.standard_normal((m, k)) * 2.0 ** rng.integers(-4, 5, (m, k))).astype(np.float32)
     if f16:
         xv = x.astype(np.float16).astype(np.float64)
@@ -204,7 +208,11 @@ def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> No
     _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, cfg.bk * 2, False, 1)
     emu.run(xb, nvfp4.pack_codes(codes), scales, 1.0)
     kinds = {a.kind for a in emu.accesses}
-    assert kinds >= ({"ldmatrix", "lds64-decode", "sts128-decode", "lds8-decode"} if cfg.bdec else {"lds128-x", "lds64-code", "lds8-scale"})
+    assert kinds >= (
+        {"ldmatrix", "lds64-decode", "sts128-decode", "lds8-decode"}
+        if cfg.bdec
+        else {"lds128-x", "lds64-code", "lds8-scale"}
+    )
     bad = [(a.kind, _conflicts(a)) for a in emu.accesses if _conflicts(a)]
     assert not bad, bad[:5]
 
@@ -313,12 +321,18 @@ def test_variant_table_fits_the_seed_shape_and_the_default_is_in_it(monkeypatch:
     for name, cfg in VARIANTS.items():
         assert cfg.reason(21504, 5376) is None, name
         assert cfg.reason(1004, 5376) is not None  # N % 8
-    assert DEFAULT_VARIANT in VARIANTS
+    assert DEFAULT_VARIANT in VARIANTS and variant_for(512) in VARIANTS
     monkeypatch.setenv(VARIANT_ENV, "w128x256k64s4")
-    assert default_variant() == "w128x256k64s4"
-    monkeypatch.setenv(VARIANT_ENV, "nope")
-    with pytest.raises(ValueError, match="nope"):
-        default_variant()
+    assert variant_for(16) == variant_for(16384) == "w128x256k64s4"
+    monkeypatch.setenv(VARIANT_ENV, "b128x128k64s3@1024, w128x128k64s4@4096,b256x128k64s4")
+    assert [variant_for(m) for m in (9, 1024, 1025, 4096, 4097)] == ["b128x128k64s3"] * 2 + ["w128x128k64s4"] * 2 + [
+        "b256x128k64s4"
+    ]
+    for bad, match in (("nope", "nope"), ("b128x256k64s4@x", "bound"), ("b128x256k64s4@512", "last entry")):
+        monkeypatch.setenv(VARIANT_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            variant_for(512)
+    assert parse_rule("b128x256k64s4") == [(None, "b128x256k64s4")]
     assert "K=160" in (GemmConfig().reason(256, 160) or "")
     assert "shared memory" in (GemmConfig(stages=9).reason(256, 512) or "")
 

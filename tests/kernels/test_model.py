@@ -1,4 +1,4 @@
-"""Generated NVFP4 decoder checkpoints and their two load paths (native, affine repack)."""
+"""Generated NVFP4 decoder checkpoints and their load paths (native, affine repack, custom kernels)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels import nvfp4
 from kernels.model import (
     AFFINE_GROUP_SIZE,
     AFFINE_TOLERANCE,
+    PREFILL_CHECK_ROWS,
     ArmUnsupported,
     DecoderConfig,
     TensorScaledLinear,
@@ -22,13 +23,15 @@ from kernels.model import (
     load_decoder,
     write_checkpoint,
 )
+from kernels.nvfp4_linear import Nvfp4Linear
 
 TINY = {"hidden": 128, "intermediate": 256, "layers": 2, "heads": 2, "vocab": 256}
 PROMPT = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]])
+LONG_PROMPT = mx.array([[(7 * i + 3) % 256 for i in range(40)]])  # 40 rows: the prefill GEMM's path
 
 
-def _logits(model: nn.Module) -> np.ndarray:
-    out = model(PROMPT)
+def _logits(model: nn.Module, prompt: mx.array = PROMPT) -> np.ndarray:
+    out = model(prompt)
     mx.eval(out)
     return np.array(out.astype(mx.float32), dtype=np.float64)
 
@@ -134,6 +137,29 @@ def test_native_is_the_nvfp4_model_and_affine_is_a_repack(tmp_path: Path, archit
     assert 1e-3 < affine_err < 0.5, affine_err
 
 
+def _param_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("architecture", ["gemma", "llama"])
+def test_custom_swaps_every_nvfp4_linear_for_our_kernels_on_the_stored_arrays(
+    tmp_path: Path, architecture: str
+) -> None:
+    dest = write_checkpoint(DecoderConfig(architecture=architecture, **TINY), 0, tmp_path / "ckpt")
+    twin = _dense_twin(dest)
+    custom = load_decoder(dest, "custom")
+    modules = [m for _, m in custom.model.named_modules()]
+    assert sum(isinstance(m, Nvfp4Linear) for m in modules) == 2 * 7
+    assert not any(isinstance(m, TensorScaledLinear | nn.QuantizedLinear) for m in modules)
+    assert custom.route.startswith("custom nvfp4 x14: decode ") and custom.route.endswith("epilogue x14")
+    # the decode GEMV (8 rows) and the prefill GEMM (40 rows) paths, against the float32 decode
+    for prompt in (PROMPT, LONG_PROMPT):
+        err = _rel(_logits(custom.model, prompt), _logits(twin, prompt))
+        assert err < 1e-4, err
+    # the same arrays as stored: no dequantized or repacked copy (native also keeps a decode scale)
+    assert _param_bytes(custom.model) <= _param_bytes(load_decoder(dest, "native").model)
+
+
 def test_a_dropped_global_scale_is_not_the_same_model(tmp_path: Path) -> None:
     """The global scale matters: the raw NVFP4 products without it give another model entirely."""
     dest = write_checkpoint(DecoderConfig(architecture="llama", **TINY), 0, tmp_path / "ckpt")
@@ -164,6 +190,24 @@ def test_layer_check_passes_both_arms_and_catches_a_wrong_global_scale(tmp_path:
     assert broken.rel_error > 0.99 and broken.rel_error > broken.tolerance
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_check_of_custom_covers_both_kernels_and_catches_a_wrong_global_scale(tmp_path: Path, dtype: str) -> None:
+    dest = write_checkpoint(DecoderConfig(architecture="gemma", dtype=dtype, **TINY), 0, tmp_path / "ckpt")
+    model = load_decoder(dest, "custom").model
+    check = check_layers(model, dest, "custom", np.random.default_rng(0))
+    assert check.layers == 2 * 7 * 2  # every NVFP4 linear of the first and last block, at 8 and 64 rows
+    assert check.rel_error <= check.tolerance and check.rel_error < (1e-5 if dtype == "float32" else 3e-2)
+    assert PREFILL_CHECK_ROWS > 8
+    # the classic ModelOpt-for-MLX global scale mix-up, in one layer, is caught at its layer
+    path, layer = next(
+        (p, m) for p, m in model.named_modules() if isinstance(m, Nvfp4Linear) and ".layers.1." in f".{p}"
+    )
+    wrong = layer.global_scale / nvfp4.MLX_GLOBAL_SCALE_DIVISOR
+    model.update_modules(tree_unflatten([(path, Nvfp4Linear(layer.weight, layer.scales, wrong, None))]))
+    broken = check_layers(model, dest, "custom", np.random.default_rng(0))
+    assert broken.rel_error > 0.99 and broken.layer.startswith(path)
+
+
 def _mlx_lm_checkpoint(path: Path, mode: str) -> Path:
     """A checkpoint as `mlx_lm.convert -q --q-mode MODE` writes it, from a tiny Llama."""
     from mlx_lm.models import llama
@@ -187,12 +231,17 @@ def test_a_real_mlx_lm_nvfp4_checkpoint_loads_as_it_is(tmp_path: Path, capsys: p
     assert not [k for k, v in flat.items() if k.endswith(".scales") and v.dtype == mx.uint8]  # no NVFP4 left
     err = _rel(_logits(affine.model), _logits(native.model))
     assert 1e-4 < err < 0.5, err
+    custom = load_decoder(dest, "custom")  # mlx-lm's own nvfp4 layers (lm_head too), no global scale
+    assert custom.route.startswith("custom nvfp4 x15: ") and "global scale" not in custom.route
+    for prompt in (PROMPT, LONG_PROMPT):
+        assert _rel(_logits(custom.model, prompt), _logits(native.model, prompt)) < 1e-4
 
 
 def test_native_on_an_affine_checkpoint_is_unsupported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dest = _mlx_lm_checkpoint(tmp_path / "affine", "affine")
-    with pytest.raises(ArmUnsupported, match="no NVFP4 layers"):
-        load_decoder(dest, "native")
+    for arm in ("native", "custom"):
+        with pytest.raises(ArmUnsupported, match="no NVFP4 layers"):
+            load_decoder(dest, arm)
     assert load_decoder(dest, "affine").route.startswith("as stored")
 
 

@@ -97,6 +97,23 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
     assert len(affine_route) == 1 and "repacked from NVFP4" in affine_route.pop()
 
 
+def test_the_custom_arm_runs_our_kernels_on_every_projection_and_checks_out(tmp_path: Path) -> None:
+    """Issue 20's whole-model arm: NVFP4 as stored, linears swapped for our kernels (their MLX twins
+    here: the route says so), checked layer by layer, the same greedy tokens in every sample."""
+    status, rows = _run(_job(tmp_path, arms=["custom"], reps=2))
+    assert status == STATUS_OK and {r["status"] for r in rows} == {STATUS_OK}
+    check = next(r for r in rows if r["metric"] == "rel_error")
+    assert check["value"] < 1e-5 and "(M=" in dict(check["extra"])["layer"]  # both kernels' row counts
+    routes = {r["route"] for r in rows}
+    assert len(routes) == 1
+    route = routes.pop()
+    assert route.startswith("custom nvfp4 x14: decode ") and "prefill " in route
+    assert ("mlx-twin" in route) != ("cuda_kernel" in route)
+    digests = {dict(r["extra"])["greedy_digest"] for r in rows}
+    assert len(digests) == 1
+    assert all(10 < r["value"] < 1e7 for r in _by(rows, "custom", "prefill_tok_s"))
+
+
 def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_path: Path) -> None:
     status_a, rows_a = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
     status_b, rows_b = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
