@@ -285,17 +285,22 @@ def moe_projection(
 def prefill_paths(
     x: mx.array, lhs: mx.array, rhs: mx.array, weights: tuple[mx.array, mx.array, mx.array, mx.array]
 ) -> dict[str, Callable[[int], mx.array]]:
-    """The three qmm prefill candidates on one input (weights: packed, scales, and both as one expert)."""
+    """The qmm prefill candidates on one input (weights: packed, scales, and both as one expert):
+    `custom` is what the qmm arm runs (the prefill GEMM of issue 20), `moe-one-expert` the MoE
+    kernel it replaced there."""
+    from kernels.nvfp4_linear import nvfp4_matmul
+
     wq, sc, w3, s3 = weights
     return {
         "native": lambda i: mx.quantized_matmul(x, wq, sc, transpose=True, mode="nvfp4"),
         "dequant-gemm": lambda i: x @ mx.dequantize(wq, sc, mode="nvfp4", dtype=x.dtype).T,
-        "custom": lambda i: moe_gather_nvfp4_cuda(x, w3, s3, None, lhs, rhs),
+        "custom": lambda i: nvfp4_matmul(x, wq, sc),
+        "moe-one-expert": lambda i: moe_gather_nvfp4_cuda(x, w3, s3, None, lhs, rhs),
     }
 
 
 def qmm_prefill_section(tokens_list: list[int]) -> list[dict[str, Any]]:
-    """Native, dequant-gemm and the custom kernel (MoE kernel, one expert) at prefill sizes."""
+    """Native, dequant-gemm, the custom kernel (the prefill GEMM) and the one-expert MoE kernel at prefill sizes."""
     n, k = GEMV_N, GEMV_K
     wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")[:2]
     w3, s3 = wq[None], sc[None]

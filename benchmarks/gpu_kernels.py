@@ -17,7 +17,8 @@ it). One call does everything and writes `DIR/gpu_kernels.json`, then prints a s
   against `mx.gather_qmm(nvfp4, sorted_indices=True)`, plus a check that rows routed past the last
   expert come back zero;
 * qmm prefill points (tokens 512, 2048), the `auto` arm's candidates there: native, dequant-gemm
-  and the custom kernel (the MoE kernel with one expert), time per call.
+  and the custom kernel (the prefill GEMM, `kernels.gemm_nvfp4`; also the MoE kernel with one
+  expert it replaced), time per call (`benchmarks.gemm_lab` compares the GEMM's variants).
 
 `--probe` (run under `ncu`) launches each kernel a few times for Nsight Compute's durations;
 `--jobs COMMIT` writes JobSpec files for `python -m workers run` on the same machine.

@@ -1,0 +1,54 @@
+"""benchmarks/gemm_lab.py's plumbing on the CPU (its kernels need CUDA; MLX's own paths run here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import gemm_lab
+from kernels.cuda import cuda_backend_available
+from kernels.cuda.gemm_layout import VARIANTS, parse_rule
+
+
+def test_paths_are_checked_against_float64_and_timed_side_by_side() -> None:
+    prob = gemm_lab.Problem(64, 128)
+    block = gemm_lab.run_m(prob, 24, ["b128x256k64s4"], peak=790.0)
+    by = {p["path"]: p for p in block["paths"]}
+    assert set(by) == {*gemm_lab.BASELINES, "b128x256k64s4"}
+    for name in gemm_lab.BASELINES:
+        p = by[name]
+        assert p["nan"] == 0 and p["seconds"] > 0 and p["calls"] >= 2
+        # bf16 outputs of the NVFP4 weights; affine adds its 4-bit g64 requantization
+        assert p["rel_error"] < (0.2 if name == "affine" else 2e-2), (name, p["rel_error"])
+        assert p["x_affine"] == pytest.approx(by["affine"]["seconds"] / p["seconds"])
+        assert p["peak_extra_bytes"] >= 0
+    if not cuda_backend_available():
+        assert "no CUDA device" in by["b128x256k64s4"]["skipped"]
+    wrong = gemm_lab.check(gemm_lab.mx.zeros((24, 64), dtype=gemm_lab.mx.bfloat16), np.arange(3), np.ones((3, 64)), 1.0)
+    assert wrong["rel_error"] == pytest.approx(1.0)  # a zero output is caught
+
+
+def test_the_recommended_rule_is_the_fastest_correct_variant_per_m() -> None:
+    a, b, c = list(VARIANTS)[:3]
+
+    def path(name: str, s: float, err: float = 1e-3, nan: int = 0) -> dict[str, object]:
+        return {"path": name, "seconds": s, "rel_error": err, "nan": nan}
+
+    per_m = [
+        {"m": 512, "paths": [path("native", 0.1), path(a, 2.0), path(b, 1.0, err=0.5)]},  # b is wrong
+        {"m": 2048, "paths": [path(a, 2.0), path(b, 1.0, nan=3)]},  # b left outputs unwritten
+        {"m": 4096, "paths": [path(a, 2.0), path(c, 1.0)]},
+        {"m": 16384, "paths": [path(a, 2.0), path(c, 1.0)]},
+    ]
+    rule = gemm_lab.recommend(per_m, 1e-2)
+    assert rule == f"{a}@2048,{c}"
+    assert parse_rule(rule) == [(2048, a), (None, c)]  # the library accepts what the lab prints
+    assert gemm_lab.recommend([{"m": 512, "paths": [path("native", 1.0)]}], 1e-2) == ""
+
+
+@pytest.mark.skipif(cuda_backend_available(), reason="checks the refusal off CUDA")
+def test_without_cuda_the_lab_says_so_and_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert gemm_lab.main(["--out", str(tmp_path / "lab")]) == 3
+    assert "CUDA" in capsys.readouterr().err and not (tmp_path / "lab").exists()
