@@ -168,8 +168,10 @@ const int brow = wn * 8 * TN + (lane & 7) + (lane >> 4) * 8;
 const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);
 
 // Block decode: the MMAs of the k-tile in `slot` from decoded buffer `buf`, and, spread over its
-// k-steps, the decode of the next k-tile (ring slot `next`) into the other buffer.
-auto compute_block = [&](int slot, int buf, int next, bool decode_next) {
+// k-steps, the decode of the next k-tile (ring slot `next`) into the other buffer. After the last
+// k-tile that decode reads a slot no copy is filling and writes a buffer nothing reads: harmless,
+// and unconditional, so the compiler can interleave it with the MMAs (no branch between them).
+auto compute_block = [&](int slot, int buf, int next) {
   const uint32_t xs = slot * STAGE_BYTES;
   const uint32_t db = dbase + buf * KH * DS_BYTES;
 #pragma unroll
@@ -191,11 +193,9 @@ auto compute_block = [&](int slot, int buf, int next, bool decode_next) {
       b[2 * jj + 1][0] = r[2];
       b[2 * jj + 1][1] = r[3];
     }
-    if (decode_next) {
 #pragma unroll
-      for (int p = 0; p < ITEMS; ++p) {
-        if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);
-      }
+    for (int p = 0; p < ITEMS; ++p) {
+      if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);
     }
 #pragma unroll
     for (int i = 0; i < TM; ++i)
@@ -264,7 +264,7 @@ for (int kt = 0; kt < KT; ++kt) {
   issue(kt + STAGES - 1, refill);
   const int next = slot + 1 == STAGES ? 0 : slot + 1;
   if constexpr (BDEC) {
-    compute_block(slot, kt & 1, next, kt + 1 < KT);
+    compute_block(slot, kt & 1, next);
   } else {
     compute_warp(slot);
   }

@@ -268,7 +268,7 @@ class GemmEmulator:
             self.issue(kt + self.STAGES - 1, refill)
             nxt = 0 if slot + 1 == self.STAGES else slot + 1
             if self.BDEC:
-                self.compute_block(slot, kt & 1, nxt, kt + 1 < self.KT)
+                self.compute_block(slot, kt & 1, nxt)
             else:
                 self.compute_warp(slot)
             refill, slot = slot, nxt
@@ -360,7 +360,7 @@ class GemmEmulator:
             regs[:, :, i] = b[..., 0] | (b[..., 1] << U32(8)) | (b[..., 2] << U32(16)) | (b[..., 3] << U32(24))
         return regs
 
-    def compute_block(self, slot: int, buf: int, nxt: int, decode_next: bool) -> None:
+    def compute_block(self, slot: int, buf: int, nxt: int) -> None:
         xs = slot * self.STAGE
         db = self.dbase + buf * self.KH * self.DS
         for ks in range(self.KSTEPS):
@@ -373,10 +373,9 @@ class GemmEmulator:
                 r = self.ldmatrix_x4(bbase + jj * 16 * 128)
                 b[:, 2 * jj] = r[:, :, 0:2]
                 b[:, 2 * jj + 1] = r[:, :, 2:4]
-            if decode_next:
-                for p in range(self.ITEMS):
-                    if p * self.KSTEPS // self.ITEMS == ks:
-                        self.decode_item(nxt, buf ^ 1, p)
+            for p in range(self.ITEMS):
+                if p * self.KSTEPS // self.ITEMS == ks:
+                    self.decode_item(nxt, buf ^ 1, p)
             am = fragments_to_a(a, self.f16)  # [warps, TM, 16, 16]
             bm = fragments_to_b(b, self.f16)  # [warps, TN, 16, 8]
             self.acc += np.einsum("wirk,wjkc->wijrc", am, bm)

@@ -64,6 +64,7 @@ def test_the_mirrored_lines_are_the_sources() -> None:
         "const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);",
         "const uint32_t abase = sbase + ((xs + h * XS_BYTES + aoff) ^ flip);",
         "if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);",
+        "compute_block(slot, kt & 1, next);",
         "const uint32_t xp = st + h * XS_BYTES + xoff + (((2 * t + kk) ^ g) << 4);",
         "const uint32_t soff = KH * (XS_BYTES + WS_BYTES) + (wn * 8 * TN + g) * SROW + t;",
         "cw[j] = nvfp4g::lds64(st + woff + h * WS_BYTES + j * 8 * 32);",
@@ -277,7 +278,10 @@ def ring_schedule(stages: int, bdec: bool, kt_count: int) -> None:
         interval["r"].add(("slot", slot))
 
     def decode(slot: int, buf: int, kt: int) -> None:
-        read_slot(slot, kt)
+        if kt < kt_count:
+            read_slot(slot, kt)
+        else:  # past the last k-tile: whatever the slot holds, into a buffer nothing reads again
+            interval["r"].add(("slot", slot))
         interval["w"].add(("dec", buf))
         dec_holds[buf] = kt
 
@@ -295,8 +299,7 @@ def ring_schedule(stages: int, bdec: bool, kt_count: int) -> None:
             assert dec_holds.get(kt & 1) == kt
             interval["r"].add(("dec", kt & 1))
             read_slot(slot, kt)
-            if kt + 1 < kt_count:
-                decode(nxt, (kt & 1) ^ 1, kt + 1)
+            decode(nxt, (kt & 1) ^ 1, kt + 1)
         else:
             read_slot(slot, kt)
         refill, slot = slot, nxt
