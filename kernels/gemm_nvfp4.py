@@ -26,7 +26,14 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from kernels.cuda import HEADER_FILE, CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device
+from kernels.cuda import (
+    HEADER_FILE,
+    CudaKernelSource,
+    compiled_kernel,
+    cuda_backend_available,
+    cuda_device,
+    single_output_launch,
+)
 from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, variant_for
 from kernels.gemv_nvfp4 import TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
 
@@ -87,43 +94,36 @@ def gemm_nvfp4_cuda(
     global_scale: mx.array | float | None = None,
     variant: str | None = None,
     poison: bool = False,
+    gsv: mx.array | None = None,
 ) -> mx.array:
-    """The CUDA kernel (MLX's CUDA backend only) at `variant` (default: the library's); `poison`
-    fills the output with NaN before the kernel runs (checks that every element is written)."""
+    """The CUDA kernel (MLX's CUDA backend only) at `variant` (default: the library's for M);
+    `poison` fills the output with NaN before the kernel runs (checks that every element is
+    written); `gsv`: as in `kernels.gemv_nvfp4.gemv_nvfp4`, the multiplier computed once."""
     m, k = x.shape
     n = w.shape[0]
     name = variant or variant_for(m)
     reason = kernel_supports(m, n, k, _dtype_name(x), name)
     if reason is not None:
         raise ValueError(f"gemm_nvfp4 kernel: {reason}")
-    return _launcher(m, n, k, x.dtype, name, poison)(x, w, scales, kernel_multiplier(global_scale))
+    mult = gsv if gsv is not None else kernel_multiplier(global_scale)
+    return _launcher(m, n, k, x.dtype, name, poison)(x, w, scales, mult)
 
 
 @functools.cache
-def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool = False) -> Callable[..., mx.array]:
-    """The kernel call for one shape, traced once by `mx.compile` (see kernels.gemv_nvfp4). M is
-    read by the kernel from x's shape, so every M shares one NVRTC build per (N, K, dtype)."""
+def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) -> Callable[..., mx.array]:
+    """The kernel call for one shape (see kernels.gemv_nvfp4). M is read by the kernel from x's
+    shape, so every M shares one NVRTC build per (N, K, dtype, variant)."""
+    from kernels import gemv_nvfp4
+
     cfg: GemmConfig = VARIANTS[name]
     kernel = compiled_kernel(GEMM_SOURCE, cfg.smem_bytes())
     template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
     template += cfg.template(n, k, dtype == mx.float16).items()
-    grid = cfg.blocks(m, n) * cfg.threads
-
-    def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
-        (y,) = kernel(
-            inputs=[x, w, scales, gsv],
-            template=template,
-            grid=(grid, 1, 1),
-            threadgroup=(cfg.threads, 1, 1),
-            output_shapes=[(m, n)],
-            output_dtypes=[dtype],
-            init_value=float("nan") if poison else None,
-        )
-        return y
-
-    from kernels import gemv_nvfp4
-
-    return mx.compile(launch) if gemv_nvfp4.COMPILE_LAUNCH else launch
+    grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
+    return single_output_launch(
+        kernel, template, grid, (cfg.threads, 1, 1), (m, n), dtype,
+        compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
+    )  # fmt: skip
 
 
 def gemm_nvfp4(
@@ -134,13 +134,10 @@ def gemm_nvfp4(
     variant: str | None = None,
     gsv: mx.array | None = None,
 ) -> mx.array:
-    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin (`gsv`: as
-    in `kernels.gemv_nvfp4.gemv_nvfp4`, the kernel's multiplier computed once by the caller)."""
+    """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
     m, k = x.shape
-    name = variant or variant_for(m)
-    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), name) is None:
-        mult = gsv if gsv is not None else kernel_multiplier(global_scale)
-        return _launcher(m, w.shape[0], k, x.dtype, name)(x, w, scales, mult)
+    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), variant) is None:
+        return gemm_nvfp4_cuda(x, w, scales, global_scale, variant, gsv=gsv)
     return gemm_nvfp4_twin(x, w, scales, global_scale)
 
 

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, cuda_device, off_small_pool
+from kernels.cuda import (
+    CudaKernelSource,
+    compiled_kernel,
+    cuda_backend_available,
+    cuda_device,
+    off_small_pool,
+    single_output_launch,
+)
 from kernels.cuda.layout import stream_smem_bytes
 from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
@@ -284,19 +291,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
         template += [("WARPS", cfg.warps), ("UNROLL", cfg.unroll), ("SPLIT", dtype != mx.bfloat16)]
         template += [("CVT_SCALES", cfg.cvt_scales)]
         grid, threads = n // 16 * 32 * cfg.warps, 32 * cfg.warps
-
-    def launch(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
-        (y,) = kernel(
-            inputs=[x, w, scales, gsv],
-            template=template,
-            grid=(grid, 1, 1),
-            threadgroup=(threads, 1, 1),
-            output_shapes=[(m, n)],
-            output_dtypes=[dtype],
-        )
-        return y
-
-    return mx.compile(launch) if COMPILE_LAUNCH else launch
+    return single_output_launch(kernel, template, (grid, 1, 1), (threads, 1, 1), (m, n), dtype, compiled=COMPILE_LAUNCH)
 
 
 COMPILE_LAUNCH = True  # False: assemble the kernel call afresh every call (the benchmark compares)

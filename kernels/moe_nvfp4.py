@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import gemv_nvfp4
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, off_small_pool
+from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, off_small_pool, single_output_launch
 from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
@@ -139,18 +139,9 @@ def _launcher(experts: int, n: int, k: int, rows: int, dtype: mx.Dtype, cfg: Moe
         ("SPLIT", dtype != mx.bfloat16),
     ]
 
-    def launch(*inputs: mx.array) -> mx.array:
-        (y,) = kernel(
-            inputs=list(inputs),
-            template=template,
-            grid=(blocks * 32 * cfg.warps, experts + 1, 1),
-            threadgroup=(32 * cfg.warps, 1, 1),
-            output_shapes=[(rows, n)],
-            output_dtypes=[dtype],
-        )
-        return y
-
-    return mx.compile(launch) if gemv_nvfp4.COMPILE_LAUNCH else launch
+    grid = (blocks * 32 * cfg.warps, experts + 1, 1)
+    threads = (32 * cfg.warps, 1, 1)
+    return single_output_launch(kernel, template, grid, threads, (rows, n), dtype, compiled=gemv_nvfp4.COMPILE_LAUNCH)
 
 
 def moe_gather_nvfp4(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,34 @@ def compiled_kernel(source: CudaKernelSource, shared_memory: int = 0) -> Any:
         ensure_row_contiguous=True,
         shared_memory=shared_memory,
     )
+
+
+def single_output_launch(
+    kernel: Any,
+    template: list[tuple[str, Any]],
+    grid: tuple[int, int, int],
+    threadgroup: tuple[int, int, int],
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    compiled: bool,
+    init_value: float | None = None,
+) -> Callable[..., Any]:
+    """`kernel`'s call on its inputs, returning its one output; traced once by `mx.compile` where
+    `compiled` (later calls replay the graph instead of assembling the call in Python and C++, tens
+    of microseconds, more than a decode kernel takes). `init_value` fills the output first."""
+    import mlx.core as mx
+
+    def launch(*inputs: Any) -> Any:
+        (y,) = kernel(
+            inputs=list(inputs),
+            template=template,
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+            init_value=init_value,
+        )
+        return y
+
+    return mx.compile(launch) if compiled else launch
