@@ -4,7 +4,7 @@
     python3 -m benchmarks.gemm_lab --out DIR --ncu NAME [--m 4096]    # Nsight Compute, one variant
 
 Runs on MLX's CUDA backend (the lent H200; `../shared/device/stage.sh` stages MLX there). One call,
-about two minutes, writes `DIR/gemm_lab.json` (every number) and `DIR/gemm_lab.txt` (the table it
+about three minutes, writes `DIR/gemm_lab.json` (every number) and `DIR/gemm_lab.txt` (the table it
 prints last):
 
 * the card: `nvidia-smi` facts, and the bf16 matrix peak measured through MLX (8192^3 products);
@@ -20,6 +20,9 @@ prints last):
   timed: L calls per `mx.eval` (L for at least 30 ms), the median of 5 such batches, synchronised
   around; and the peak memory a call adds above what is live before it;
 * float16 activations: every variant checked once at the first M;
+* the wgmma variants (sm_90a, built by NVRTC, `mx.fast.precompiled_cuda_kernel`) run afterwards in
+  a child process (`DIR/wgmma/`, same method, its own baselines side by side), so that a fault in
+  them cannot take the CUDA context, and the numbers already written, with it;
 * the recommended variant rule for `ORCHESTRATE_GEMM_VARIANT` (the fastest correct variant per M).
 
 TFLOP/s count 2 M N K per call; "of peak" is against 790 TFLOP/s (the bf16 rate measured on these
@@ -52,7 +55,8 @@ MS = (512, 2048, 4096, 16384)
 PEAK_TFLOPS = 790.0
 BASELINES = ("dense", "native", "affine", "dequant-gemm")
 CHECK_ROWS = 48
-BUDGET_S = 170.0  # stop adding M values past this, so the files are written inside a 3-minute call
+BUDGET_S = 150.0  # stop adding M values past this, so the files are written inside a few minutes
+CHILD_TIMEOUT_S = 150.0
 
 
 def seconds_per_call(fn: Callable[[], mx.array], target_s: float = 0.03, batches: int = 5) -> dict[str, float]:
@@ -268,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=f"{N},{K}", help="N,K (default: the seed's projection)")
     parser.add_argument("--ncu", default="", help="profile this variant's kernel under Nsight Compute")
     parser.add_argument("--probe", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", action="store_true", help="run wgmma variants here, not in a child")
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
     n, k = (int(v) for v in args.shape.split(","))
-    variants = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+    chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+    variants = chosen if args.in_process else [v for v in chosen if not VARIANTS[v].wgmma]
+    later = [] if args.in_process else [v for v in chosen if VARIANTS[v].wgmma]
     if args.probe:
         probe(args.probe, ms[0])
         return 0
@@ -309,9 +316,41 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(results, indent=1, default=str))
     text = table(results)
+    if later:
+        child = run_child(args.out / "wgmma", later, args.m, args.shape)
+        results["wgmma"] = child
+        if "per_m" in child:
+            results["recommended_rule"] = recommend(results["per_m"] + child["per_m"], tolerance)
+            text += "\n\nwgmma variants (sm_90a through NVRTC), a child process:\n" + table(child | {
+                "recommended_rule": results["recommended_rule"]})  # fmt: skip
+            if "error" in child:
+                text += f"\nwgmma child: {child['error']}"
+        else:
+            text += f"\n\nwgmma variants: {child.get('error')}"
+        path.write_text(json.dumps(results, indent=1, default=str))
     (args.out / "gemm_lab.txt").write_text(text + "\n")
     print(text)
     return 0
+
+
+def run_child(out: Path, variants: list[str], ms: str, shape: str) -> dict[str, Any]:
+    """The given variants in a fresh process (`--in-process`), its JSON, or what went wrong."""
+    cmd = [sys.executable, "-m", "benchmarks.gemm_lab", "--out", str(out), "--only", ",".join(variants)]
+    cmd += ["--m", ms, "--shape", shape, "--in-process"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-1500:]
+        return {"error": f"timed out after {CHILD_TIMEOUT_S:.0f} s: {tail!r}"}
+    log(proc.stderr[-3000:])
+    child = out / "gemm_lab.json"
+    last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    if not child.is_file():
+        return {"error": f"exit {proc.returncode}: {last[0]}"}
+    loaded: dict[str, Any] = json.loads(child.read_text())  # written after every M: a crash keeps the rest
+    if proc.returncode != 0:
+        loaded["error"] = f"exit {proc.returncode}: {last[0]}"
+    return loaded
 
 
 if __name__ == "__main__":

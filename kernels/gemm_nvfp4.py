@@ -14,8 +14,10 @@ environment can override).
 Elsewhere, or where a shape or dtype is outside the kernel's limits, it runs `gemm_nvfp4_twin`:
 the same function in MLX ops (exactly dequantized weights, x as given, fp32 products), the
 kernel's correctness check and the fallback. Kernel and twin agree to fp32 summation order.
-(Why mma.sync and not Hopper's wgmma: MLX 0.32's `mx.fast.cuda_kernel` compiles through NVRTC for
-`sm_90`, and wgmma needs `sm_90a`; see BENCHMARKS.md.)
+Hopper's own warpgroup MMA (wgmma) needs an `sm_90a` build, which MLX 0.32's `mx.fast.cuda_kernel`
+does not make (it compiles for `sm_90`): the `wgmma` variants are built by `kernels.cuda.nvrtc`
+(the machine's NVRTC through ctypes) and loaded by `mx.fast.precompiled_cuda_kernel`, on compute
+capability 9.0 exactly (what sm_90a code runs on).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from kernels.cuda import (
     compiled_kernel,
     cuda_backend_available,
     cuda_device,
+    nvrtc,
+    precompiled_launch,
+    precompiled_source,
     single_output_launch,
 )
 from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, variant_for
@@ -72,6 +77,10 @@ def kernel_supports(m: int, n: int, k: int, dtype: str, variant: str | None = No
         return "no CUDA device"
     if device.compute_capability < (8, 9):
         return f"compute capability {device.compute_capability} has no E4M3 conversion (needs 8.9)"
+    if cfg.wgmma and device.compute_capability != (9, 0):
+        return f"{name}: wgmma code (sm_90a) runs on compute capability 9.0 only, not {device.compute_capability}"
+    if cfg.wgmma and nvrtc.library() is None:
+        return f"{name}: no NVRTC library to build sm_90a code (set {nvrtc.NVRTC_ENV})"
     if cfg.smem_bytes() > device.max_shared_per_block:
         allowed = device.max_shared_per_block
         return f"{name} needs {cfg.smem_bytes()} bytes of shared memory per block, the device allows {allowed}"
@@ -116,14 +125,39 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
     from kernels import gemv_nvfp4
 
     cfg: GemmConfig = VARIANTS[name]
+    grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
+    if cfg.wgmma:
+        fn, cubin = wgmma_cubin(n, k, _dtype_name_of(dtype), name)
+        return precompiled_launch(
+            fn, cubin, grid, (cfg.threads, 1, 1), (m, n), dtype, shared_memory=cfg.smem_bytes(), scalars=[m],
+            compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
+        )  # fmt: skip
     kernel = compiled_kernel(GEMM_SOURCE, cfg.smem_bytes())
     template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
     template += cfg.template(n, k, dtype == mx.float16).items()
-    grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
     return single_output_launch(
         kernel, template, grid, (cfg.threads, 1, 1), (m, n), dtype,
         compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
     )  # fmt: skip
+
+
+def _dtype_name_of(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+SIGNATURE = {"x": "", "w": "uint32", "scales": "uint8", "gsv": "float32"}
+
+
+@functools.cache
+def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
+    """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once."""
+    cfg = VARIANTS[name]
+    template: dict[str, int | bool | str] = {"T": dtype, **cfg.template(n, k, dtype == "float16")}
+    inputs, outputs = {**SIGNATURE, "x": dtype}, {"y": dtype}
+    placeholder = precompiled_source(GEMM_SOURCE, inputs, outputs, template, "KERNEL", prelude=nvrtc.PRELUDE)
+    fn = nvrtc.kernel_name("gemm_nvfp4_wgmma", placeholder, "sm_90a")
+    source = precompiled_source(GEMM_SOURCE, inputs, outputs, template, fn, prelude=nvrtc.PRELUDE)
+    return fn, nvrtc.compile_cubin(source, "sm_90a")
 
 
 def gemm_nvfp4(
@@ -145,7 +179,8 @@ def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None =
     """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
     name = variant or variant_for(m)
     if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
-        return f"cuda_kernel(gemm_nvfp4:{name})"
+        build = "precompiled sm_90a" if VARIANTS[name].wgmma else "cuda_kernel"
+        return f"{build}(gemm_nvfp4:{name})"
     return "mlx-twin(x @ dequantize_exact)"
 
 

@@ -127,6 +127,35 @@ class CudaKernelSource:
         )
 
 
+def precompiled_source(
+    source: CudaKernelSource,
+    input_dtypes: dict[str, str],
+    output_dtypes: dict[str, str],
+    template: dict[str, TemplateValue],
+    function_name: str,
+    prelude: str = _STANDALONE_PRELUDE,
+) -> str:
+    """A body as a whole `extern "C"` kernel for `mx.fast.precompiled_cuda_kernel`: inputs, outputs,
+    then one int per input whose body reads `<input>_shape[0]` (MLX passes no shapes to
+    precompiled kernels; the body sees a one-element array)."""
+    params = [f"const {_ARRAY_TYPES[input_dtypes[n]]}* {n}" for n in source.inputs]
+    params += [f"{_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in source.outputs]
+    shaped = [n for n in source.inputs if f"{n}_shape" in source.body]
+    params += [f"int {n}_rows" for n in shaped]
+    lines = [f"  const int {n}_shape[1] = {{{n}_rows}};" for n in shaped]
+    for key, value in template.items():
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {key} = {value};")
+        else:
+            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
+    return (
+        prelude + source.header + f'\nextern "C" __global__ void {function_name}(' + ", ".join(params) + ") {\n"
+        + "\n".join(lines) + "\n\n" + source.body + "\n}\n"
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class CudaDevice:
     """What the launch shapes depend on, read from the CUDA driver for device 0."""
@@ -241,6 +270,43 @@ def single_output_launch(
             output_shapes=[shape],
             output_dtypes=[dtype],
             init_value=init_value,
+        )
+        return y
+
+    return mx.compile(launch) if compiled else launch
+
+
+def precompiled_launch(
+    name: str,
+    cubin: bytes,
+    grid: tuple[int, int, int],
+    threadgroup: tuple[int, int, int],
+    shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    shared_memory: int,
+    scalars: list[int],
+    compiled: bool,
+    init_value: float | None = None,
+) -> Callable[..., Any]:
+    """A cubin's kernel `name` (see `kernels.cuda.nvrtc`) called on its inputs through
+    `mx.fast.precompiled_cuda_kernel`, returning its one output (traced by `mx.compile` where
+    `compiled`). The kernel takes the inputs, the output, then `scalars` (ints)."""
+    import mlx.core as mx
+
+    def launch(*inputs: Any) -> Any:
+        (y,) = mx.fast.precompiled_cuda_kernel(
+            name=name,
+            compiled_source=cubin,
+            inputs=list(inputs),
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+            scalars=list(scalars),
+            grid=grid,
+            threadgroup=threadgroup,
+            shared_memory=shared_memory,
+            init_value=init_value,
+            ensure_row_contiguous=True,
         )
         return y
 

@@ -26,6 +26,10 @@ class GemmConfig:
         bdec: decode each k-tile's weights once per block into shared memory (else per warp, in
             registers).
         group_m: row tiles a column group walks before the next BN columns (L2 reuse).
+        wgmma: Hopper's warpgroup MMA (sm_90a: built by `kernels.cuda.nvrtc`, not by MLX);
+            needs wm % 4 == 0, wn == 1, tm == 1, tn == 32 and block decode.
+        deep: (wgmma) one k-tile's MMAs stay in flight across the barrier: a third decoded tile,
+            and the ring refills one slot later.
     """
 
     wm: int = 2
@@ -36,6 +40,8 @@ class GemmConfig:
     stages: int = 4
     bdec: bool = True
     group_m: int = 8
+    wgmma: bool = False
+    deep: bool = False
 
     @property
     def bm(self) -> int:
@@ -63,7 +69,7 @@ class GemmConfig:
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a block: the ring, and the two decoded tiles of block decode."""
-        decoded = 2 * self.kh * self.bn * 128 if self.bdec else 0
+        decoded = (3 if self.deep else 2) * self.kh * self.bn * 128 if self.bdec else 0
         return self.stages * self.stage_bytes() + decoded
 
     def blocks(self, m: int, n: int) -> int:
@@ -74,7 +80,7 @@ class GemmConfig:
         """The template constants after T, in the order MLX declares them."""
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
-        consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m}
+        consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
         return consts
 
     def reason(self, n: int, k: int) -> str | None:
@@ -86,21 +92,26 @@ class GemmConfig:
             return f"K={k} is not a multiple of {self.bk}"
         if self.tn % 2:
             return f"tn={self.tn} is odd"
-        if self.stages < (3 if self.bdec else 2):
+        if self.stages < (3 if self.bdec else 2) + (1 if self.deep else 0):
             return f"stages={self.stages} is too few"
+        if self.deep and not self.wgmma:
+            return "deep is for the warpgroup MMA"
         if (self.bm * 8 * self.kh) % threads or (self.bn * 2 * self.kh) % threads:
             return f"{self} copies do not split evenly over {threads} threads"
         if self.bdec and (self.bn * 4 * self.kh) % threads:
             return f"{self} decode groups do not split evenly over {threads} threads"
+        if self.wgmma and not (self.bdec and self.wn == 1 and self.tm == 1 and self.tn == 32 and self.wm % 4 == 0):
+            return f"{self}: wgmma needs warpgroups along M of 64 x rows by 256 weight rows, block decode"
         if self.smem_bytes() > MAX_SHARED_BYTES:
             return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
         return None
 
     def __str__(self) -> str:
         dec = "block" if self.bdec else "warp"
+        mma = (", wgmma, deep" if self.deep else ", wgmma") if self.wgmma else ""
         return (
             f"gemm({self.bm}x{self.bn}x{self.bk}, warps {self.wm}x{self.wn}, {self.stages} stages, "
-            f"{dec} decode, group {self.group_m})"
+            f"{dec} decode{mma}, group {self.group_m})"
         )
 
 
@@ -116,6 +127,9 @@ VARIANTS: dict[str, GemmConfig] = {
     # 4 warps and under 114 KB of shared memory: two blocks per multiprocessor
     "b128x128k64s3": GemmConfig(wm=2, wn=2, stages=3),
     "w128x128k64s4": GemmConfig(wm=2, wn=2, bdec=False),
+    # Hopper's warpgroup MMA (sm_90a through kernels.cuda.nvrtc): 2 warpgroups x 64 rows, 256 weight rows
+    "g128x256k64s4": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True),
+    "g128x256k64s5d": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, stages=5, deep=True),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -9,7 +9,9 @@
 //          multiple of 8), K (a multiple of 64 * KH), WM x WN warps, each TM x TN tiles of 16 x 8
 //          outputs (block tile BM = 16 TM WM rows of x by BN = 8 TN WN rows of w), KH (k64 halves
 //          per stage: BK = 64 KH), STAGES (cp.async ring depth), BDEC (bool: decode into shared
-//          memory once per block, else in registers per warp), GROUP_M (raster group height).
+//          memory once per block, else in registers per warp), GROUP_M (raster group height),
+//          WGMMA (bool: Hopper's warpgroup MMA instead of mma.sync; sm_90a builds only, see below),
+//          DEEP (bool, wgmma only: keep one k-tile's MMAs in flight across the barrier).
 //          M is read at run time from x's shape.
 // Launch:  ceil(M / BM) * ceil(N / BN) blocks of 32 WM WN threads, dynamic shared memory
 //          gemm_layout.smem_bytes(...).
@@ -33,6 +35,18 @@
 //   both operands then come by ldmatrix. Each weight is decoded once per block instead of once
 //   per warp row, at the price of the tile's shared-memory writes and reads.
 //
+// WGMMA = true (sm_90a, built by kernels/cuda/nvrtc.py and launched through
+//   mx.fast.precompiled_cuda_kernel; MLX's own sm_90 build discards these branches): block decode as
+//   above, then each warpgroup (4 warps) runs wgmma.m64n256k16 on its 64 x rows against all 256
+//   decoded weight rows, both operands read from shared memory through descriptors (the x tile and
+//   the decoded tile are already the 128-byte-swizzled K-major layout wgmma reads), accumulators
+//   in registers in mma.sync's order (so the epilogue is shared). cp.async and st.shared write
+//   through the generic proxy: each thread fences them to the async proxy before the barrier.
+//   DEEP: a warpgroup waits only for the previous k-tile's MMAs before the barrier, so the tensor
+//   cores do not drain at every k-tile; the MMAs in flight still read their ring slot and decoded
+//   tile, so there are three decoded tiles and the refill lags one slot more (STAGES >= 5 to keep
+//   two k-tiles of copies ahead).
+//
 // Ring discipline: one barrier per k-tile. After it, the ring slot of k-tile kt - 1 is refilled
 // (every warp has finished reading it) and the k-tile kt is computed; the block-decode variant
 // also decodes k-tile kt + 1, so it waits for one k-tile more (STAGES >= 3).
@@ -55,15 +69,22 @@ constexpr int SCOPIES = (BN + NT - 1) / NT;  // scale rows per thread per stage
 constexpr int ITEMS = BN * 4 * KH / NT;    // 16-code groups each thread decodes per k-tile
 constexpr int KSTEPS = 4 * KH;             // MMA k-steps per k-tile
 constexpr int LEAD = BDEC ? 1 : 0;         // k-tiles the decode runs ahead of the MMAs
+constexpr int HELD = DEEP ? 1 : 0;         // k-tiles whose MMAs may still run after the barrier
+constexpr int NBUF = 2 + HELD;             // decoded tiles (block decode)
 static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
 static_assert(K % BK == 0 && KT >= 1, "K must be a multiple of 64 * KH");
 static_assert(N % 8 == 0, "N must be a multiple of 8");
 static_assert(TN % 2 == 0, "TN must be even (ldmatrix reads two 8-row weight tiles at once)");
-static_assert(STAGES >= 2 + LEAD, "the ring needs STAGES >= 2 (3 with block decode)");
+static_assert(STAGES >= 2 + LEAD + HELD, "the ring needs STAGES >= 2 (3 with block decode, 4 with DEEP)");
+static_assert(!DEEP || WGMMA, "DEEP is for the warpgroup MMA");
 static_assert((BM * 8 * KH) % NT == 0 && (BN * 2 * KH) % NT == 0, "copies must split evenly");
 static_assert(!BDEC || (BN * 4 * KH) % NT == 0, "decode items must split evenly");
 static_assert(STAGE_BYTES % 128 == 0, "ring slots must keep the 128-byte swizzle period");
-extern __shared__ __align__(128) uint8_t smem[];
+static_assert(!WGMMA || (BDEC && WN == 1 && TM == 1 && TN == 32 && WM % 4 == 0),
+              "wgmma: block decode, warpgroups of 4 warps along M, each 64 x rows by 256 weight rows");
+static_assert(!WGMMA || (STAGE_BYTES % 1024 == 0 && XS_BYTES % 1024 == 0),
+              "wgmma: tiles must start on the 1024-byte period of the 128-byte swizzle");
+extern __shared__ __align__(WGMMA ? 1024 : 128) uint8_t smem[];  // wgmma: the swizzle period
 const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 const int M = x_shape[0];
 const int tid = threadIdx.x;
@@ -142,7 +163,7 @@ for (int i = 0; i < TM; ++i)
 constexpr int IROWS = NT / 4;
 constexpr int IPH = BN * 4 / NT;  // items per half
 static_assert(!BDEC || (IROWS % 8 == 0 && (BN * 4) % NT == 0), "decode items must keep row & 7");
-const uint32_t dbase = sbase + STAGES * STAGE_BYTES;  // 2 buffers of KH halves of DS_BYTES
+const uint32_t dbase = sbase + STAGES * STAGE_BYTES;  // NBUF buffers of KH halves of DS_BYTES
 const int irow = tid / 4;
 const int igq = tid % 4;
 const uint32_t icode = KH * XS_BYTES + irow * 32 + igq * 8;
@@ -168,10 +189,10 @@ const int brow = wn * 8 * TN + (lane & 7) + (lane >> 4) * 8;
 const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);
 
 // Block decode: the MMAs of the k-tile in `slot` from decoded buffer `buf`, and, spread over its
-// k-steps, the decode of the next k-tile (ring slot `next`) into the other buffer. After the last
+// k-steps, the decode of the next k-tile (ring slot `next`) into buffer `nbuf`. After the last
 // k-tile that decode reads a slot no copy is filling and writes a buffer nothing reads: harmless,
 // and unconditional, so the compiler can interleave it with the MMAs (no branch between them).
-auto compute_block = [&](int slot, int buf, int next) {
+auto compute_block = [&](int slot, int buf, int next, int nbuf) {
   const uint32_t xs = slot * STAGE_BYTES;
   const uint32_t db = dbase + buf * KH * DS_BYTES;
 #pragma unroll
@@ -195,12 +216,40 @@ auto compute_block = [&](int slot, int buf, int next) {
     }
 #pragma unroll
     for (int p = 0; p < ITEMS; ++p) {
-      if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);
+      if (p * KSTEPS / ITEMS == ks) decode_item(next, nbuf, p);
     }
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TN; ++j) nvfp4g::mma<F16>(acc[i][j], a[i][0], a[i][1], a[i][2], a[i][3], b[j][0], b[j][1]);
+  }
+};
+
+// Warpgroup MMA (WGMMA): the k-tile in `slot` against decoded buffer `buf`, and the decode of the
+// next k-tile (ring slot `next`) into buffer `nbuf` while the MMAs run.
+auto compute_wgmma = [&](int slot, int buf, int next, int nbuf) {
+  if constexpr (WGMMA) {
+    float(&d)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0][0]);
+    const uint32_t xs = sbase + slot * STAGE_BYTES + (warp / 4) * 64 * 128;  // this warpgroup's x rows
+    const uint32_t db = dbase + buf * KH * DS_BYTES;
+#pragma unroll
+    for (int c = 0; c < 128; ++c) nvfp4g::fence_operand(d[c]);
+    nvfp4g::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int h = ks / 4;
+      const uint32_t kofs = (ks % 4) * 32;  // a k16 step inside the 128-byte swizzled rows
+      nvfp4g::wgmma_m64n256k16<F16>(d, nvfp4g::wgmma_desc(xs + h * XS_BYTES + kofs),
+                                    nvfp4g::wgmma_desc(db + h * DS_BYTES + kofs));
+#pragma unroll
+      for (int p = 0; p < ITEMS; ++p) {
+        if (p * KSTEPS / ITEMS == ks) decode_item(next, nbuf, p);
+      }
+    }
+    nvfp4g::wgmma_commit();
+    nvfp4g::wgmma_wait<HELD>();  // before the barrier: the slot and buffer it frees are refilled
+#pragma unroll
+    for (int c = 0; c < 128; ++c) nvfp4g::fence_operand(d[c]);
   }
 };
 
@@ -247,31 +296,44 @@ auto compute_warp = [&](int slot) {
   }
 };
 
-// ---- the pipeline: ring slots as counters (slot of k-tile kt: kt % STAGES)
+// ---- the pipeline: ring slots and decoded buffers as counters (k-tile kt: slot kt % STAGES,
+// buffer kt % NBUF)
 #pragma unroll
-for (int s = 0; s < STAGES - 1; ++s) issue(s, s);
-int slot = 0;                // k-tile kt's slot
-int refill = STAGES - 1;     // slot of k-tile kt + STAGES - 1 (that of kt - 1)
+for (int s = 0; s < STAGES - 1 - HELD; ++s) issue(s, s);
+int slot = 0;                    // k-tile kt's slot
+int refill = STAGES - 1 - HELD;  // slot of k-tile kt + STAGES - 1 - HELD (that of kt - 1 - HELD)
+int buf = 0;                     // k-tile kt's decoded buffer
 if constexpr (BDEC) {
-  nvfp4::cp_async_wait<STAGES - 2>();  // k-tile 0 has landed (this thread's copies) ...
-  __syncthreads();                     // ... and everyone's
+  nvfp4::cp_async_wait<STAGES - 2 - HELD>();  // k-tile 0 has landed (this thread's copies) ...
+  __syncthreads();                            // ... and everyone's
 #pragma unroll
   for (int p = 0; p < ITEMS; ++p) decode_item(0, 0, p);
 }
 for (int kt = 0; kt < KT; ++kt) {
-  nvfp4::cp_async_wait<STAGES - 2 - LEAD>();  // k-tile kt + LEAD has landed
-  __syncthreads();  // ... for every thread; and every warp is done with k-tile kt - 1
-  issue(kt + STAGES - 1, refill);
+  nvfp4::cp_async_wait<STAGES - 2 - LEAD - HELD>();  // k-tile kt + LEAD has landed
+  if constexpr (WGMMA) nvfp4g::fence_proxy_async();  // it and the last decode, to the MMAs' proxy
+  __syncthreads();  // ... for every thread; and every warp is done with k-tile kt - 1 - HELD
+  issue(kt + STAGES - 1 - HELD, refill);
   const int next = slot + 1 == STAGES ? 0 : slot + 1;
-  if constexpr (BDEC) {
-    compute_block(slot, kt & 1, next);
+  const int nbuf = buf + 1 == NBUF ? 0 : buf + 1;
+  if constexpr (WGMMA) {
+    compute_wgmma(slot, buf, next, nbuf);
+  } else if constexpr (BDEC) {
+    compute_block(slot, buf, next, nbuf);
   } else {
     compute_warp(slot);
   }
-  refill = slot;
+  refill = refill + 1 == STAGES ? 0 : refill + 1;
   slot = next;
+  buf = nbuf;
 }
 nvfp4::cp_async_wait<0>();
+if constexpr (WGMMA) {
+  nvfp4g::wgmma_wait<0>();
+  float(&d)[128] = *reinterpret_cast<float(*)[128]>(&acc[0][0][0]);
+#pragma unroll
+  for (int c = 0; c < 128; ++c) nvfp4g::fence_operand(d[c]);
+}
 
 // ---- epilogue: c0, c1 = (x row g, weight rows 2t, 2t+1), c2, c3 = x row g + 8
 const float mult = gsv[0] * (F16 ? NVFP4G_EPILOGUE_F16 : NVFP4G_EPILOGUE_BF16);

@@ -52,3 +52,9 @@ def test_the_recommended_rule_is_the_fastest_correct_variant_per_m() -> None:
 def test_without_cuda_the_lab_says_so_and_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert gemm_lab.main(["--out", str(tmp_path / "lab")]) == 3
     assert "CUDA" in capsys.readouterr().err and not (tmp_path / "lab").exists()
+
+
+@pytest.mark.skipif(cuda_backend_available(), reason="checks the refusal off CUDA")
+def test_the_wgmma_child_reports_what_went_wrong_instead_of_failing_the_lab(tmp_path: Path) -> None:
+    out = gemm_lab.run_child(tmp_path / "wgmma", ["g128x256k64s4"], "16", "64,128")
+    assert out["error"].startswith("exit 3") and "CUDA" in out["error"]

@@ -183,6 +183,8 @@ class GemmEmulator:
         c = self.cfg
         self.WM, self.WN, self.TM, self.TN, self.KH = c.wm, c.wn, c.tm, c.tn, c.kh
         self.STAGES, self.BDEC, self.GROUP_M = c.stages, c.bdec, c.group_m
+        self.WGMMA, self.HELD = c.wgmma, 1 if c.deep else 0
+        self.NBUF = 2 + self.HELD
         self.NT = 32 * c.wm * c.wn
         self.BM, self.BN, self.BK = c.bm, c.bn, c.bk
         self.KT = self.k // self.BK
@@ -198,7 +200,7 @@ class GemmEmulator:
         self.XROWS, self.WROWS = self.NT // (8 * self.KH), self.NT // (2 * self.KH)
         self.IROWS, self.IPH = self.NT // 4, self.BN * 4 // self.NT
         assert c.stage_bytes() == self.STAGE
-        assert c.smem_bytes() == self.STAGES * self.STAGE + (2 * self.KH * self.DS if self.BDEC else 0)
+        assert c.smem_bytes() == self.STAGES * self.STAGE + (self.NBUF * self.KH * self.DS if self.BDEC else 0)
 
     # -- memory
     def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
@@ -258,20 +260,25 @@ class GemmEmulator:
 
     def block(self, bid: int, gsv: float, y: np.ndarray, written: np.ndarray) -> None:
         self.setup(bid)
-        for s in range(self.STAGES - 1):
+        S, HELD = self.STAGES, self.HELD
+        for s in range(S - 1 - HELD):
             self.issue(s, s)
-        slot, refill = 0, self.STAGES - 1
+        slot, refill, buf = 0, S - 1 - HELD, 0
         if self.BDEC:
             for p in range(self.ITEMS):
                 self.decode_item(0, 0, p)
         for kt in range(self.KT):
-            self.issue(kt + self.STAGES - 1, refill)
-            nxt = 0 if slot + 1 == self.STAGES else slot + 1
-            if self.BDEC:
-                self.compute_block(slot, kt & 1, nxt)
+            self.issue(kt + S - 1 - HELD, refill)
+            nxt = 0 if slot + 1 == S else slot + 1
+            nbuf = 0 if buf + 1 == self.NBUF else buf + 1
+            if self.WGMMA:
+                self.compute_wgmma(slot, buf, nxt, nbuf)
+            elif self.BDEC:
+                self.compute_block(slot, buf, nxt, nbuf)
             else:
                 self.compute_warp(slot)
-            refill, slot = slot, nxt
+            refill = 0 if refill + 1 == S else refill + 1
+            slot, buf = nxt, nbuf
         self.epilogue(gsv, y, written)
 
     def setup(self, bid: int) -> None:
@@ -360,7 +367,7 @@ class GemmEmulator:
             regs[:, :, i] = b[..., 0] | (b[..., 1] << U32(8)) | (b[..., 2] << U32(16)) | (b[..., 3] << U32(24))
         return regs
 
-    def compute_block(self, slot: int, buf: int, nxt: int) -> None:
+    def compute_block(self, slot: int, buf: int, nxt: int, nbuf: int) -> None:
         xs = slot * self.STAGE
         db = self.dbase + buf * self.KH * self.DS
         for ks in range(self.KSTEPS):
@@ -375,10 +382,38 @@ class GemmEmulator:
                 b[:, 2 * jj + 1] = r[:, :, 2:4]
             for p in range(self.ITEMS):
                 if p * self.KSTEPS // self.ITEMS == ks:
-                    self.decode_item(nxt, buf ^ 1, p)
+                    self.decode_item(nxt, nbuf, p)
             am = fragments_to_a(a, self.f16)  # [warps, TM, 16, 16]
             bm = fragments_to_b(b, self.f16)  # [warps, TN, 16, 8]
             self.acc += np.einsum("wirk,wjkc->wijrc", am, bm)
+
+    def wgmma_operand(self, start: int, rows: int) -> np.ndarray:
+        """A K-major 128-byte-swizzled operand of `rows` x 16 as wgmma reads it from a descriptor's
+        start address: row r, element k at start + (r // 8) * 1024 + (r % 8) * 128 + 2 k, its
+        address bits 4-6 XORed with bits 7-9 (the swizzle), so the tile base must be 1024-aligned."""
+        r = np.arange(rows)[:, None]
+        addr = start + (r // 8) * 1024 + (r % 8) * 128 + 2 * np.arange(16)[None, :]
+        assert (start - start % 128) % 1024 == 0, "tile base off the swizzle's 1024-byte period"
+        phys = addr ^ (((addr >> 7) & 7) << 4)
+        lo, hi = self.smem[phys].astype(U32), self.smem[phys + 1].astype(U32)
+        return value16(lo | (hi << U32(8)), self.f16)
+
+    def compute_wgmma(self, slot: int, buf: int, nxt: int, nbuf: int) -> None:
+        """Each warpgroup: wgmma.m64n256k16 per k-step on descriptors (the body's start addresses),
+        D in the m16n8 order per warp (warp 4 wg + q holds rows 16 q.. of the warpgroup's 64)."""
+        groups = self.NT // 128
+        for ks in range(self.KSTEPS):
+            h, kofs = ks // 4, (ks % 4) * 32
+            for wg in range(groups):
+                xs = slot * self.STAGE + wg * 64 * 128
+                a = self.wgmma_operand(xs + h * self.XS + kofs, 64)
+                b = self.wgmma_operand(self.dbase + buf * self.KH * self.DS + h * self.DS + kofs, self.BN)
+                d = a @ b.T  # [64 x rows, 256 weight rows]
+                for q in range(4):
+                    self.acc[4 * wg + q, 0] += d[16 * q : 16 * q + 16].reshape(16, self.TN, 8).transpose(1, 0, 2)
+            for p in range(self.ITEMS):
+                if p * self.KSTEPS // self.ITEMS == ks:
+                    self.decode_item(nxt, nbuf, p)
 
     def compute_warp(self, slot: int) -> None:
         st = slot * self.STAGE

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from kernels import gemm_nvfp4, nvfp4
-from kernels.cuda import CudaDevice, cuda_backend_available, read_source
+from kernels.cuda import CudaDevice, cuda_backend_available, nvrtc, precompiled_source, read_source
 from kernels.cuda.gemm_layout import DEFAULT_VARIANT, VARIANT_ENV, VARIANTS, GemmConfig, parse_rule, variant_for
 from kernels.gemm_nvfp4 import GEMM_SOURCE, gemm_nvfp4_twin
 from tests.kernels import gemm_emulator as ge
@@ -45,6 +45,9 @@ def test_the_mirrored_lines_are_the_sources() -> None:
         "f *= 1267650600228229401496703205376.0f;  // 2^100",
         "#define NVFP4G_EPILOGUE_BF16 67108864.0f  // 2^26",
         "#define NVFP4G_EPILOGUE_F16 16384.0f",
+        "return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (1ull << 16) | "
+        "(static_cast<uint64_t>(1024 >> 4) << 32) |",
+        "(1ull << 62);",
         "d[0] = mul2<F16>(e2m1_pair<F16>(w << 12), s);",
         "d[3] = mul2<F16>(e2m1_pair<F16>(w), s);",
         "return make_uint4(__byte_perm(d[0], d[1], 0x5410), __byte_perm(d[2], d[3], 0x5410),",
@@ -63,14 +66,19 @@ def test_the_mirrored_lines_are_the_sources() -> None:
         "const uint32_t aoff = arow * 128 + (((lane >> 4) ^ (arow & 7)) << 4);",
         "const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);",
         "const uint32_t abase = sbase + ((xs + h * XS_BYTES + aoff) ^ flip);",
-        "if (p * KSTEPS / ITEMS == ks) decode_item(next, buf ^ 1, p);",
-        "compute_block(slot, kt & 1, next);",
+        "if (p * KSTEPS / ITEMS == ks) decode_item(next, nbuf, p);",
+        "compute_block(slot, buf, next, nbuf);",
+        "compute_wgmma(slot, buf, next, nbuf);",
+        "nvfp4g::wgmma_desc(db + h * DS_BYTES + kofs));",
+        "const uint32_t xs = sbase + slot * STAGE_BYTES + (warp / 4) * 64 * 128;  // this warpgroup's x rows",
         "const uint32_t xp = st + h * XS_BYTES + xoff + (((2 * t + kk) ^ g) << 4);",
         "const uint32_t soff = KH * (XS_BYTES + WS_BYTES) + (wn * 8 * TN + g) * SROW + t;",
         "cw[j] = nvfp4g::lds64(st + woff + h * WS_BYTES + j * 8 * 32);",
         "nvfp4g::decode_word<F16>(kk == 0 ? cw[j].x : cw[j].y, sp[j], d);",
-        "nvfp4::cp_async_wait<STAGES - 2 - LEAD>();  // k-tile kt + LEAD has landed",
-        "issue(kt + STAGES - 1, refill);",
+        "nvfp4::cp_async_wait<STAGES - 2 - LEAD - HELD>();  // k-tile kt + LEAD has landed",
+        "issue(kt + STAGES - 1 - HELD, refill);",
+        "int refill = STAGES - 1 - HELD;  // slot of k-tile kt + STAGES - 1 - HELD (that of kt - 1 - HELD)",
+        "nvfp4g::wgmma_wait<HELD>();  // before the barrier: the slot and buffer it frees are refilled",
         "const int col = n0 + wn * 8 * TN + 8 * j + 2 * t;",
     ):
         assert line in body, line
@@ -160,6 +168,7 @@ EMULATED = [(name, False, 20, 264) for name in VARIANTS] + [
     ("w128x256k64s4", True, 20, 264),
     ("w128x256k128s3", True, 20, 264),
     ("b256x128k64s4", True, 20, 264),
+    ("g128x256k64s5d", True, 20, 264),
 ]
 
 
@@ -209,11 +218,10 @@ def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> No
     _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, cfg.bk * 2, False, 1)
     emu.run(xb, nvfp4.pack_codes(codes), scales, 1.0)
     kinds = {a.kind for a in emu.accesses}
-    assert kinds >= (
-        {"ldmatrix", "lds64-decode", "sts128-decode", "lds8-decode"}
-        if cfg.bdec
-        else {"lds128-x", "lds64-code", "lds8-scale"}
-    )
+    if cfg.bdec:  # (wgmma reads its operands itself, through descriptors)
+        assert kinds >= {"lds64-decode", "sts128-decode", "lds8-decode"} | (set() if cfg.wgmma else {"ldmatrix"})
+    else:
+        assert kinds >= {"lds128-x", "lds64-code", "lds8-scale"}
     bad = [(a.kind, _conflicts(a)) for a in emu.accesses if _conflicts(a)]
     assert not bad, bad[:5]
 
@@ -246,26 +254,29 @@ def test_raster_gives_every_output_tile_to_one_block(m: int, group_m: int) -> No
     assert len(tiles) == len(set(tiles)) and set(tiles) == want
 
 
-def ring_schedule(stages: int, bdec: bool, kt_count: int) -> None:
+def ring_schedule(stages: int, bdec: bool, kt_count: int, deep: bool = False) -> None:
     """Mirror of the kernel's pipeline lines under cp.async's rules, asserting the ring discipline.
 
     Between two barriers every thread may be anywhere: a slot or decoded tile written in an
     interval must not be read in it, and what is read must have landed (its group waited for by
-    every thread) before the interval's barrier.
+    every thread) before the interval's barrier. With `deep`, a k-tile's MMAs (asynchronous) still
+    read their slot and decoded tile in the next interval.
     """
-    lead = 1 if bdec else 0
+    lead, held = (1 if bdec else 0), (1 if deep else 0)
+    nbufs = 2 + held
     groups: list[tuple[int, int] | None] = []  # committed groups: (k-tile, slot) or empty
     landed: set[tuple[int, int]] = set()  # groups complete at the last barrier
     slot_holds: dict[int, int] = {}  # what each ring slot was last filled with
     dec_holds: dict[int, int] = {}  # what each decoded buffer was last written with
     interval: dict[str, set[tuple[str, int]]] = {"w": set(), "r": set()}
+    carry: set[tuple[str, int]] = set()  # reads of MMAs still running after the next barrier
 
     def barrier(pending: int) -> None:
-        nonlocal interval
+        nonlocal interval, carry
         assert not (interval["w"] & interval["r"]), f"read and rewritten between two barriers: {interval}"
         done = groups[: len(groups) - pending] if pending else groups
         landed.update(gr for gr in done if gr is not None)
-        interval = {"w": set(), "r": set()}
+        interval, carry = {"w": set(), "r": set(carry)}, set()
 
     def issue(kt: int, slot: int) -> None:
         groups.append((kt, slot) if kt < kt_count else None)
@@ -273,9 +284,11 @@ def ring_schedule(stages: int, bdec: bool, kt_count: int) -> None:
             interval["w"].add(("slot", slot))
             slot_holds[slot] = kt
 
-    def read_slot(slot: int, kt: int) -> None:
+    def read_slot(slot: int, kt: int, mma: bool = False) -> None:
         assert slot_holds.get(slot) == kt and (kt, slot) in landed, f"k-tile {kt} not in slot {slot}"
         interval["r"].add(("slot", slot))
+        if mma and deep:
+            carry.add(("slot", slot))
 
     def decode(slot: int, buf: int, kt: int) -> None:
         if kt < kt_count:
@@ -285,36 +298,46 @@ def ring_schedule(stages: int, bdec: bool, kt_count: int) -> None:
         interval["w"].add(("dec", buf))
         dec_holds[buf] = kt
 
-    for s in range(stages - 1):  # the kernel's lines, in order
+    for s in range(stages - 1 - held):  # the kernel's lines, in order
         issue(s, s)
-    slot, refill = 0, stages - 1
+    slot, refill, buf = 0, stages - 1 - held, 0
     if bdec:
-        barrier(stages - 2)
+        barrier(stages - 2 - held)
         decode(0, 0, 0)
     for kt in range(kt_count):
-        barrier(stages - 2 - lead)
-        issue(kt + stages - 1, refill)
+        barrier(stages - 2 - lead - held)
+        issue(kt + stages - 1 - held, refill)
         nxt = 0 if slot + 1 == stages else slot + 1
+        nbuf = 0 if buf + 1 == nbufs else buf + 1
         if bdec:
-            assert dec_holds.get(kt & 1) == kt
-            interval["r"].add(("dec", kt & 1))
-            read_slot(slot, kt)
-            decode(nxt, (kt & 1) ^ 1, kt + 1)
+            assert dec_holds.get(buf) == kt
+            interval["r"].add(("dec", buf))
+            if deep:
+                carry.add(("dec", buf))
+            read_slot(slot, kt, mma=True)
+            decode(nxt, nbuf, kt + 1)
         else:
-            read_slot(slot, kt)
-        refill, slot = slot, nxt
+            read_slot(slot, kt, mma=True)
+        refill = 0 if refill + 1 == stages else refill + 1
+        slot, buf = nxt, nbuf
     barrier(0)
 
 
 @pytest.mark.parametrize("kt_count", [1, 2, 3, 4, 9])
-@pytest.mark.parametrize(("stages", "bdec"), [(2, False), (3, False), (4, False), (3, True), (4, True), (5, True)])
-def test_ring_discipline(stages: int, bdec: bool, kt_count: int) -> None:
-    ring_schedule(stages, bdec, kt_count)
+@pytest.mark.parametrize(
+    ("stages", "bdec", "deep"),
+    [(2, False, False), (3, False, False), (4, False, False), (3, True, False), (4, True, False), (5, True, False),
+     (4, True, True), (5, True, True)],
+)  # fmt: skip
+def test_ring_discipline(stages: int, bdec: bool, deep: bool, kt_count: int) -> None:
+    ring_schedule(stages, bdec, kt_count, deep)
 
 
 def test_the_ring_check_fails_on_a_ring_one_slot_short() -> None:
     with pytest.raises(AssertionError):
         ring_schedule(2, True, 4)  # block decode needs a third slot: decode reads what is refilled
+    with pytest.raises(AssertionError):
+        ring_schedule(3, True, 4, deep=True)  # MMAs in flight across the barrier hold one slot more
 
 
 # ------------------------------------------------------------------------ variants and support
@@ -398,7 +421,8 @@ def test_without_cuda_the_twin_runs_and_the_route_says_so() -> None:
 # ---------------------------------------------------------------- compile here, run on CUDA
 
 
-COMPILED = [(name, "bfloat16") for name in VARIANTS] + [("b128x256k64s4", "float16"), ("w128x256k128s3", "float16")]
+COMPILED = [(name, "bfloat16") for name, cfg in VARIANTS.items() if not cfg.wgmma]
+COMPILED += [("b128x256k64s4", "float16"), ("w128x256k128s3", "float16")]
 
 
 def standalone_unit(kernels: list[tuple[str, str]]) -> str:
@@ -436,14 +460,77 @@ def test_every_variant_compiles_for_sm90_without_spills(tmp_path: Path) -> None:
         assert ("LDSM" in fn) == ("_b" in name.split("gemm")[-1][:2]), name  # ldmatrix: block decode only
 
 
+WGMMA = [name for name, cfg in VARIANTS.items() if cfg.wgmma]
+
+
+def wgmma_source(name: str, dtype: str, prelude: str | None = None) -> str:
+    consts = {"T": dtype, **VARIANTS[name].template(21504, 5376, dtype == "float16")}
+    sig = ({"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": dtype})
+    extra = {} if prelude is None else {"prelude": prelude}
+    return precompiled_source(GEMM_SOURCE, *sig, consts, f"gemm_{name}_{dtype}", **extra)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) for the offline compile check")
+def test_the_wgmma_variants_compile_for_sm90a_with_the_warpgroup_mma_and_proxy_fences(tmp_path: Path) -> None:
+    src = tmp_path / "wgmma.cu"
+    kernels = [(name, dtype) for name in WGMMA for dtype in ("bfloat16", "float16")]
+    src.write_text(wgmma_source(*kernels[0]) + "".join(
+        wgmma_source(n, d).split('extern "C"', 1)[1].join(['\nextern "C"', ""]) for n, d in kernels[1:]
+    ))  # fmt: skip
+    cubin = tmp_path / "wgmma.cubin"
+    res = subprocess.run(
+        ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", str(src),
+         "-o", str(cubin)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count(" 0 bytes spill stores, 0 bytes spill loads") == len(kernels), res.stderr
+    assert "warning" not in res.stderr.lower(), res.stderr  # e.g. wgmma serialised by ptxas
+    if shutil.which("cuobjdump") is None:
+        pytest.skip("compiled without spills; cuobjdump (for the SASS check) is not installed")
+    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    for fn in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = fn.split("\n", 1)[0]
+        assert fn.count("HGMMA.64x256x16.F32") == 4, name  # one per k16 step of the k-tile
+        assert "FENCE.VIEW.ASYNC.S" in fn and "WARPGROUP.ARRIVE" in fn, name
+        held = "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fn  # DEEP keeps one k-tile of MMAs in flight
+        assert held == VARIANTS[name.removeprefix("gemm_").rsplit("_", 1)[0]].deep, name
+
+
+@pytest.mark.skipif(nvrtc.library() is None, reason=f"needs an NVRTC library (none found; {nvrtc.NVRTC_ENV} names one)")
+@pytest.mark.parametrize("name", WGMMA)
+def test_nvrtc_builds_the_wgmma_variants_for_sm90a(name: str) -> None:
+    cubin = nvrtc.compile_cubin(wgmma_source(name, "bfloat16", nvrtc.PRELUDE), "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
+    with pytest.raises(RuntimeError, match="sm_90"):  # what MLX's own build meets: no wgmma on sm_90
+        nvrtc.compile_cubin(wgmma_source(name, "bfloat16", nvrtc.PRELUDE), "sm_90")
+
+
+def test_wgmma_variants_need_compute_capability_9_0_and_nvrtc(monkeypatch: pytest.MonkeyPatch, fake_h200: None) -> None:
+    name = WGMMA[0]
+    monkeypatch.setattr(nvrtc, "library", lambda: object())
+    gemm_nvfp4.kernel_supports.cache_clear()
+    assert gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16", name) is None
+    monkeypatch.setattr(nvrtc, "library", lambda: None)
+    gemm_nvfp4.kernel_supports.cache_clear()
+    assert "NVRTC" in (gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16", name) or "")
+    monkeypatch.setattr(gemm_nvfp4, "cuda_device", lambda: CudaDevice("fake L40S", 142, (8, 9), 101376))
+    gemm_nvfp4.kernel_supports.cache_clear()
+    assert "9.0 only" in (gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16", name) or "")
+    assert GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, deep=True, stages=4).reason(21504, 5376) is None
+    assert "too few" in (GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, deep=True, stages=3).reason(21504, 5376) or "")
+    assert "wgmma needs" in (GemmConfig(wgmma=True).reason(21504, 5376) or "")
+
+
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(20, 264, 384), (300, 520, 256), (512, 21504, 5376)])
 def test_kernel_matches_its_twin_on_cuda(name: str, dtype: mx.Dtype, m: int, n: int, k: int) -> None:
-    if VARIANTS[name].reason(n, k) is not None:
-        pytest.skip(VARIANTS[name].reason(n, k))
+    reason = gemm_nvfp4.kernel_supports(m, n, k, str(dtype).removeprefix("mlx.core."), name)
+    if reason is not None:
+        pytest.skip(reason)
     rng = np.random.default_rng(m + n)
     w = mx.random.normal((n, k), key=mx.random.key(n)).astype(mx.bfloat16)
     gs = mx.max(mx.abs(w)).astype(mx.float32)
@@ -454,4 +541,5 @@ def test_kernel_matches_its_twin_on_cuda(name: str, dtype: mx.Dtype, m: int, n: 
     g, r = np.array(got.astype(mx.float32)).astype(np.float64), np.array(want.astype(mx.float32)).astype(np.float64)
     assert np.isfinite(g).all(), "unwritten (NaN) outputs"
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < gemm_nvfp4.TOLERANCE[str(dtype).removeprefix("mlx.core.")]
-    assert gemm_nvfp4.route(m, n, k, str(dtype).removeprefix("mlx.core."), name) == f"cuda_kernel(gemm_nvfp4:{name})"
+    build = "precompiled sm_90a" if VARIANTS[name].wgmma else "cuda_kernel"
+    assert gemm_nvfp4.route(m, n, k, str(dtype).removeprefix("mlx.core."), name) == f"{build}(gemm_nvfp4:{name})"

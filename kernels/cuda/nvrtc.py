@@ -1,0 +1,134 @@
+"""Kernels MLX's own build cannot make: NVRTC through ctypes, for a target MLX does not ask for.
+
+MLX 0.32's `mx.fast.cuda_kernel` compiles with `--gpu-architecture=sm_<major><minor>` (sm_90 on
+an H100/H200), which rejects Hopper's arch-specific instructions (wgmma, setmaxnreg need sm_90a).
+`compile_cubin` builds a whole translation unit for another target with the NVRTC library the
+machine already has (the one MLX's JIT loaded, else the CUDA toolkit's or a pip wheel's), and
+`mx.fast.precompiled_cuda_kernel` loads the cubin. Builds are cached per source and target in
+this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import glob
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+NVRTC_ENV = "ORCHESTRATE_NVRTC"  # an explicit libnvrtc.so path
+
+# NVRTC has no C++ standard library: the fixed-width types the kernels use, then the CUDA headers
+# (found on the include path given to the compile).
+PRELUDE = """typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef decltype(sizeof(0)) size_t;
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+"""
+
+
+def _candidates() -> list[str]:
+    """Where libnvrtc may be, best first: explicit, already loaded (by MLX), system, wheels."""
+    out = [os.environ.get(NVRTC_ENV, "")]
+    try:
+        maps = Path("/proc/self/maps").read_text()
+        loaded = {line.split()[-1] for line in maps.splitlines() if "libnvrtc.so" in line}
+        out += sorted(loaded)
+    except OSError:
+        pass
+    out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    out += sorted(glob.glob(f"{home}/lib64/libnvrtc.so*"))
+    for site in sys.path:
+        out += sorted(glob.glob(f"{site}/nvidia/*/lib/libnvrtc.so*"))
+    return [c for c in out if c and "builtins" not in c and not c.endswith(".alt")]
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The NVRTC library, or None where none loads."""
+    for path in _candidates():
+        # NVRTC dlopens its builtins library by name: from a wheel's folder (not on the loader's
+        # path) it only finds one already loaded
+        for builtins in sorted(glob.glob(f"{Path(path).parent}/libnvrtc-builtins.so*")) if "/" in path else []:
+            with contextlib.suppress(OSError):
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+        try:
+            lib = ctypes.CDLL(path)
+            lib.nvrtcVersion  # noqa: B018 - the symbol must be there
+        except (OSError, AttributeError):
+            continue
+        return lib
+    return None
+
+
+def version() -> tuple[int, int] | None:
+    """NVRTC's (major, minor), or None without it."""
+    lib = library()
+    if lib is None:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+def include_dirs() -> list[str]:
+    """The CUDA toolkit's headers (as MLX's JIT finds them) and MLX's CCCL, where present."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    dirs = [f"{home}/include"]
+    try:
+        import mlx.core
+
+        dirs.append(str(Path(str(mlx.core.__file__)).resolve().parent / "include" / "cccl"))
+    except ImportError:
+        pass
+    return [d for d in dirs if Path(d).is_dir()]
+
+
+def kernel_name(stem: str, source: str, arch: str) -> str:
+    """A name unique to the source and target (MLX caches loaded modules by kernel name)."""
+    return f"{stem}_{hashlib.sha256((arch + source).encode()).hexdigest()[:12]}"
+
+
+@functools.cache
+def compile_cubin(source: str, arch: str) -> bytes:
+    """`source` compiled by NVRTC for `arch` (e.g. "sm_90a"): the cubin's bytes.
+
+    Raises:
+        RuntimeError: no NVRTC, or the compile failed (with the end of NVRTC's log).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"no NVRTC library found (tried {', '.join(_candidates()[:6])}; set {NVRTC_ENV})")
+    prog = ctypes.c_void_p()
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"NVRTC {what} failed with error {result}")
+
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
+    try:
+        opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"--include-path={d}" for d in include_dirs())]
+        argv = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+        result = lib.nvrtcCompileProgram(prog, len(opts), argv)
+        if result != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode(errors="replace")
+            raise RuntimeError(f"NVRTC compile for {arch} failed ({result}): {text[-3000:]}")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
