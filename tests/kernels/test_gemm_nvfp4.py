@@ -522,12 +522,17 @@ def test_wgmma_variants_need_compute_capability_9_0_and_nvrtc(monkeypatch: pytes
     assert "wgmma needs" in (GemmConfig(wgmma=True).reason(21504, 5376) or "")
 
 
+# every variant at the seed's shape and at tails in M, N and K (bfloat16); float16 for one variant
+# of each kind (each new N, K or dtype is one NVRTC build on the GPU)
+CUDA_CASES = [(name, mx.bfloat16, shape) for name in VARIANTS for shape in ((300, 520, 256), (512, 21504, 5376))]
+CUDA_CASES += [(name, mx.float16, (20, 264, 384)) for name in ("b128x256k64s4", "w128x256k64s4", "g128x256k64s5d")]
+
+
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", list(VARIANTS))
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize(("m", "n", "k"), [(20, 264, 384), (300, 520, 256), (512, 21504, 5376)])
-def test_kernel_matches_its_twin_on_cuda(name: str, dtype: mx.Dtype, m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(("name", "dtype", "shape"), CUDA_CASES)
+def test_kernel_matches_its_twin_on_cuda(name: str, dtype: mx.Dtype, shape: tuple[int, int, int]) -> None:
+    m, n, k = shape
     reason = gemm_nvfp4.kernel_supports(m, n, k, str(dtype).removeprefix("mlx.core."), name)
     if reason is not None:
         pytest.skip(reason)
@@ -543,3 +548,18 @@ def test_kernel_matches_its_twin_on_cuda(name: str, dtype: mx.Dtype, m: int, n: 
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < gemm_nvfp4.TOLERANCE[str(dtype).removeprefix("mlx.core.")]
     build = "precompiled sm_90a" if VARIANTS[name].wgmma else "cuda_kernel"
     assert gemm_nvfp4.route(m, n, k, str(dtype).removeprefix("mlx.core."), name) == f"{build}(gemm_nvfp4:{name})"
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_the_qmm_custom_arm_runs_the_gemm_at_prefill_on_cuda() -> None:
+    from kernels import qmm
+    from kernels.checking import relative_error
+
+    rng = np.random.default_rng(3)
+    wl = qmm.build({"tokens": 512, "n": 2048, "k": 1024, "dtype": "bfloat16"}, ["custom", "auto"], rng)
+    (x,) = wl.make_inputs(rng)
+    route = wl.arms["custom"].route
+    assert "(gemm_nvfp4:" in route, route
+    got = np.array(wl.arms["custom"].run(x).astype(mx.float32)).astype(np.float64)
+    assert relative_error(got, wl.reference("custom", x)) < wl.arms["custom"].tolerance

@@ -12,6 +12,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels import nvfp4
+from kernels.cuda import cuda_backend_available
 from kernels.model import (
     AFFINE_GROUP_SIZE,
     AFFINE_TOLERANCE,
@@ -256,3 +257,15 @@ def test_config_validation() -> None:
         ]
         == 21504
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_backend_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
+def test_custom_runs_our_cuda_kernels_and_checks_out_on_cuda(tmp_path: Path) -> None:
+    dest = write_checkpoint(DecoderConfig(architecture="gemma", dtype="bfloat16", **TINY), 0, tmp_path / "ckpt")
+    custom = load_decoder(dest, "custom")
+    assert "cuda_kernel(gemv_nvfp4" in custom.route and "(gemm_nvfp4:" in custom.route, custom.route
+    check = check_layers(custom.model, dest, "custom", np.random.default_rng(0))
+    assert check.layers == 2 * 7 * 2 and check.rel_error <= check.tolerance
+    first, again = _logits(custom.model, LONG_PROMPT), _logits(load_decoder(dest, "custom").model, LONG_PROMPT)
+    assert np.array_equal(first, again)  # deterministic: the same greedy tokens in every sample
