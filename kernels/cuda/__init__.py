@@ -48,6 +48,19 @@ def read_source(name: str) -> str:
     return (SOURCE_DIR / name).read_text()
 
 
+def template_lines(template: dict[str, TemplateValue]) -> list[str]:
+    """The template constants as MLX declares them at the top of a kernel body."""
+    lines = []
+    for key, value in template.items():
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {key} = {value};")
+        else:
+            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
+    return lines
+
+
 @dataclass(frozen=True)
 class CudaKernelSource:
     """One kernel: its body file, input and output names, and the shared header.
@@ -105,14 +118,7 @@ class CudaKernelSource:
             if f"{n}_shape" in self.body:  # as MLX does: the shape follows its array
                 params.append(f"    const __grid_constant__ Shape {n}_shape")
         params += [f"    {_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in self.outputs]
-        consts = []
-        for key, value in template.items():
-            if isinstance(value, bool):
-                consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
-            elif isinstance(value, int):
-                consts.append(f"  constexpr int {key} = {value};")
-            else:
-                consts.append(f"  using {key} = {CUDA_TYPES[value]};")
+        consts = template_lines(template)
         return (
             (_STANDALONE_PRELUDE + self.header if prelude else "")
             + "\nnamespace mlx::core::cu {\n\n__global__ void "
@@ -142,14 +148,7 @@ def precompiled_source(
     params += [f"{_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in source.outputs]
     shaped = [n for n in source.inputs if f"{n}_shape" in source.body]
     params += [f"int {n}_rows" for n in shaped]
-    lines = [f"  const int {n}_shape[1] = {{{n}_rows}};" for n in shaped]
-    for key, value in template.items():
-        if isinstance(value, bool):
-            lines.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
-        elif isinstance(value, int):
-            lines.append(f"  constexpr int {key} = {value};")
-        else:
-            lines.append(f"  using {key} = {CUDA_TYPES[value]};")
+    lines = [f"  const int {n}_shape[1] = {{{n}_rows}};" for n in shaped] + template_lines(template)
     return (
         prelude + source.header + f'\nextern "C" __global__ void {function_name}(' + ", ".join(params) + ") {\n"
         + "\n".join(lines) + "\n\n" + source.body + "\n}\n"
