@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The kernel and method measurements of one device call, after `source .device/pN/install.sh`:
+#
+#   bash benchmarks/device_lab.sh OUT [OLD_TREE]
+#
+# 1. benchmarks.gemm_lab: the NVFP4 prefill GEMM's variants checked and timed beside dense, native,
+#    affine and dequant-gemm at M = 512..16384 (issue 20); its last line is the variant rule to
+#    export as ORCHESTRATE_GEMM_VARIANT.
+# 2. benchmarks.before_after: the same seed-shape qmm and moe-gather jobs by an older worker
+#    (OLD_TREE: its `workers/` and `kernels/`, e.g. `git archive <commit> workers kernels`) and by
+#    this one, alternately, in this one call; the medians' table (issue 13).
+# Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma/) and OUT/before_after.md.
+set -u
+out=${1:?usage: device_lab.sh OUT [OLD_TREE]}
+old=${2:-}
+export PYTHONUNBUFFERED=1
+step() { echo "== $*"; "$@" || echo "!! failed ($?): $*"; }
+step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab"
+tail -25 "$out/gemm_lab/gemm_lab.txt" 2>/dev/null
+if [[ -n $old ]]; then
+  jobs=/tmp/before-after
+  mkdir -p "$jobs"
+  python3 -m benchmarks.before_after write "$jobs" >/dev/null
+  oldpath="$(cd "$old" && pwd):/tmp/site"  # the older workers/ and kernels/ first, not this checkout
+  for job in qmm-2048 moe-512; do
+    (cd "$jobs" && step env PYTHONPATH="$oldpath" timeout 240 \
+      python3 -m workers run "$jobs/$job.json" --out "$jobs/old-$job.parquet")
+    step timeout 240 python3 -m workers run "$jobs/$job.json" --out "$jobs/new-$job.parquet"
+  done
+  python3 -m benchmarks.before_after compare --old "$jobs"/old-*.parquet --new "$jobs"/new-*.parquet \
+    | tee "$out/before_after.md"
+fi
