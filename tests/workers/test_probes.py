@@ -323,6 +323,7 @@ def test_runner_measures_again_after_a_foreign_user_leaves(
                         "FOREIGN_PID": foreign_sleeper}.items():  # fmt: skip
         monkeypatch.setenv(name, str(value))
     settings = LockSettings(path=str(tmp_path / "gpu.lock"), kfd_proc=str(kfd), max_attempts=3, idle_secs=0.2)
+    monkeypatch.setenv("ROCM_GPU_GUARD_LOCK", settings.path)  # our lock is the shell guard's: the command nests in it
     job = JobSpec(
         run_id="r", sweep="t", job_key="k", case="command", case_name="bench", params={"prompt_tokens": 1},
         arms=["a"], device="cpu", repetitions=1, warmup=0, lock=settings,
