@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import itertools
 import json
 import secrets
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 
 from orchestrator.errors import InputError
 from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
+from orchestrator.sweepcheck import check_size, job_count
 from workers.contract import JobSpec, LockSettings
 
 OPTION_FIELDS = ("repo", "ref", "refs", "build", "gate", "run", "parse", "timeout")
@@ -83,9 +83,7 @@ def source_digest() -> str:
 
 def points(case: CaseEntry) -> list[dict[str, Any]]:
     """The cartesian product of a case's parameter axes, in file order."""
-    axes = case.axes()
-    keys = list(axes)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(axes[k] for k in keys))]
+    return list(case.points())
 
 
 def job_key(content: dict[str, Any]) -> str:
@@ -151,6 +149,10 @@ def expand(
     `version` (the commit) is recorded in every row; `digest` (default: `source_digest()`) is what
     the job key depends on.
     """
+    try:  # counted before expanding: 10^9 jobs would be a MemoryError, not a message
+        check_size(job_count(sweep, kinds), f"sweep {sweep.name!r} on {', '.join(kinds)}")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     digest = digest or source_digest()
     jobs: list[JobSpec] = []
     for case in sweep.cases:

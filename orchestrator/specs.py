@@ -1,13 +1,19 @@
 """The files users write: sweeps and host inventories (pydantic, `extra="forbid"`, TOML).
 
 `load_sweep` and `load_inventory` turn every problem into one `InputError` line that names the
-file and the field, so `orchestrate` exits 2 before anything starts.
+file and the field, what was found and what is allowed, so `orchestrate` exits 2 before anything
+starts. Reading the file is `orchestrator.tomlfile`'s part; a sweep's size, its points against each
+case's own rule and its criteria are `orchestrator.sweepcheck`'s; ProxyJump chains and which host
+is this machine are `orchestrator.reach`'s. Names are matched whole (`fullmatch`: a trailing
+newline is not a name).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
-import tomllib
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -15,26 +21,45 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels import registry
+from kernels.registry import did_you_mean
+from orchestrator import sweepcheck
 from orchestrator.errors import InputError
+from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
+from orchestrator.tomlfile import read_toml, validation_message
 from orchestrator.where import parse_where
-from workers.command import check_case_settings
+from workers.command import FIELD_RE, check_case_settings
+
+__all__ = ["read_toml", "validation_message"]  # re-exported: the loaders' helpers
 
 ParamValue = int | float | str | bool
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Host names, users and paths go into remote shell commands (quoted, but refused up front too).
-SAFE_RE = re.compile(r"^[A-Za-z0-9_./~@:+-]+$")
+SAFE_RE = re.compile(r"[A-Za-z0-9_./~@:+-]+")
 
 
 def _check_name(value: str, what: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError(f"{what} {value!r} must be letters, digits, '.', '_' or '-'")
+    if not NAME_RE.fullmatch(value):
+        raise ValueError(f"{what} {value!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)")
     return value
 
 
 def _check_safe(value: str | None, what: str) -> str | None:
-    if value is not None and not SAFE_RE.match(value):
-        raise ValueError(f"{what} {value!r} contains shell metacharacters or spaces")
+    if value is not None and not SAFE_RE.fullmatch(value):
+        raise ValueError(f"{what} {value!r} contains shell metacharacters, spaces or control characters")
     return value
+
+
+def _check_env(env: dict[str, str]) -> dict[str, str]:
+    """Environment variable names are `[A-Za-z_][A-Za-z0-9_]*`; no value holds a NUL byte."""
+    for key, value in env.items():
+        if not ENV_KEY_RE.fullmatch(key):
+            raise ValueError(
+                f"environment variable name {key!r} is not valid (letters, digits and '_', not starting with a digit)"
+            )
+        if "\0" in value:
+            raise ValueError(f"environment variable {key}: the value holds a NUL byte")
+    return env
 
 
 class Strict(BaseModel):
@@ -48,6 +73,11 @@ class ArmSpec(Strict):
     """An arm of a case: its environment overrides (and, for command cases, nothing else)."""
 
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
 
 
 class CaseEntry(Strict):
@@ -89,30 +119,49 @@ class CaseEntry(Strict):
             out[key] = list(value) if isinstance(value, list) else [value]
         return out
 
+    def point_count(self) -> int:
+        """How many parameter points the axes make, without making them."""
+        return math.prod(len(v) for v in self.axes().values())
+
+    def points(self) -> Iterator[dict[str, ParamValue]]:
+        """The cartesian product of the parameter axes, in file order."""
+        axes = self.axes()
+        keys = list(axes)
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            yield dict(zip(keys, combo, strict=True))
+
     @model_validator(mode="after")
     def _check(self) -> CaseEntry:
         if self.name is not None:
             _check_name(self.name, "case name")
         spec = registry.get_case(self.case)
         if spec is None:
-            known = ", ".join(sorted(registry.CASES))
-            raise ValueError(f"unknown case {self.case!r} (known: {known})")
+            known = sorted(registry.CASES)
+            raise ValueError(f"unknown case {self.case!r} (known: {', '.join(known)}){did_you_mean(self.case, known)}")
         arms = self.arm_names()
         if not arms:
             raise ValueError("arms: at least one arm is needed")
         if len(set(arms)) != len(arms):
             raise ValueError("arms: an arm is named twice")
-        if spec.arms:
-            for arm in arms:
-                if arm not in spec.arms:
-                    raise ValueError(
-                        f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
-                    )
+        for arm in arms:
+            if spec.arms and arm not in spec.arms:
+                raise ValueError(
+                    f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
+                    + did_you_mean(arm, spec.arms)
+                )
+            _check_name(arm, "arm name")
+        for kind in self.devices or []:
+            _check_name(kind, "device kind")
         for key, values in self.axes().items():
             if not values:
                 raise ValueError(f"params.{key}: empty axis")
             if spec.params and key not in spec.params:
-                raise ValueError(f"params.{key}: unknown parameter for case {self.case!r}")
+                raise ValueError(
+                    f"params.{key}: unknown parameter for case {self.case!r} (known: {', '.join(spec.params)})"
+                    + did_you_mean(key, spec.params)
+                )
+            if not FIELD_RE.fullmatch(key):  # a `{param}` of a template, a name in `where`
+                raise ValueError(f"params: {key!r} is not a parameter name (letters, digits and '_')")
             want = spec.params.get(key)
             for v in values:
                 if want is not None and not _type_ok(v, want):
@@ -127,6 +176,8 @@ class CaseEntry(Strict):
             for f in COMMAND_FIELDS:
                 if getattr(self, f) is not None:
                     raise ValueError(f"{f}: only a command case takes `{f}`")
+        sweepcheck.check_size(self.point_count(), f"case {self.label!r}")
+        sweepcheck.check_points(self)
         return self
 
 
@@ -199,7 +250,7 @@ class Criterion(Strict):
     def _where(cls, v: str | None) -> str | None:
         if v is not None:
             try:
-                parse_where(v)
+                parse_where(v, what=repr(v))
             except InputError as exc:
                 raise ValueError(exc.message) from None
         return v
@@ -249,12 +300,23 @@ class SweepSpec(Strict):
     def _name(cls, v: str) -> str:
         return _check_name(v, "sweep name")
 
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[str]) -> list[str]:
+        for kind in v:
+            _check_name(kind, "device kind")
+        return v
+
     @model_validator(mode="after")
     def _labels(self) -> SweepSpec:
         labels = [c.label for c in self.cases]
         dupes = {x for x in labels if labels.count(x) > 1}
         if dupes:
             raise ValueError(f"cases: two cases named {sorted(dupes)[0]!r}; give them distinct `name`s")
+        sweepcheck.check_size(sum(c.point_count() for c in self.cases), f"sweep {self.name!r}")
+        sweepcheck.check_baseline(self)
+        for i, criterion in enumerate(self.criteria):
+            sweepcheck.check_criterion(self, i, criterion)
         return self
 
 
@@ -296,6 +358,7 @@ class HostDefaults(Strict):
     connect_timeout: float = Field(default=10.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
     num_cpus: int | None = Field(default=None, ge=1)
+    memory_gib: float | None = Field(default=None, gt=0)
 
 
 class HostSpec(Strict):
@@ -323,6 +386,7 @@ class HostSpec(Strict):
     env: dict[str, str] = Field(default_factory=dict)
     node_ip: str | None = None  # the address the head reaches this host's Ray node on (default: Ray's guess)
     num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
+    memory_gib: float | None = Field(default=None, gt=0)  # the device's memory for one job (unified: the RAM)
 
     @field_validator("proxy_jump", mode="before")
     @classmethod
@@ -376,9 +440,16 @@ class HostSpec(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-                raise ValueError(f"environment variable name {key!r} is not valid")
+        return _check_env(v)
+
+    @field_validator("lock")
+    @classmethod
+    def _lock(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(
+                f"lock {v!r} is not an absolute path (every job, and the shell guard, must open the same file "
+                "whatever its working directory)"
+            )
         return v
 
     @field_validator("proxy_jump")
@@ -386,7 +457,13 @@ class HostSpec(Strict):
     def _safe_jumps(cls, v: list[str]) -> list[str]:
         for j in v:
             _check_safe(j, "proxy_jump")
+            parse_hop(j)
         return v
+
+    @property
+    def this_machine(self) -> bool:
+        """Whether this host is the machine `orchestrate` runs on (`orchestrator.reach`)."""
+        return is_this_machine(self.host, self.port, self.proxy_jump)
 
 
 class InventorySpec(Strict):
@@ -420,10 +497,35 @@ class InventorySpec(Strict):
         for n in names:
             if names.count(n) > 1:
                 raise ValueError(f"hosts: the host name {n!r} is used twice")
-        by_name = {h.name: h for h in self.hosts}
+        chains = {}
+        for i, h in enumerate(self.hosts):
+            try:
+                chains[h.name] = jump_chain(h, self.hosts)
+            except ValueError as exc:
+                raise ValueError(f"field hosts.{i}.proxy_jump (host {h.name!r}): {exc}") from None
         for h in self.hosts:
-            _check_jump_loop(h, by_name)
+            h.proxy_jump = chains[h.name]
+        if self.embedded:
+            self._only_this_machine()
         return self
+
+    def _only_this_machine(self) -> None:
+        """Without a [head], the inventory is this machine alone: never run another host's jobs here."""
+        for i, h in enumerate(self.hosts):
+            if not h.this_machine:
+                port = f":{h.port}" if h.port != DEFAULT_SSH_PORT else ""
+                via = f" through {', '.join(h.proxy_jump)}" if h.proxy_jump else ""
+                raise ValueError(
+                    f"field hosts.{i}.host (host {h.name!r}): {h.host}{port}{via} is not this machine, and the "
+                    "inventory has no [head]: "
+                    "add [head] address = the address its hosts reach this machine on, then start them with "
+                    "`orchestrate cluster up`"
+                )
+        if len(self.hosts) > 1:
+            raise ValueError(
+                f"field hosts: an inventory without [head] is this machine alone, one host; this one lists "
+                f"{len(self.hosts)} ({', '.join(h.name for h in self.hosts)})"
+            )
 
     @property
     def embedded(self) -> bool:
@@ -434,47 +536,7 @@ class InventorySpec(Strict):
         return sorted({h.device for h in self.hosts})
 
 
-def _check_jump_loop(host: HostSpec, by_name: dict[str, HostSpec]) -> None:
-    """A ProxyJump chain that reaches its own host again is refused."""
-    seen = {host.host or host.name, host.name}
-    for jump in host.proxy_jump:
-        target = jump.split("@")[-1].split(":")[0]
-        if target in seen:
-            raise ValueError(f"hosts.{host.name}.proxy_jump: a ProxyJump loop through {target!r}")
-        seen.add(target)
-        nested = by_name.get(target)
-        if nested is not None and nested.proxy_jump:
-            for j in nested.proxy_jump:
-                t = j.split("@")[-1].split(":")[0]
-                if t in seen:
-                    raise ValueError(f"hosts.{host.name}.proxy_jump: a ProxyJump loop through {t!r}")
-
-
 # ------------------------------------------------------------------------------------ file loading
-
-
-def read_toml(path: Path, what: str) -> dict[str, Any]:
-    """Parse a TOML file; a missing or malformed file is an `InputError` naming it."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{what} file not found", where=str(path)) from None
-    except OSError as exc:
-        raise InputError(f"cannot read {what} file: {exc.strerror}", where=str(path)) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"malformed TOML: {exc}", where=str(path)) from None
-
-
-def validation_message(exc: ValidationError) -> str:
-    """The first pydantic error as `field a.b: message`."""
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    return f"field {loc}: {msg}" if loc else msg
 
 
 def builtin_sweeps() -> dict[str, Path]:
@@ -501,7 +563,7 @@ def load_sweep(name_or_path: str) -> SweepSpec:
     try:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:
-        raise InputError(validation_message(exc), where=str(path)) from None
+        raise InputError(validation_message(exc, SweepSpec), where=str(path)) from None
 
 
 def default_inventory_path() -> Path:
@@ -525,24 +587,32 @@ def load_inventory(path: str | Path | None) -> InventorySpec:
     try:
         return InventorySpec.model_validate(data)
     except ValidationError as exc:
-        raise InputError(validation_message(exc), where=str(path)) from None
+        raise InputError(validation_message(exc, InventorySpec), where=str(path)) from None
 
 
 def check_sweep_against_inventory(sweep: SweepSpec, inventory: InventorySpec, where: str) -> list[str]:
-    """The device kinds the sweep runs on; a kind no host has is an `InputError`."""
+    """The device kinds the sweep runs on, checked before anything starts.
+
+    Raises:
+        InputError: a kind no host has, more jobs than `sweepcheck.MAX_JOBS`, or a point whose
+            arrays exceed the known memory of a device kind it runs on.
+    """
     kinds = inventory.device_kinds()
     wanted = sweep.devices or kinds
-    for kind in wanted:
-        if kind not in kinds:
-            raise InputError(
-                f"field devices: device kind {kind!r} has no host in the inventory (it has: {', '.join(kinds)})",
-                where=where,
-            )
-    for case in sweep.cases:
-        for kind in case.devices or []:
+    for field, listed in [
+        ("devices", wanted),
+        *((f"cases.{i}.devices", c.devices or []) for i, c in enumerate(sweep.cases)),
+    ]:
+        for kind in listed:
             if kind not in kinds:
                 raise InputError(
-                    f"field cases.{case.label}.devices: device kind {kind!r} has no host in the inventory",
+                    f"field {field}: device kind {kind!r} has no host in the inventory (it has: {', '.join(kinds)})"
+                    + did_you_mean(kind, kinds),
                     where=where,
                 )
+    try:
+        sweepcheck.check_size(sweepcheck.job_count(sweep, list(wanted)), f"sweep {sweep.name!r} on {', '.join(wanted)}")
+    except ValueError as exc:
+        raise InputError(str(exc), where=where) from None
+    sweepcheck.check_memory(sweep, inventory, list(wanted), where)
     return list(wanted)

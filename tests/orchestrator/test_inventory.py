@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cluster import node_command, node_env
-from orchestrator.specs import load_inventory
+from orchestrator.specs import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
 GOOD_HOSTS = """
@@ -71,24 +71,24 @@ BAD = {
     ),
     "invalid port": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\nport = 70000\ndevice = "x"\n',
-        "field hosts.0.port: Input should be less than or equal to 65535",
+        "field hosts.0.port: Input should be less than or equal to 65535 (found 70000)",
     ),
     "ProxyJump loop": (
         '[[hosts]]\nname = "a"\nhost = "a"\nproxy_jump = "b"\ndevice = "x"\n'
         '[[hosts]]\nname = "b"\nhost = "b"\nproxy_jump = "a"\ndevice = "x"\n',
-        "hosts.a.proxy_jump: a ProxyJump loop through 'a'",
+        "field hosts.0.proxy_jump (host 'a'): a ProxyJump loop: a -> b -> a",
     ),
     "metacharacters in a host name": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1;reboot"\ndevice = "x"\n',
-        "field hosts.0.host: value '10.0.0.1;reboot' contains shell metacharacters or spaces",
+        "field hosts.0.host: value '10.0.0.1;reboot' contains shell metacharacters, spaces or control characters",
     ),
     "metacharacters in a path": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\npython = "/opt/$(id)/python"\ndevice = "x"\n',
-        "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters or spaces",
+        "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters, spaces or control characters",
     ),
     "unknown field": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nbogus = 1\n',
-        "field hosts.0.bogus: unknown field",
+        "field hosts.0.bogus: unknown field 'bogus' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
     ),
 }
 
