@@ -10,6 +10,7 @@ newline is not a name).
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import math
 import re
@@ -18,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kernels import registry
 from kernels.registry import did_you_mean
@@ -36,11 +37,34 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Host names, users and paths go into remote shell commands (quoted, but refused up front too).
 SAFE_RE = re.compile(r"[A-Za-z0-9_./~@:+-]+")
+# Host names, device kinds and labels become Ray node labels: Ray refuses others at `ray start`.
+RAY_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+BACKENDS = ("cpu", "cuda", "metal", "rocm")
 
 
 def _check_name(value: str, what: str) -> str:
     if not NAME_RE.fullmatch(value):
         raise ValueError(f"{what} {value!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)")
+    return value
+
+
+def _check_label(value: str, what: str) -> str:
+    if not RAY_LABEL_RE.fullmatch(value):
+        raise ValueError(
+            f"{what} {value!r} must be at most 63 letters, digits, '.', '_' or '-', starting and ending with a letter "
+            "or digit (it is a Ray node label)"
+        )
+    return value
+
+
+def _check_ip(value: str | None, what: str) -> str | None:
+    if value is not None:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                f"{what} {value!r} is not an IP address (Ray wants the node's IP, not a host name)"
+            ) from None
     return value
 
 
@@ -229,6 +253,13 @@ class Criterion(Strict):
     max_ratio: float | None = Field(default=None, gt=0)
     across: Literal["arms", "commits"] = "arms"  # same-output only
 
+    @field_validator("name", "metric")
+    @classmethod
+    def _printable(cls, v: str, info: ValidationInfo) -> str:
+        if not v.strip() or not v.isprintable():
+            raise ValueError(f"{info.field_name} {v!r} must be printable text on one line")
+        return v
+
     @model_validator(mode="after")
     def _bounds(self) -> Criterion:
         if self.kind == "same-output":
@@ -338,6 +369,11 @@ class HeadSpec(Strict):
     def _safe(cls, v: str | None) -> str | None:
         return _check_safe(v, "address")
 
+    @field_validator("node_ip")
+    @classmethod
+    def _ip(cls, v: str | None) -> str | None:
+        return _check_ip(v, "node_ip")
+
 
 class HostDefaults(Strict):
     """Settings every host inherits unless it sets its own."""
@@ -399,8 +435,8 @@ class HostSpec(Strict):
 
     @field_validator("name", "device")
     @classmethod
-    def _names(cls, v: str) -> str:
-        return _check_name(v, "name")
+    def _names(cls, v: str, info: ValidationInfo) -> str:
+        return _check_label(v, "host name" if info.field_name == "name" else "device kind")
 
     @model_validator(mode="before")
     @classmethod
@@ -420,8 +456,8 @@ class HostSpec(Strict):
     @field_validator("backend")
     @classmethod
     def _backend(cls, v: str) -> str:
-        if v not in ("cpu", "cuda", "metal", "rocm"):
-            raise ValueError(f"backend {v!r} is not one of cpu, cuda, metal, rocm")
+        if v not in BACKENDS:
+            raise ValueError(f"backend {v!r} is not one of {', '.join(BACKENDS)}{did_you_mean(v, BACKENDS)}")
         return v
 
     @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock", "node_ip")
@@ -429,12 +465,19 @@ class HostSpec(Strict):
     def _safe(cls, v: str | None) -> str | None:
         return _check_safe(v, "value")
 
+    @field_validator("node_ip")
+    @classmethod
+    def _ip(cls, v: str | None) -> str | None:
+        return _check_ip(v, "node_ip")
+
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for key, value in v.items():
-            _check_name(key, "label")
-            _check_name(value, f"value of label {key}")
+            _check_label(key, "label")
+            _check_label(value, f"value of label {key}")
+            if key in ("device-kind", "backend", "host"):
+                raise ValueError(f"label {key!r} is set by orchestrate itself (from the host's fields)")
         return v
 
     @field_validator("env")

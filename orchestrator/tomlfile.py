@@ -2,9 +2,9 @@
 
 A file is refused, naming it and the line or field, when it is larger than `MAX_FILE_BYTES`, not
 UTF-8 (TOML is UTF-8 by definition; a UTF-16 byte-order mark is named as such; a UTF-8 one is
-skipped), malformed, or nested deeper than `MAX_DEPTH` tables and arrays (no sweep or inventory
-needs more than five). A validation error becomes `field a.b: what is wrong (found X)`, with the
-nearest allowed name for an unknown field.
+skipped), malformed, nested deeper than `MAX_DEPTH` tables and arrays (no sweep or inventory
+needs more than five), or holds a NUL byte in a key or a string. A validation error becomes
+`field a.b: what is wrong (found X)`, with the nearest allowed name for an unknown field.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise InputError(f"malformed TOML: {exc}", where=where) from None
     except RecursionError:
         raise InputError(f"malformed TOML: nested deeper than {MAX_DEPTH} tables or arrays", where=where) from None
-    if nesting(data) > MAX_DEPTH:
-        raise InputError(f"malformed TOML: nested deeper than {MAX_DEPTH} tables or arrays", where=where)
+    check_structure(data, where)
     return data
 
 
@@ -72,23 +71,27 @@ def decode_utf8(raw: bytes, what: str, where: str) -> str:
         ) from None
 
 
-def nesting(data: Any) -> int:
-    """How deeply tables and arrays nest in parsed TOML (a scalar is 0), without recursion."""
-    deepest = 0
-    stack: list[tuple[Any, int]] = [(data, 0)]
+def check_structure(data: Any, where: str) -> None:
+    """Refuse nesting deeper than `MAX_DEPTH` and a NUL byte in any key or string (no program
+    argument, environment variable or path can hold one), without recursion."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     while stack:
-        item, depth = stack.pop()
+        item, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise InputError(f"malformed TOML: nested deeper than {MAX_DEPTH} tables or arrays", where=where)
         if isinstance(item, dict):
-            children: Any = item.values()
+            for key, value in item.items():
+                if "\0" in key:
+                    raise InputError(f"field {_dotted(path)}: the key {key!r} holds a NUL byte", where=where)
+                stack.append((value, (*path, key)))
         elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        if deepest > MAX_DEPTH:
-            return deepest
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+            stack.extend((value, (*path, i)) for i, value in enumerate(item))
+        elif isinstance(item, str) and "\0" in item:
+            raise InputError(f"field {_dotted(path)}: {item!r} holds a NUL byte", where=where)
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    return ".".join(str(p) for p in path) or "(top level)"
 
 
 # ------------------------------------------------------------------------------- error messages
