@@ -71,7 +71,9 @@ def register(app: typer.Typer) -> None:
     @cluster.command("up")
     def up(
         inventory: Path = INVENTORY,
-        join_timeout: float = typer.Option(90.0, "--join-timeout", help="seconds each node may take to join"),
+        join_timeout: float = typer.Option(
+            90.0, "--join-timeout", min=1, help="seconds each node may take to register with the head"
+        ),
         install: bool = typer.Option(
             False, "--install", help="pip-install this commit of orchestrate (and its pins) where it is missing"
         ),
