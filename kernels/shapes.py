@@ -93,14 +93,18 @@ def moe_check(params: Params) -> None:
 
 
 def moe_bytes(params: Params, arms: Iterable[str]) -> int:
-    """Every expert's NVFP4 weights, x, the routing and y [T, top_k, F]; affine arms add their copy."""
+    """Every expert's NVFP4 weights (and the affine copy), then the larger of: x, the routing and
+    y [T, top_k, F] while it runs, or the dense copy of the experts the affine arms are built from."""
     e, k, t = params["experts"], params["top_k"], params["tokens"]
     d, f, s = params["hidden"], params["expert_width"], _dtype(params)
     weights = e * f * d
-    total = int(weights * NVFP4_BYTES_PER_WEIGHT) + 4 * e + t * d * s + t * k * 4 + t * k * f * s
+    held = int(weights * NVFP4_BYTES_PER_WEIGHT) + 4 * e
+    building = 0
     if any(a.startswith("affine") for a in arms) and d % AFFINE_GROUP == 0:
-        total += _affine_bytes(weights, s) + weights * s  # built from a dense copy of the experts
-    return total
+        held += _affine_bytes(weights, s)
+        building = weights * s
+    running = t * d * s + t * k * 4 + t * k * f * s
+    return held + max(running, building)
 
 
 # ------------------------------------------------------------------------------------------- mlp
