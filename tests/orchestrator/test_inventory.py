@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import node_command, node_env
+from orchestrator.cluster import node_command, node_env, registration
 from orchestrator.specs import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
@@ -144,3 +144,29 @@ def test_run_without_a_live_head_fails_fast_with_exit_3(tmp_path: Path, orchestr
     assert proc.returncode == 3, proc.stderr
     assert f"no Ray head answers at 127.0.0.1:{port}: start the cluster with `orchestrate cluster up`" in proc.stderr
     assert time.monotonic() - t0 < 30  # not Ray's minutes-long wait for a GCS that is not there
+
+
+def test_a_node_counts_as_joined_only_alive_with_its_labels_and_a_gpu_slot() -> None:
+    inv = load_inventory(REPO / "inventories" / "lab.toml")
+    strix = inv.hosts[1]
+    labels = {
+        "device-kind": "gfx1151",
+        "backend": "rocm",
+        "host": "strix",
+        "chip": "strix-halo",
+        "ray.io/node-id": "ab",
+    }
+
+    def node(alive: bool = True, slot: float = 1.0, **over: str) -> dict[str, object]:
+        return {"Alive": alive, "Labels": {**labels, **over}, "Resources": {"CPU": 16.0, "gpu_slot": slot}}
+
+    assert registration([node()], strix) == (True, "")
+    assert registration([node(alive=False), node()], strix) == (True, "")  # an old dead entry beside the new one
+    assert registration([node(alive=False)], strix) == (False, "")
+    assert registration([node(host="studio")], strix) == (False, "")  # another host's node
+    assert registration([node(**{"device-kind": "cpu"})], strix) == (
+        False,
+        "a node registered as host 'strix' with labels {'device-kind': 'cpu'} where {'device-kind': 'gfx1151'} "
+        "was expected",
+    )
+    assert registration([node(slot=0.0)], strix) == (False, "a node registered as host 'strix' with no gpu_slot")
