@@ -65,11 +65,12 @@ def main() -> None:
     for side in (1, 10, 100):
         last = f"tokens >= {side} and n >= {16 * side}"  # the one point a criterion finds last
         ms = timed(sweep(side, last), args.rounds) * 1e3
-        print(f"| {side * side:,} points, criterion matching the last point | {ms:.1f} |")
+        points = f"{side * side:,} point" + ("s" if side > 1 else "")
+        print(f"| {points}, a criterion matching only the last point | {ms:.2f} |")
     axes = {f"p{i}": list(range(10)) for i in range(9)}
     nine = {"name": "big", "cases": [{"case": "command", "repo": ".", "run": "./b", "parse": "json-lines",
                                       "arms": ["a"], "params": axes}]}  # fmt: skip
-    print(f"| 10^9 points (9 axes of 10), refused by counting | {timed(nine, args.rounds) * 1e3:.1f} |")
+    print(f"| 10^9 points (9 axes of 10), refused by counting | {timed(nine, args.rounds) * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kernels import registry
 from kernels.registry import did_you_mean
 from orchestrator.errors import InputError
-from orchestrator.where import Comparison, parse_where
+from orchestrator.where import Comparison, as_number, parse_where
 
 if TYPE_CHECKING:
     from orchestrator.specs import CaseEntry, Criterion, HostSpec, InventorySpec, SweepSpec
@@ -105,14 +105,6 @@ def check_memory(sweep: SweepSpec, inventory: InventorySpec, kinds: list[str], w
 # --------------------------------------------------------------------------------------- criteria
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _values(cases: Iterable[CaseEntry], name: str) -> list[str]:
     seen: dict[str, None] = {}
     for case in cases:
@@ -122,7 +114,7 @@ def _values(cases: Iterable[CaseEntry], name: str) -> list[str]:
 
 
 def _check_comparison(c: Comparison, values: list[str], what: str) -> None:
-    if values and all(_is_number(v) for v in values) and not _is_number(c.value):
+    if values and all(as_number(v) is not None for v in values) and as_number(c.value) is None:
         raise ValueError(f"{what}: {c.name} is a number ({', '.join(values)}), {c.value!r} is not")
 
 

@@ -35,7 +35,8 @@ OPS: dict[str, Callable[[Any, Any], bool]] = {
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _number(text: str) -> float | None:
+def as_number(text: str) -> float | None:
+    """The number a value's text spells, or None for a word."""
     try:
         return float(text)
     except ValueError:
@@ -55,7 +56,7 @@ class Comparison:
         if self.name not in point:
             return False
         have, want = point[self.name], self.value
-        a, b = _number(have), _number(want)
+        a, b = as_number(have), as_number(want)
         if a is not None and b is not None:
             return OPS[self.op](a, b)
         if self.op in ("==", "!="):
@@ -119,7 +120,7 @@ def parse_where(text: str, *, what: str = "where") -> Condition:
         name, op, value = chunk[0][1], chunk[1][1], chunk[2][1]
         if not NAME_RE.fullmatch(name):
             raise InputError(f"{what}: {name!r} is not a parameter name")
-        if op not in ("==", "!=") and _number(value) is None:
+        if op not in ("==", "!=") and as_number(value) is None:
             raise InputError(f"{what}: {op} compares numbers, and {value!r} is not one")
         parts.append(Comparison(name, op, value))
         i += 3
