@@ -87,7 +87,7 @@ def _check_env(env: dict[str, str]) -> dict[str, str]:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # `nan` and `inf` are TOML floats, never a setting
 
 
 # ----------------------------------------------------------------------------------------- sweeps

@@ -250,6 +250,15 @@ SWEEP_CORPUS: dict[str, tuple[bytes, str]] = {
     "where misspelt parameter": (_criterion("tokns >= 4096").encode(), "'tokns', not a parameter of its cases"),
     "where = for ==": (_criterion("tokens = 4096").encode(), "(compare with ==)"),
     "criterion arm misspelt": (_criterion("tokens >= 4096", "natve").encode(), "(did you mean 'native'?)"),
+    # nan and inf are TOML floats, but no setting
+    "min_ratio nan": (
+        _criterion("tokens >= 4096").replace("min_ratio = 0.97", "min_ratio = nan").encode(),
+        "field criteria.0.min_ratio: Input should be a finite number (found nan)",
+    ),
+    "timeout inf": (
+        f'name = "x"\n{COMMAND}run = "./b"\ntimeout = inf\n'.encode(),
+        "field cases.0.timeout: Input should be a finite",
+    ),
     # misspelt fields get the nearest name
     "repetitons": (
         b'name = "x"\nrepetitons = 3\n' + TINY.encode(),
