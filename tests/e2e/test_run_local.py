@@ -109,10 +109,10 @@ def test_an_inventory_naming_this_machine_runs_here_and_starts_ray(
     results = tmp_path / "results"
     ray_tmp = Path(tempfile.mkdtemp(prefix="r-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     try:
-        proc = subprocess.run(
+        proc, _ = until_clean(lambda: subprocess.run(
             [orchestrate_bin, "run", "--inventory", str(inv), "--sweep", str(sweep), "--results", str(results)],
             capture_output=True, text=True, env=child_env(RAY_TMPDIR=str(ray_tmp)), timeout=600,
-        )  # fmt: skip
+        ))  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert any(ray_tmp.rglob("session_*"))  # Ray started, under the temp dir RAY_TMPDIR names
     finally:
