@@ -1,93 +1,55 @@
-"""The files users write: sweeps and host inventories (pydantic, `extra="forbid"`, TOML).
+"""The files users write: sweeps (here) and host inventories (`orchestrator.inventory`, re-exported).
 
 `load_sweep` and `load_inventory` turn every problem into one `InputError` line that names the
 file and the field, what was found and what is allowed, so `orchestrate` exits 2 before anything
-starts. Reading the file is `orchestrator.tomlfile`'s part; a sweep's size, its points against each
-case's own rule and its criteria are `orchestrator.sweepcheck`'s; ProxyJump chains and which host
-is this machine are `orchestrator.reach`'s. Names are matched whole (`fullmatch`: a trailing
-newline is not a name).
+starts. Reading the file is `orchestrator.tomlfile`'s part; what names may be,
+`orchestrator.names`'; a sweep's size, its points against each case's own rule and its criteria
+are `orchestrator.sweepcheck`'s; ProxyJump chains and which host is this machine are
+`orchestrator.reach`'s.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import math
-import re
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kernels import registry
 from kernels.registry import did_you_mean
 from orchestrator import sweepcheck
 from orchestrator.errors import InputError
-from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
+from orchestrator.inventory import (
+    LOCAL_INVENTORY,
+    HeadSpec,
+    HostDefaults,
+    HostSpec,
+    InventorySpec,
+    default_inventory_path,
+    load_inventory,
+)
+from orchestrator.names import Strict, check_env, check_name
 from orchestrator.tomlfile import read_toml, validation_message
 from orchestrator.where import parse_where
 from workers.command import FIELD_RE, check_case_settings
 
-__all__ = ["read_toml", "validation_message"]  # re-exported: the loaders' helpers
+__all__ = [  # the inventory's models and loader, and the loaders' helpers, re-exported
+    "LOCAL_INVENTORY",
+    "HeadSpec",
+    "HostDefaults",
+    "HostSpec",
+    "InventorySpec",
+    "default_inventory_path",
+    "load_inventory",
+    "read_toml",
+    "validation_message",
+]
 
 ParamValue = int | float | str | bool
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Host names, users and paths go into remote shell commands (quoted, but refused up front too).
-SAFE_RE = re.compile(r"[A-Za-z0-9_./~@:+-]+")
-# Host names, device kinds and labels become Ray node labels: Ray refuses others at `ray start`.
-RAY_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
-BACKENDS = ("cpu", "cuda", "metal", "rocm")
-
-
-def _check_name(value: str, what: str) -> str:
-    if not NAME_RE.fullmatch(value):
-        raise ValueError(f"{what} {value!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)")
-    return value
-
-
-def _check_label(value: str, what: str) -> str:
-    if not RAY_LABEL_RE.fullmatch(value):
-        raise ValueError(
-            f"{what} {value!r} must be at most 63 letters, digits, '.', '_' or '-', starting and ending with a letter "
-            "or digit (it is a Ray node label)"
-        )
-    return value
-
-
-def _check_ip(value: str | None, what: str) -> str | None:
-    if value is not None:
-        try:
-            ipaddress.ip_address(value)
-        except ValueError:
-            raise ValueError(
-                f"{what} {value!r} is not an IP address (Ray wants the node's IP, not a host name)"
-            ) from None
-    return value
-
-
-def _check_safe(value: str | None, what: str) -> str | None:
-    if value is not None and not SAFE_RE.fullmatch(value):
-        raise ValueError(f"{what} {value!r} contains shell metacharacters, spaces or control characters")
-    return value
-
-
-def _check_env(env: dict[str, str]) -> dict[str, str]:
-    """Environment variable names are `[A-Za-z_][A-Za-z0-9_]*`; no value holds a NUL byte."""
-    for key, value in env.items():
-        if not ENV_KEY_RE.fullmatch(key):
-            raise ValueError(
-                f"environment variable name {key!r} is not valid (letters, digits and '_', not starting with a digit)"
-            )
-        if "\0" in value:
-            raise ValueError(f"environment variable {key}: the value holds a NUL byte")
-    return env
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # `nan` and `inf` are TOML floats, never a setting
 
 
 # ----------------------------------------------------------------------------------------- sweeps
@@ -101,7 +63,7 @@ class ArmSpec(Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
+        return check_env(v)
 
 
 class CaseEntry(Strict):
@@ -157,7 +119,7 @@ class CaseEntry(Strict):
     @model_validator(mode="after")
     def _check(self) -> CaseEntry:
         if self.name is not None:
-            _check_name(self.name, "case name")
+            check_name(self.name, "case name")
         spec = registry.get_case(self.case)
         if spec is None:
             known = sorted(registry.CASES)
@@ -173,9 +135,9 @@ class CaseEntry(Strict):
                     f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
                     + did_you_mean(arm, spec.arms)
                 )
-            _check_name(arm, "arm name")
+            check_name(arm, "arm name")
         for kind in self.devices or []:
-            _check_name(kind, "device kind")
+            check_name(kind, "device kind")
         for key, values in self.axes().items():
             if not values:
                 raise ValueError(f"params.{key}: empty axis")
@@ -329,13 +291,13 @@ class SweepSpec(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return _check_name(v, "sweep name")
+        return check_name(v, "sweep name")
 
     @field_validator("devices")
     @classmethod
     def _devices(cls, v: list[str]) -> list[str]:
         for kind in v:
-            _check_name(kind, "device kind")
+            check_name(kind, "device kind")
         return v
 
     @model_validator(mode="after")
@@ -349,234 +311,6 @@ class SweepSpec(Strict):
         for i, criterion in enumerate(self.criteria):
             sweepcheck.check_criterion(self, i, criterion)
         return self
-
-
-# -------------------------------------------------------------------------------------- inventory
-
-
-class HeadSpec(Strict):
-    """The Ray head. No address: an embedded local Ray instance on this machine."""
-
-    address: str | None = None
-    ray_port: int = Field(default=6379, ge=1, le=65535)
-    dashboard_port: int = Field(default=8265, ge=1, le=65535)
-    node_ip: str | None = None  # the address worker nodes reach the head on
-    workdir: str = "~/.orchestrate/head"  # where `cluster up` keeps the head's pid, log and Ray temp dir
-    dashboard: bool = True  # start Ray's dashboard with the head (`cluster up`)
-
-    @field_validator("address", "node_ip")
-    @classmethod
-    def _safe(cls, v: str | None) -> str | None:
-        return _check_safe(v, "address")
-
-    @field_validator("node_ip")
-    @classmethod
-    def _ip(cls, v: str | None) -> str | None:
-        return _check_ip(v, "node_ip")
-
-
-class HostDefaults(Strict):
-    """Settings every host inherits unless it sets its own."""
-
-    user: str | None = None
-    port: int = Field(default=22, ge=1, le=65535)
-    identity_file: str | None = None
-    known_hosts: str | None = None
-    proxy_jump: str | list[str] | None = None
-    python: str = "python3"
-    workdir: str = "~/.orchestrate"
-    lock: str = "/tmp/orchestrate-gpu.lock"
-    max_wait: float = Field(default=0.0, ge=0)
-    idle_secs: float = Field(default=0.0, ge=0)
-    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
-    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
-    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
-    connect_timeout: float = Field(default=10.0, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
-    num_cpus: int | None = Field(default=None, ge=1)
-    memory_gib: float | None = Field(default=None, gt=0)
-
-
-class HostSpec(Strict):
-    """One worker host: how to reach it over SSH and what it has."""
-
-    name: str
-    host: str | None = None  # SSH address; None: this machine (embedded)
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = None
-    proxy_jump: list[str] = Field(default_factory=list)
-    device: str
-    backend: str = "cpu"
-    python: str = "python3"
-    workdir: str = "~/.orchestrate"
-    lock: str = "/tmp/orchestrate-gpu.lock"
-    max_wait: float = Field(default=0.0, ge=0)
-    idle_secs: float = Field(default=0.0, ge=0)
-    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
-    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
-    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
-    connect_timeout: float = Field(default=10.0, gt=0)
-    labels: dict[str, str] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
-    node_ip: str | None = None  # the address the head reaches this host's Ray node on (default: Ray's guess)
-    num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
-    memory_gib: float | None = Field(default=None, gt=0)  # the device's memory for one job (unified: the RAM)
-
-    @field_validator("proxy_jump", mode="before")
-    @classmethod
-    def _jumps(cls, v: Any) -> Any:
-        if v is None:
-            return []
-        if isinstance(v, str):
-            return [j for j in v.split(",") if j]
-        return v
-
-    @field_validator("name", "device")
-    @classmethod
-    def _names(cls, v: str, info: ValidationInfo) -> str:
-        return _check_label(v, "host name" if info.field_name == "name" else "device kind")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _auto(cls, data: Any) -> Any:
-        """`device = "auto"` / `backend = "auto"` on this machine: what MLX runs on here."""
-        if isinstance(data, dict) and not data.get("host") and "auto" in (data.get("device"), data.get("backend")):
-            from orchestrator.localhost import local_device  # asked of a short-lived process
-
-            kind, backend = local_device()
-            data = {**data}
-            if data.get("device") == "auto":
-                data["device"] = kind
-            if data.get("backend", "auto") == "auto":
-                data["backend"] = backend
-        return data
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, v: str) -> str:
-        if v not in BACKENDS:
-            raise ValueError(f"backend {v!r} is not one of {', '.join(BACKENDS)}{did_you_mean(v, BACKENDS)}")
-        return v
-
-    @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock", "node_ip")
-    @classmethod
-    def _safe(cls, v: str | None) -> str | None:
-        return _check_safe(v, "value")
-
-    @field_validator("node_ip")
-    @classmethod
-    def _ip(cls, v: str | None) -> str | None:
-        return _check_ip(v, "node_ip")
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, value in v.items():
-            _check_label(key, "label")
-            _check_label(value, f"value of label {key}")
-            if key in ("device-kind", "backend", "host"):
-                raise ValueError(f"label {key!r} is set by orchestrate itself (from the host's fields)")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
-
-    @field_validator("lock")
-    @classmethod
-    def _lock(cls, v: str) -> str:
-        if not v.startswith("/"):
-            raise ValueError(
-                f"lock {v!r} is not an absolute path (every job, and the shell guard, must open the same file "
-                "whatever its working directory)"
-            )
-        return v
-
-    @field_validator("proxy_jump")
-    @classmethod
-    def _safe_jumps(cls, v: list[str]) -> list[str]:
-        for j in v:
-            _check_safe(j, "proxy_jump")
-            parse_hop(j)
-        return v
-
-    @property
-    def this_machine(self) -> bool:
-        """Whether this host is the machine `orchestrate` runs on (`orchestrator.reach`)."""
-        return is_this_machine(self.host, self.port, self.proxy_jump)
-
-
-class InventorySpec(Strict):
-    """A host inventory: the head and the worker hosts."""
-
-    head: HeadSpec = Field(default_factory=HeadSpec)
-    defaults: HostDefaults = Field(default_factory=HostDefaults)
-    hosts: list[HostSpec] = Field(min_length=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _inherit(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        defaults = data.get("defaults") or {}
-        hosts = data.get("hosts")
-        if isinstance(defaults, dict) and isinstance(hosts, list):
-            merged = []
-            for h in hosts:
-                if isinstance(h, dict):
-                    h = {**{k: v for k, v in defaults.items() if k != "env"}, **h}
-                    if "env" in defaults:
-                        h["env"] = {**defaults["env"], **h.get("env", {})}
-                merged.append(h)
-            data = {**data, "hosts": merged}
-        return data
-
-    @model_validator(mode="after")
-    def _unique(self) -> InventorySpec:
-        names = [h.name for h in self.hosts]
-        for n in names:
-            if names.count(n) > 1:
-                raise ValueError(f"hosts: the host name {n!r} is used twice")
-        chains = {}
-        for i, h in enumerate(self.hosts):
-            try:
-                chains[h.name] = jump_chain(h, self.hosts)
-            except ValueError as exc:
-                raise ValueError(f"field hosts.{i}.proxy_jump (host {h.name!r}): {exc}") from None
-        for h in self.hosts:
-            h.proxy_jump = chains[h.name]
-        if self.embedded:
-            self._only_this_machine()
-        return self
-
-    def _only_this_machine(self) -> None:
-        """Without a [head], the inventory is this machine alone: never run another host's jobs here."""
-        for i, h in enumerate(self.hosts):
-            if not h.this_machine:
-                port = f":{h.port}" if h.port != DEFAULT_SSH_PORT else ""
-                via = f" through {', '.join(h.proxy_jump)}" if h.proxy_jump else ""
-                raise ValueError(
-                    f"field hosts.{i}.host (host {h.name!r}): {h.host}{port}{via} is not this machine, and the "
-                    "inventory has no [head]: "
-                    "add [head] address = the address its hosts reach this machine on, then start them with "
-                    "`orchestrate cluster up`"
-                )
-        if len(self.hosts) > 1:
-            raise ValueError(
-                f"field hosts: an inventory without [head] is this machine alone, one host; this one lists "
-                f"{len(self.hosts)} ({', '.join(h.name for h in self.hosts)})"
-            )
-
-    @property
-    def embedded(self) -> bool:
-        """True when the head is an embedded local Ray instance on this machine."""
-        return self.head.address is None
-
-    def device_kinds(self) -> list[str]:
-        return sorted({h.device for h in self.hosts})
 
 
 # ------------------------------------------------------------------------------------ file loading
@@ -607,30 +341,6 @@ def load_sweep(name_or_path: str) -> SweepSpec:
         return SweepSpec.model_validate(data)
     except ValidationError as exc:
         raise InputError(validation_message(exc, SweepSpec), where=str(path)) from None
-
-
-def default_inventory_path() -> Path:
-    """`inventories/local.toml` beside the package, or the packaged copy's equivalent."""
-    here = Path(__file__).resolve().parent.parent / "inventories" / "local.toml"
-    return here
-
-
-LOCAL_INVENTORY = {"hosts": [{"name": "local", "device": "cpu", "backend": "cpu"}]}
-
-
-def load_inventory(path: str | Path | None) -> InventorySpec:
-    """Load and validate an inventory; None means the embedded local one."""
-    if path is None:
-        p = default_inventory_path()
-        if not p.exists():
-            return InventorySpec.model_validate(LOCAL_INVENTORY)
-        path = p
-    path = Path(path)
-    data = read_toml(path, "inventory")
-    try:
-        return InventorySpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc, InventorySpec), where=str(path)) from None
 
 
 def check_sweep_against_inventory(sweep: SweepSpec, inventory: InventorySpec, where: str) -> list[str]:
