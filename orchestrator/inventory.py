@@ -10,13 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kernels.registry import did_you_mean
-from orchestrator.errors import InputError
 from orchestrator.names import BACKENDS, Strict, check_env, check_ip, check_label, check_safe
 from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
-from orchestrator.tomlfile import read_toml, validation_message
+from orchestrator.tomlfile import load_model
 
 
 class HeadSpec(Strict):
@@ -40,14 +39,13 @@ class HeadSpec(Strict):
         return check_ip(v, "node_ip")
 
 
-class HostDefaults(Strict):
-    """Settings every host inherits unless it sets its own."""
+class HostSettings(Strict):
+    """What a host has and how jobs run there: each host's own, or inherited from `[defaults]`."""
 
     user: str | None = None
     port: int = Field(default=22, ge=1, le=65535)
     identity_file: str | None = None
     known_hosts: str | None = None
-    proxy_jump: str | list[str] | None = None
     python: str = "python3"
     workdir: str = "~/.orchestrate"
     lock: str = "/tmp/orchestrate-gpu.lock"
@@ -58,36 +56,46 @@ class HostDefaults(Strict):
     kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
     connect_timeout: float = Field(default=10.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
-    num_cpus: int | None = Field(default=None, ge=1)
-    memory_gib: float | None = Field(default=None, gt=0)
+    num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
+    memory_gib: float | None = Field(default=None, gt=0)  # the device's memory for one job (unified: the RAM)
+
+    @field_validator("user", "identity_file", "known_hosts", "python", "workdir", "lock")
+    @classmethod
+    def _safe(cls, v: str | None) -> str | None:
+        return check_safe(v, "value")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
+
+    @field_validator("lock")
+    @classmethod
+    def _lock(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(
+                f"lock {v!r} is not an absolute path (every job, and the shell guard, must open the same file "
+                "whatever its working directory)"
+            )
+        return v
 
 
-class HostSpec(Strict):
+class HostDefaults(HostSettings):
+    """Settings every host inherits unless it sets its own."""
+
+    proxy_jump: str | list[str] | None = None
+
+
+class HostSpec(HostSettings):
     """One worker host: how to reach it over SSH and what it has."""
 
     name: str
     host: str | None = None  # SSH address; None: this machine (embedded)
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = None
     proxy_jump: list[str] = Field(default_factory=list)
     device: str
     backend: str = "cpu"
-    python: str = "python3"
-    workdir: str = "~/.orchestrate"
-    lock: str = "/tmp/orchestrate-gpu.lock"
-    max_wait: float = Field(default=0.0, ge=0)
-    idle_secs: float = Field(default=0.0, ge=0)
-    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
-    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
-    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
-    connect_timeout: float = Field(default=10.0, gt=0)
     labels: dict[str, str] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
     node_ip: str | None = None  # the address the head reaches this host's Ray node on (default: Ray's guess)
-    num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
-    memory_gib: float | None = Field(default=None, gt=0)  # the device's memory for one job (unified: the RAM)
 
     @field_validator("proxy_jump", mode="before")
     @classmethod
@@ -125,9 +133,9 @@ class HostSpec(Strict):
             raise ValueError(f"backend {v!r} is not one of {', '.join(BACKENDS)}{did_you_mean(v, BACKENDS)}")
         return v
 
-    @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock", "node_ip")
+    @field_validator("host", "node_ip")
     @classmethod
-    def _safe(cls, v: str | None) -> str | None:
+    def _safe_address(cls, v: str | None) -> str | None:
         return check_safe(v, "value")
 
     @field_validator("node_ip")
@@ -143,21 +151,6 @@ class HostSpec(Strict):
             check_label(value, f"value of label {key}")
             if key in ("device-kind", "backend", "host"):
                 raise ValueError(f"label {key!r} is set by orchestrate itself (from the host's fields)")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env(v)
-
-    @field_validator("lock")
-    @classmethod
-    def _lock(cls, v: str) -> str:
-        if not v.startswith("/"):
-            raise ValueError(
-                f"lock {v!r} is not an absolute path (every job, and the shell guard, must open the same file "
-                "whatever its working directory)"
-            )
         return v
 
     @field_validator("proxy_jump")
@@ -260,9 +253,4 @@ def load_inventory(path: str | Path | None) -> InventorySpec:
         if not p.exists():
             return InventorySpec.model_validate(LOCAL_INVENTORY)
         path = p
-    path = Path(path)
-    data = read_toml(path, "inventory")
-    try:
-        return InventorySpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc, InventorySpec), where=str(path)) from None
+    return load_model(Path(path), "inventory", InventorySpec)

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kernels import registry
 from kernels.registry import did_you_mean
@@ -33,7 +33,7 @@ from orchestrator.inventory import (
     load_inventory,
 )
 from orchestrator.names import Strict, check_env, check_name
-from orchestrator.tomlfile import read_toml, validation_message
+from orchestrator.tomlfile import load_model, read_toml, validation_message
 from orchestrator.where import parse_where
 from workers.command import FIELD_RE, check_case_settings
 
@@ -335,12 +335,7 @@ def resolve_sweep_path(name_or_path: str) -> Path:
 
 def load_sweep(name_or_path: str) -> SweepSpec:
     """Load and validate a sweep, by built-in name or path."""
-    path = resolve_sweep_path(name_or_path)
-    data = read_toml(path, "sweep")
-    try:
-        return SweepSpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc, SweepSpec), where=str(path)) from None
+    return load_model(resolve_sweep_path(name_or_path), "sweep", SweepSpec)
 
 
 def check_sweep_against_inventory(sweep: SweepSpec, inventory: InventorySpec, where: str) -> list[str]:

@@ -13,7 +13,7 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,6 +29,7 @@ BOMS = {
     b"\xfe\xff": "UTF-16",
 }
 UTF8_BOM = b"\xef\xbb\xbf"
+M = TypeVar("M", bound=BaseModel)
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
@@ -53,6 +54,15 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise InputError(f"malformed TOML: nested deeper than {MAX_DEPTH} tables or arrays", where=where) from None
     check_structure(data, where)
     return data
+
+
+def load_model(path: Path, what: str, model: type[M]) -> M:
+    """Read a TOML file and validate it as `model`; any problem is one `InputError` naming the file."""
+    data = read_toml(path, what)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(validation_message(exc, model), where=str(path)) from None
 
 
 def decode_utf8(raw: bytes, what: str, where: str) -> str:
