@@ -154,6 +154,9 @@ def expand(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     digest = digest or source_digest()
+    # The embedded inventory's one host is this machine: its rows carry its name. (On a cluster,
+    # each node's worker sets its own host, `workers.task.localise`.)
+    host = inventory.hosts[0].name if inventory.embedded else JobSpec.model_fields["host"].default
     jobs: list[JobSpec] = []
     for case in sweep.cases:
         case_kinds = case.devices or kinds
@@ -196,6 +199,7 @@ def expand(
                         seed=(sweep.seed * 1_000_003 + int(key[:8], 16) + int(run_id.encode().hex()[-8:], 16)) % 2**32,
                         code_version=version,
                         lock=_lock_for(inventory, kind),
+                        host=host,
                         spool_dir=spool_dir,
                     )
                 )
