@@ -218,7 +218,7 @@ class Criterion(Strict):
     @field_validator("name", "metric")
     @classmethod
     def _printable(cls, v: str, info: ValidationInfo) -> str:
-        if not v.strip() or not v.isprintable():
+        if not v.isprintable() or (info.field_name == "name" and not v.strip()):
             raise ValueError(f"{info.field_name} {v!r} must be printable text on one line")
         return v
 

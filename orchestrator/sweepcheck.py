@@ -119,31 +119,43 @@ def _check_comparison(c: Comparison, values: list[str], what: str) -> None:
 
 
 def check_criterion(sweep: SweepSpec, index: int, criterion: Criterion) -> None:
-    """The criterion's arms exist, its `case` and `where` fit a case, and it selects a point."""
+    """The criterion's arms exist, its `case` and `where` fit a case, and it selects a point.
+
+    A ratio criterion needs its arm and a baseline in one case; a same-output one its arm (if it
+    names one) and, across arms, two arms or more (`orchestrator.same_output`).
+    """
     what = f"field criteria.{index} ({criterion.name!r})"
     arms = _arm_list(sweep.cases)
-    baseline = criterion.baseline or sweep.baseline
-    for field, arm in (("arm", criterion.arm), ("baseline", criterion.baseline)):
+    same_output = criterion.kind == "same-output"
+    for field, arm in (("arm", criterion.arm or None), ("baseline", criterion.baseline)):
         if arm is not None and arm not in arms:
             raise ValueError(
                 f"{what}: {field} {arm!r} is not an arm of any case (arms: {', '.join(arms)}){did_you_mean(arm, arms)}"
             )
-    if baseline is None:
+    baseline = criterion.baseline or sweep.baseline
+    if baseline is None and not same_output:
         raise ValueError(f"{what}: no baseline arm (set `baseline` in the sweep or the criterion)")
     labels = list(dict.fromkeys(x for case in sweep.cases for x in (case.label, case.case)))
     if criterion.case is not None and criterion.case not in labels:
         hint = did_you_mean(criterion.case, labels)
         raise ValueError(
-            f"{what}: case {criterion.case!r} is not a case of the sweep (cases: {', '.join(labels)}){hint}"
+            f"{what}: case {criterion.case!r} is not a case of the sweep (cases: {', '.join(labels)})" + hint
         )
-    cases = [
-        case
-        for case in sweep.cases
-        if (criterion.case is None or criterion.case in (case.label, case.case))
-        and {criterion.arm, baseline} <= set(case.arm_names())
-    ]
+
+    def fits(case: CaseEntry) -> bool:
+        own = case.arm_names()
+        if criterion.case is not None and criterion.case not in (case.label, case.case):
+            return False
+        if not same_output:
+            return {criterion.arm, baseline} <= set(own)
+        if criterion.arm and criterion.arm not in own:
+            return False
+        return criterion.across != "arms" or (len(own) > 1 and (not criterion.baseline or criterion.baseline in own))
+
+    cases = [case for case in sweep.cases if fits(case)]
     if not cases:
-        raise ValueError(f"{what}: no case has both arms {criterion.arm!r} and {baseline!r}")
+        wanted = f"both arms {criterion.arm!r} and {baseline!r}" if not same_output else "the arms it compares"
+        raise ValueError(f"{what}: no case has {wanted}")
     condition = parse_where(criterion.where or "", what=f"{what}: where")
     axes = list(dict.fromkeys(k for case in cases for k in case.axes()))
     for comparison in condition.parts:
