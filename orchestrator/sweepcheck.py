@@ -154,7 +154,10 @@ def check_criterion(sweep: SweepSpec, index: int, criterion: Criterion) -> None:
 
     cases = [case for case in sweep.cases if fits(case)]
     if not cases:
-        wanted = f"both arms {criterion.arm!r} and {baseline!r}" if not same_output else "the arms it compares"
+        if not same_output:
+            wanted = f"both arms {criterion.arm!r} and {baseline!r}"
+        else:  # as orchestrator.same_output says it
+            wanted = f"arm {criterion.arm!r}" if criterion.arm else "two arms or more to compare"
         raise ValueError(f"{what}: no case has {wanted}")
     condition = parse_where(criterion.where or "", what=f"{what}: where")
     axes = list(dict.fromkeys(k for case in cases for k in case.axes()))
