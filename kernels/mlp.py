@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import nvfp4, qmm
-from kernels.registry import ArmPath, Workload
+from kernels.registry import ArmPath, Workload, check_point
 
 ARMS = ("fused", "op-at-a-time", "eager")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -170,12 +170,9 @@ def _to_numpy(x: Any) -> np.ndarray:
 
 def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
     """One parameter point: `tokens` x `hidden` activations through a `hidden`/`intermediate` block."""
-    tokens, hidden, intermediate = int(params["tokens"]), int(params["hidden"]), int(params["intermediate"])
-    dtype_name = str(params.get("dtype", "float32"))
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype {dtype_name!r}: expected one of {sorted(DTYPES)}")
-    if hidden % nvfp4.GROUP_SIZE or intermediate % nvfp4.GROUP_SIZE:
-        raise ValueError(f"hidden and intermediate must be multiples of {nvfp4.GROUP_SIZE}")
+    point = check_point("mlp", params)  # the case's own rule (kernels.shapes), as the head checked it
+    tokens, hidden, intermediate = int(point["tokens"]), int(point["hidden"]), int(point["intermediate"])
+    dtype_name = str(point["dtype"])
     dtype = DTYPES[dtype_name]
     weights = make_weights(hidden, intermediate, rng)
     mx.eval(weights.gate.packed, weights.up.packed, weights.down.packed)

@@ -46,14 +46,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import nvfp4
+from kernels import nvfp4, shapes
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
 ARMS = ("native", "affine", "custom")
 MODEL_TYPES = {"llama": "llama", "gemma": "gemma3_text"}
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-AFFINE_GROUP_SIZE = 64
-AFFINE_BITS = 4
+AFFINE_GROUP_SIZE = shapes.AFFINE_GROUP
+AFFINE_BITS = shapes.AFFINE_BITS
 AFFINE_TOLERANCE = 0.3  # an affine-repacked layer against the NVFP4 reference (see check_layers)
 CHECKPOINT_FORMAT = 1  # bump when the generated layout changes (invalidates cached checkpoints)
 PREFILL_CHECK_ROWS = 64  # rows of the custom arm's second layer check: the prefill GEMM's path
@@ -78,19 +78,7 @@ class DecoderConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.architecture not in MODEL_TYPES:
-            raise ValueError(f"architecture {self.architecture!r}: expected one of {sorted(MODEL_TYPES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
-        for name, value in (("hidden", self.hidden), ("intermediate", self.intermediate)):
-            if value <= 0 or value % AFFINE_GROUP_SIZE:
-                raise ValueError(f"{name} {value}: must be a positive multiple of {AFFINE_GROUP_SIZE}")
-        if self.heads <= 0 or self.layers <= 0 or self.vocab <= 0:
-            raise ValueError("heads, layers and vocab must be positive")
-        if (self.heads * self.resolved_head_dim) % AFFINE_GROUP_SIZE:
-            raise ValueError(f"heads x head_dim must be a multiple of {AFFINE_GROUP_SIZE}")
-        if self.heads % self.resolved_kv_heads:
-            raise ValueError(f"heads {self.heads} is not a multiple of kv_heads {self.resolved_kv_heads}")
+        shapes.decoder_check(asdict(self))  # the rule the head checked the sweep's points with
 
     @property
     def resolved_kv_heads(self) -> int:

@@ -53,7 +53,7 @@ from kernels.qmm import (
     to_float64,
     tolerance,
 )
-from kernels.registry import ArmPath, Workload
+from kernels.registry import ArmPath, Workload, check_point
 
 REFERENCE_WEIGHTS = 5e7  # weights of all experts dequantized for a subset reference, at most
 
@@ -186,17 +186,11 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     Returns:
         The workload: arms, inputs (x, routing), the float64 reference, FLOPs and minimum bytes.
     """
-    e, top_k, t = int(params["experts"]), int(params["top_k"]), int(params["tokens"])
-    d, f = int(params["hidden"]), int(params["expert_width"])
-    dtype_name = str(params.get("dtype", "float32"))
-    use_gs = bool(params.get("global_scale", True))
-    if dtype_name not in MLX_DTYPES:
-        raise ValueError(f"moe-gather: dtype {dtype_name!r} is not one of {sorted(MLX_DTYPES)}")
-    if min(e, top_k, t, d, f) < 1 or top_k > e or d % nvfp4.GROUP_SIZE:
-        raise ValueError(
-            f"moe-gather: need 1 <= top_k <= experts, all sizes >= 1, hidden divisible by "
-            f"{nvfp4.GROUP_SIZE} (experts={e}, top_k={top_k}, hidden={d})"
-        )
+    point = check_point("moe-gather", params)  # the case's own rule (kernels.shapes), as the head checked it
+    e, top_k, t = int(point["experts"]), int(point["top_k"]), int(point["tokens"])
+    d, f = int(point["hidden"]), int(point["expert_width"])
+    dtype_name = str(point["dtype"])
+    use_gs = bool(point["global_scale"])
     dtype = MLX_DTYPES[dtype_name]
     backend = mlx_backend()
     fused = backend != "cpu"  # gather_qmm's global_scale is GPU-only in MLX 0.32.4

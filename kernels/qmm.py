@@ -49,12 +49,10 @@ import numpy.typing as npt
 
 from kernels import checking, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
-from kernels.registry import ArmPath, Workload
+from kernels.registry import ArmPath, Workload, check_point
+from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 BLOCK_ROWS = 1024  # rows per block of weight draws (fixed: the draws depend on it, not on the host)
-
-AFFINE_GROUP = 64
-AFFINE_BITS = 4
 
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
@@ -231,12 +229,9 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     Returns:
         The workload: arms, inputs, the float64 reference, FLOPs and minimum bytes.
     """
-    m, n, k = int(params["tokens"]), int(params["n"]), int(params["k"])
-    dtype_name = str(params.get("dtype", "float32"))
-    if dtype_name not in MLX_DTYPES:
-        raise ValueError(f"qmm: dtype {dtype_name!r} is not one of {sorted(MLX_DTYPES)}")
-    if m < 1 or n < 1 or k < 1 or k % nvfp4.GROUP_SIZE:
-        raise ValueError(f"qmm: need tokens, n, k >= 1 and k divisible by {nvfp4.GROUP_SIZE} (k={k})")
+    point = check_point("qmm", params)  # the case's own rule (kernels.shapes), as the head checked it
+    m, n, k = int(point["tokens"]), int(point["n"]), int(point["k"])
+    dtype_name = str(point["dtype"])
     dtype = MLX_DTYPES[dtype_name]
     backend = mlx_backend()
 

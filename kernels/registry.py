@@ -1,23 +1,31 @@
 """The explicit registry of benchmark cases.
 
-Each case declares, without importing MLX, its arms and the parameters it takes, so that the head
-can validate a sweep file before anything starts. `load_case(name)` imports the implementing
-module, which must expose `build(params, arms, rng) -> Workload` (timed kernel cases) or, for
-cases of another kind (`command`, `model`), whatever `workers.runner` dispatches to.
+Each case declares, without importing MLX, its arms, the parameters it takes and the rule its
+parameter points must follow (`kernels.shapes`: e.g. `k` a multiple of the NVFP4 group size),
+with the fewest bytes a point's arrays hold on the device, so that the head can validate a sweep
+file, point by point and against the memory of the devices it runs on, before anything starts.
+`load_case(name)` imports the implementing module, which must expose
+`build(params, arms, rng) -> Workload` (timed kernel cases) or, for cases of another kind
+(`command`, `model`), whatever `workers.runner` dispatches to.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
+
+from kernels import shapes
 
 if TYPE_CHECKING:
     from kernels.checking import Reference
 
 ParamType = type[int] | type[float] | type[str] | type[bool]
+PointCheck = Callable[[Mapping[str, Any]], None]
+PointBytes = Callable[[Mapping[str, Any], Iterable[str]], int]
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,8 @@ class CaseSpec:
     required: tuple[str, ...]
     description: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    check: PointCheck | None = None  # raises ValueError for a point the case cannot run
+    device_bytes: PointBytes | None = None  # the fewest bytes a point's arrays hold on the device
 
 
 CASES: dict[str, CaseSpec] = {}
@@ -55,6 +65,8 @@ register(
         required=("tokens", "n", "k"),
         defaults={"dtype": "float32"},
         description="y = x @ W^T with W in NVFP4: decode GEMV (tokens=1) and prefill GEMM",
+        check=shapes.qmm_check,
+        device_bytes=shapes.qmm_bytes,
     )
 )
 register(
@@ -82,6 +94,8 @@ register(
         required=("experts", "top_k", "tokens", "hidden", "expert_width"),
         defaults={"dtype": "float32", "global_scale": True},
         description="MoE prefill through mx.gather_qmm, sorted and unsorted, per-expert global scale",
+        check=shapes.moe_check,
+        device_bytes=shapes.moe_bytes,
     )
 )
 register(
@@ -130,6 +144,8 @@ register(
             "checkpoint": "",
         },
         description="whole decoder: cold load, prefill and decode tok/s, peak memory, greedy digest",
+        check=shapes.model_check,
+        device_bytes=shapes.model_bytes,
     )
 )
 register(
@@ -142,6 +158,8 @@ register(
         required=("tokens", "hidden", "intermediate"),
         defaults={"dtype": "float32"},
         description="Gemma GeGLU MLP block in NVFP4 with tensor global scales: fused, op-at-a-time, eager",
+        check=shapes.mlp_check,
+        device_bytes=shapes.mlp_bytes,
     )
 )
 
@@ -149,6 +167,34 @@ register(
 def get_case(name: str) -> CaseSpec | None:
     """The registered case of that name, or None."""
     return CASES.get(name)
+
+
+def check_point(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Check one parameter point against its case's own rule; return it with the defaults filled in.
+
+    Raises:
+        ValueError: the point cannot run (the message names the parameter, its value and what
+            the case allows).
+    """
+    spec = CASES[name]
+    point = {**spec.defaults, **params}
+    if spec.check is not None:
+        spec.check(point)
+    return point
+
+
+def device_bytes(name: str, params: Mapping[str, Any], arms: Iterable[str]) -> int:
+    """The fewest bytes one job of the case holds on its device at `params` with `arms` (0: unknown)."""
+    spec = CASES[name]
+    if spec.device_bytes is None:
+        return 0
+    return spec.device_bytes({**spec.defaults, **params}, arms)
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the nearest of `choices` to a misspelt `value`, else ``."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def load_case(name: str) -> ModuleType:

@@ -5,9 +5,13 @@ Ray versions equal to the head's, the worker packages importable) and reports ev
 one table before anything is started; then it starts the Ray head here (unless one already
 listens on the inventory's address), copies the head's Ray token to each host with mode 0600 over
 SFTP and starts `ray start --block` there in its own process group, with the labels `device-kind`,
-`backend`, `host` (plus the host's own) and the resource `gpu_slot=1`, and waits until the node's
-log says it joined. Each started process's pid is kept in a file beside it, so `cluster_down`
-stops exactly what `cluster_up` started (never `ray stop`, which kills every Ray on a machine).
+`backend`, `host` (plus the host's own) and the resource `gpu_slot=1`. It then waits until each
+node is registered with the head: alive in Ray's node table with exactly the labels it was given
+(a log line saying "started" proves nothing: two hosts sharing one Ray directory both read it).
+A node that did not join in time, or whose `ray start` exited, is reported with the last lines of
+its log, and `cluster up` exits 3. Each started process's pid is kept in a file beside it, so
+`cluster_down` stops exactly what `cluster_up` started (never `ray stop`, which kills every Ray
+on a machine).
 
 The token (see `orchestrator.head`) is never printed or logged; each host keeps its copy in
 `<workdir>/auth_token`, mode 0600.
@@ -16,8 +20,8 @@ The token (see `orchestrator.head`) is never printed or logged; each host keeps 
 from __future__ import annotations
 
 import json
-import logging
 import platform
+import re
 import shlex
 import shutil
 import tempfile
@@ -26,11 +30,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from orchestrator.errors import InfrastructureError
+from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.head import (
     HEAD_LOG,
-    JOINED,
     RAY_CLI,
     enable_token_auth,
     ensure_token,
@@ -49,6 +53,9 @@ from orchestrator.workerenv import install_worker_packages, installable, source_
 NODE_PID = "ray-node.pid"
 NODE_LOG = "ray-node.log"
 TOKEN_FILE = "auth_token"
+LOG_TAIL_LINES = 5  # of a node's log, in the report of a node that did not join
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its log; a report is plain text
+POLL_S = 0.5
 
 Log = Callable[[str], None]
 
@@ -68,7 +75,7 @@ class HostState:
     device: str
     address: str
     probe: HostProbe | None = None
-    node: str = "-"  # started, running, stopped, not running, failed, alive, dead
+    node: str = "-"  # launched, started, running, not joined, failed; stopped, not running; alive, dead
     lock: str = "-"
     last_job: str = "-"
     notes: list[str] = field(default_factory=list)
@@ -79,9 +86,14 @@ def _paths(host: HostSpec, home: str) -> dict[str, str]:
     return {"workdir": wd, "pid": f"{wd}/{NODE_PID}", "log": f"{wd}/{NODE_LOG}", "token": f"{wd}/{TOKEN_FILE}"}
 
 
+def node_labels(host: HostSpec) -> dict[str, str]:
+    """The labels `host`'s Ray node is started with, and must be registered with."""
+    return {"device-kind": host.device, "backend": host.backend, "host": host.name, **host.labels}
+
+
 def node_command(host: HostSpec, inventory: InventorySpec, paths: dict[str, str], os_name: str) -> list[str]:
     """The `ray start` command line (after `env ...`) that makes `host` a worker node."""
-    labels = {"device-kind": host.device, "backend": host.backend, "host": host.name, **host.labels}
+    labels = node_labels(host)
     argv = [
         host.python, *RAY_CLI, "start", "--block", "--address", head_address(inventory),
         "--temp-dir", f"{paths['workdir']}/ray", "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
@@ -109,7 +121,9 @@ def node_env(host: HostSpec, paths: dict[str, str], os_name: str) -> dict[str, s
     return {**env, **host.env}
 
 
-def _start_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe, timeout: float) -> str:
+def _launch_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe) -> str:
+    """Start `ray start --block` on the host in the background: "launched", or "running" when the
+    process its pid file names is alive already (whether it joined is the node table's to say)."""
     paths = _paths(host, probe.home)
     running = shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])} 2>/dev/null)" 2>/dev/null')
     if running.ok:
@@ -123,19 +137,107 @@ def _start_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, pr
         f"nohup {line} > {shell_path(paths['log'])} 2>&1 < /dev/null & echo $! > {shell_path(paths['pid'])}"
     )
     shell.run_script(f"bash -c {shlex.quote(inner)}", check=True, what="ray start")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = shell.run_script(f"cat {shell_path(paths['log'])}").stdout
-        if JOINED in log:
-            return "started"
-        alive = shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])})" 2>/dev/null').ok
-        if not alive:
-            tail = [ln for ln in log.splitlines() if ln.strip()][-1:] or ["no output"]
-            raise InfrastructureError(f"host {host.name!r}: ray start exited: {tail[0].strip()} (log: {paths['log']})")
-        time.sleep(0.5)
-    raise InfrastructureError(
-        f"host {host.name!r}: the Ray node did not join within {timeout:g} s (log: {paths['log']})"
-    )
+    return "launched"
+
+
+def _node_alive(shell: RemoteShell, paths: dict[str, str]) -> bool:
+    return shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])} 2>/dev/null)" 2>/dev/null').ok
+
+
+def _log_tail(shell: RemoteShell, paths: dict[str, str]) -> str:
+    """The last lines of the node's log, joined into one line."""
+    out = shell.run_script(f"tail -n {LOG_TAIL_LINES} {shell_path(paths['log'])} 2>/dev/null").stdout
+    lines = [ln.strip() for ln in ANSI_RE.sub("", out).splitlines() if ln.strip()]
+    return " | ".join(lines) or "(empty)"
+
+
+def registration(nodes: list[dict[str, Any]], host: HostSpec) -> tuple[bool, str]:
+    """Whether `host`'s node is alive in Ray's node table with its labels and a GPU slot.
+
+    Returns:
+        (joined, why not): the reason names a node of that host registered with other labels.
+    """
+    want = node_labels(host)
+    why = ""
+    for node in nodes:
+        labels = node.get("Labels") or {}
+        if not node.get("Alive") or labels.get("host") != host.name:
+            continue
+        wrong = {k: labels.get(k) for k, v in want.items() if labels.get(k) != v}
+        slot = (node.get("Resources") or {}).get("gpu_slot")
+        if not wrong and slot:
+            return True, ""
+        expected = {k: want[k] for k in wrong}
+        why = f"a node registered as host {host.name!r} with " + (
+            f"labels {wrong} where {expected} was expected" if wrong else "no gpu_slot"
+        )
+    return False, why
+
+
+class NodeTable:
+    """Ray's node table as the head's GCS holds it, in `ray.nodes()`'s shape, read without joining
+    the cluster as a driver.
+
+    `ray.init` as a driver takes seconds and prints every node death the GCS announces into our
+    output; Ray's own GCS client (`ray._raylet.GcsClient`, internal: Ray is pinned) reads the
+    table in about a millisecond. `refresh` is called from one thread.
+    """
+
+    def __init__(self, inventory: InventorySpec) -> None:
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]
+
+        enable_token_auth()
+        self.address = head_address(inventory)
+        try:
+            self._client = GcsClient(address=self.address)
+        except Exception as exc:  # as in refresh
+            raise InfrastructureError(f"cannot reach the Ray head at {self.address}: {exc}") from None
+        self.nodes: list[dict[str, Any]] = []
+
+    def refresh(self) -> None:
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
+
+        try:
+            infos = self._client.get_all_node_info(timeout=10)
+        except Exception as exc:  # the GCS client raises Ray's RpcError and plain RuntimeErrors
+            raise InfrastructureError(f"cannot read the node table of the Ray head at {self.address}: {exc}") from None
+        self.nodes = [
+            {
+                "Alive": info.state == GcsNodeInfo.GcsNodeState.ALIVE,
+                "Labels": dict(info.labels),
+                "Resources": dict(info.resources_total),
+                "NodeManagerAddress": info.node_manager_address,
+            }
+            for info in infos.values()
+        ]
+
+
+def _join(
+    shell: RemoteShell, host: HostSpec, state: HostState, table: NodeTable, timeout: float, deadline: float
+) -> None:
+    """Wait until the host's node is in the node table; else say why not, with its log's last lines."""
+    assert state.probe is not None
+    paths = _paths(host, state.probe.home)
+    launched = state.node == "launched"
+    checked = 0.0
+    while True:
+        joined, why = registration(table.nodes, host)
+        if joined:
+            state.node = "started" if launched else "running"
+            return
+        now = time.monotonic()
+        if now - checked >= 2.0:  # a node whose `ray start` exited will never join
+            checked = now
+            if not _node_alive(shell, paths):
+                state.node = "failed"
+                state.notes.append(f"ray start exited; last lines of {paths['log']}: {_log_tail(shell, paths)}")
+                return
+        if now > deadline:
+            state.node = "not joined"
+            reason = why or f"not registered with the head within {timeout:g} s"
+            state.notes.append(f"{reason}; last lines of {paths['log']}: {_log_tail(shell, paths)}")
+            return
+        time.sleep(POLL_S)
 
 
 def _stop_node(shell: RemoteShell, host: HostSpec, home: str, grace: float) -> str:
@@ -159,12 +261,13 @@ def _each_host(inventory: InventorySpec, fn: Callable[[HostSpec], HostState]) ->
         return list(pool.map(fn, inventory.hosts))
 
 
-def _remote_hosts(inventory: InventorySpec) -> None:
+def require_ssh_hosts(inventory: InventorySpec) -> None:
+    """`cluster` verbs need a head and an SSH address per host: their absence is bad input (exit 2)."""
     if inventory.embedded:
-        raise InfrastructureError("the inventory has no [head] address: `orchestrate run` starts Ray itself")
-    for h in inventory.hosts:
+        raise InputError("the inventory has no [head] address: `orchestrate run` starts Ray itself")
+    for i, h in enumerate(inventory.hosts):
         if h.host is None:
-            raise InfrastructureError(f"host {h.name!r} has no SSH address (field hosts.{h.name}.host)")
+            raise InputError(f"field hosts.{i}.host: host {h.name!r} has no SSH address, which `cluster` needs")
 
 
 class ClusterCheckError(InfrastructureError):
@@ -181,7 +284,7 @@ def check_hosts(inventory: InventorySpec, *, install_from: Path | None = None, l
     With `install_from` (a source archive, see `orchestrator.workerenv`), a host whose only
     problems are missing or mismatched packages gets them installed and is probed again.
     """
-    _remote_hosts(inventory)
+    require_ssh_hosts(inventory)
     head_python, head_ray = platform.python_version(), _ray_version()
 
     def check(host: HostSpec) -> HostState:
@@ -228,29 +331,42 @@ def cluster_up(
     if start_head(inventory):
         log(f"started the Ray head at {head_address(inventory)}")
     by_name = {s.name: s for s in states}
+    table = NodeTable(inventory)
+    table.refresh()
 
-    def up(host: HostSpec) -> HostState:
+    def up(host: HostSpec, deadline: float) -> HostState:
         state = by_name[host.name]
         assert state.probe is not None
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
-                state.node = _start_node(shell, host, inventory, state.probe, join_timeout)
+                state.node = _launch_node(shell, host, inventory, state.probe)
+                _join(shell, host, state, table, join_timeout, deadline)
         except InfrastructureError as exc:
             state.node = "failed"
             state.notes.append(exc.message)
         log(f"{host.name}: {state.node}")
         return state
 
-    states = _each_host(inventory, up)
-    failed = [s for s in states if s.node == "failed"]
-    if failed:
-        raise ClusterCheckError("; ".join(n for s in failed for n in s.notes), states)
+    with ThreadPoolExecutor(max_workers=min(16, len(inventory.hosts))) as pool:
+        deadline = time.monotonic() + join_timeout
+        futures = [pool.submit(up, host, deadline) for host in inventory.hosts]
+        while not all(f.done() for f in futures):  # the node table is read here, the hosts wait in threads
+            table.refresh()
+            time.sleep(POLL_S)
+        states = [f.result() for f in futures]
+    missing = [s for s in states if s.node not in ("started", "running")]
+    if missing:
+        detail = "; ".join(f"{s.name}: {s.node}: {'; '.join(s.notes)}" for s in missing)
+        raise ClusterCheckError(
+            f"{len(missing)} of {len(states)} nodes did not join the head at {head_address(inventory)}: {detail}",
+            states,
+        )
     return states
 
 
 def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _quiet) -> list[HostState]:
     """Stop the Ray nodes `cluster_up` started on each host, then the head it started here."""
-    _remote_hosts(inventory)
+    require_ssh_hosts(inventory)
 
     def down(host: HostSpec) -> HostState:
         state = HostState(host.name, host.device, f"{host.host}:{host.port}")
@@ -282,27 +398,19 @@ def ray_nodes(inventory: InventorySpec) -> dict[str, bool] | None:
     assert head.address is not None
     if not listening(head.address, head.ray_port):
         return None
-    import ray
-
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        enable_token_auth()
-        ray.init(address=head_address(inventory), logging_level=logging.ERROR, log_to_driver=False)
-    try:
-        seen: dict[str, bool] = {}
-        for node in ray.nodes():
-            name = (node.get("Labels") or {}).get("host")
-            if name:
-                seen[name] = seen.get(name, False) or bool(node.get("Alive"))
-        return seen
-    finally:
-        if connected_here:
-            ray.shutdown()
+    table = NodeTable(inventory)
+    table.refresh()
+    seen: dict[str, bool] = {}
+    for node in table.nodes:
+        name = (node.get("Labels") or {}).get("host")
+        if name:
+            seen[name] = seen.get(name, False) or bool(node.get("Alive"))
+    return seen
 
 
 def cluster_status(inventory: InventorySpec) -> list[HostState]:
     """Per host: reachable, versions, Ray node alive (as the head sees it), lock holder, last job."""
-    _remote_hosts(inventory)
+    require_ssh_hosts(inventory)
     nodes = ray_nodes(inventory)
 
     def status(host: HostSpec) -> HostState:
@@ -328,7 +436,7 @@ NODE_LOGS = ("raylet.out", "raylet.err")  # from the node's Ray session, beside 
 
 def cluster_logs(inventory: InventorySpec, out: Path) -> list[HostState]:
     """Copy each host's node logs (and the head's log) under `out/<host>/`; a lost host is noted."""
-    _remote_hosts(inventory)
+    require_ssh_hosts(inventory)
     head_log = Path(inventory.head.workdir).expanduser() / HEAD_LOG
     if head_log.exists():
         (out / "head").mkdir(parents=True, exist_ok=True)

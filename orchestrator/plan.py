@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import itertools
 import json
 import secrets
 import subprocess
@@ -19,6 +18,7 @@ from typing import Any
 
 from orchestrator.errors import InputError
 from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
+from orchestrator.sweepcheck import check_size, job_count
 from workers.contract import JobSpec, LockSettings
 
 OPTION_FIELDS = ("repo", "ref", "refs", "build", "gate", "run", "parse", "timeout")
@@ -83,9 +83,7 @@ def source_digest() -> str:
 
 def points(case: CaseEntry) -> list[dict[str, Any]]:
     """The cartesian product of a case's parameter axes, in file order."""
-    axes = case.axes()
-    keys = list(axes)
-    return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(axes[k] for k in keys))]
+    return list(case.points())
 
 
 def job_key(content: dict[str, Any]) -> str:
@@ -151,7 +149,14 @@ def expand(
     `version` (the commit) is recorded in every row; `digest` (default: `source_digest()`) is what
     the job key depends on.
     """
+    try:  # counted before expanding: 10^9 jobs would be a MemoryError, not a message
+        check_size(job_count(sweep, kinds), f"sweep {sweep.name!r} on {', '.join(kinds)}")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     digest = digest or source_digest()
+    # The embedded inventory's one host is this machine: its rows carry its name. (On a cluster,
+    # each node's worker sets its own host, `workers.task.localise`.)
+    host = inventory.hosts[0].name if inventory.embedded else JobSpec.model_fields["host"].default
     jobs: list[JobSpec] = []
     for case in sweep.cases:
         case_kinds = case.devices or kinds
@@ -194,6 +199,7 @@ def expand(
                         seed=(sweep.seed * 1_000_003 + int(key[:8], 16) + int(run_id.encode().hex()[-8:], 16)) % 2**32,
                         code_version=version,
                         lock=_lock_for(inventory, kind),
+                        host=host,
                         spool_dir=spool_dir,
                     )
                 )

@@ -46,7 +46,7 @@ from orchestrator.errors import (
 from orchestrator.history import Finding, findings_for_run, regressions, report_markdown, unjudged
 
 TAG = "# orchestrate:"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # matched whole: no '/', no '..', no newline
 _CRON_FIELD = re.compile(r"^(\*|\d+(-\d+)?)(/\d+)?(,(\*|\d+(-\d+)?)(/\d+)?)*$")
 _DOW = ["Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
 
@@ -245,16 +245,31 @@ def choose_backend(
     raise InputError(f"--backend {kind!r}: one of auto, systemd, cron")
 
 
+def check_name(name: str) -> str:
+    """A schedule name is a file name in the config dir and a crontab tag: refuse anything else
+    (a path such as `../../victim`, a trailing newline that would split a crontab line)."""
+    if not NAME_RE.fullmatch(name):
+        raise InputError(
+            f"schedule name {name!r} must be letters, digits, '.', '_' or '-' (starting with a letter or digit)"
+        )
+    return name
+
+
 def _record_path(name: str) -> Path:
-    return config_dir() / "schedules" / f"{name}.json"
+    return config_dir() / "schedules" / f"{check_name(name)}.json"
 
 
 def load_schedule(name: str) -> Schedule:
-    """The stored schedule of that name; an unknown name is an `InputError`."""
+    """The stored schedule of that name; an unknown name or a broken record is an `InputError`."""
     path = _record_path(name)
     if not path.exists():
         raise InputError(f"no schedule named {name!r}", where=str(path.parent))
-    return Schedule(**json.loads(path.read_text()))
+    try:
+        return Schedule(**json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise InputError(
+            f"schedule record is broken ({exc}); remove it and add the schedule again", where=str(path)
+        ) from None
 
 
 def list_schedules() -> list[Schedule]:
@@ -273,8 +288,6 @@ def run_command(name: str) -> str:
 
 def add_schedule(schedule: Schedule, backend: ScheduleBackend) -> str:
     """Store a schedule and install it; returns the installed crontab line or timer unit."""
-    if not NAME_RE.match(schedule.name):
-        raise InputError(f"schedule name {schedule.name!r} must be letters, digits, '.', '_' or '-'")
     path = _record_path(schedule.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     (config_dir() / "logs").mkdir(parents=True, exist_ok=True)
@@ -285,8 +298,8 @@ def add_schedule(schedule: Schedule, backend: ScheduleBackend) -> str:
 
 def remove_schedule(name: str, backend: ScheduleBackend) -> None:
     """Uninstall a schedule and forget it; a name neither stored nor installed is an `InputError`."""
+    record = _record_path(name)  # refuses a name that is not one (`../../victim`) before anything is touched
     removed = backend.remove(name)
-    record = _record_path(name)
     if not removed and not record.exists():
         raise InputError(f"no schedule named {name!r}")
     record.unlink(missing_ok=True)
@@ -301,7 +314,7 @@ class ScheduleBusyError(OrchestratorError):
 @contextmanager
 def overlap_guard(name: str) -> Iterator[None]:
     """Hold `locks/NAME.lock` (non-blocking flock) for one run; a second start raises at once."""
-    path = config_dir() / "locks" / f"{name}.lock"
+    path = config_dir() / "locks" / f"{check_name(name)}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:

@@ -1,44 +1,55 @@
-"""The files users write: sweeps and host inventories (pydantic, `extra="forbid"`, TOML).
+"""The files users write: sweeps (here) and host inventories (`orchestrator.inventory`, re-exported).
 
 `load_sweep` and `load_inventory` turn every problem into one `InputError` line that names the
-file and the field, so `orchestrate` exits 2 before anything starts.
+file and the field, what was found and what is allowed, so `orchestrate` exits 2 before anything
+starts. Reading the file is `orchestrator.tomlfile`'s part; what names may be,
+`orchestrator.names`'; a sweep's size, its points against each case's own rule and its criteria
+are `orchestrator.sweepcheck`'s; ProxyJump chains and which host is this machine are
+`orchestrator.reach`'s.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
+import itertools
+import math
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kernels import registry
+from kernels.registry import did_you_mean
+from orchestrator import sweepcheck
 from orchestrator.errors import InputError
+from orchestrator.inventory import (
+    LOCAL_INVENTORY,
+    HeadSpec,
+    HostDefaults,
+    HostSpec,
+    InventorySpec,
+    default_inventory_path,
+    load_inventory,
+)
+from orchestrator.names import Strict, check_env, check_name
+from orchestrator.tomlfile import load_model, read_toml, validation_message
 from orchestrator.where import parse_where
-from workers.command import check_case_settings
+from workers.command import FIELD_RE, check_case_settings
+
+__all__ = [  # the inventory's models and loader, and the loaders' helpers, re-exported
+    "LOCAL_INVENTORY",
+    "HeadSpec",
+    "HostDefaults",
+    "HostSpec",
+    "InventorySpec",
+    "default_inventory_path",
+    "load_inventory",
+    "read_toml",
+    "validation_message",
+]
 
 ParamValue = int | float | str | bool
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-# Host names, users and paths go into remote shell commands (quoted, but refused up front too).
-SAFE_RE = re.compile(r"^[A-Za-z0-9_./~@:+-]+$")
-
-
-def _check_name(value: str, what: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError(f"{what} {value!r} must be letters, digits, '.', '_' or '-'")
-    return value
-
-
-def _check_safe(value: str | None, what: str) -> str | None:
-    if value is not None and not SAFE_RE.match(value):
-        raise ValueError(f"{what} {value!r} contains shell metacharacters or spaces")
-    return value
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 # ----------------------------------------------------------------------------------------- sweeps
@@ -48,6 +59,11 @@ class ArmSpec(Strict):
     """An arm of a case: its environment overrides (and, for command cases, nothing else)."""
 
     env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env(v)
 
 
 class CaseEntry(Strict):
@@ -89,30 +105,49 @@ class CaseEntry(Strict):
             out[key] = list(value) if isinstance(value, list) else [value]
         return out
 
+    def point_count(self) -> int:
+        """How many parameter points the axes make, without making them."""
+        return math.prod(len(v) for v in self.axes().values())
+
+    def points(self) -> Iterator[dict[str, ParamValue]]:
+        """The cartesian product of the parameter axes, in file order."""
+        axes = self.axes()
+        keys = list(axes)
+        for combo in itertools.product(*(axes[k] for k in keys)):
+            yield dict(zip(keys, combo, strict=True))
+
     @model_validator(mode="after")
     def _check(self) -> CaseEntry:
         if self.name is not None:
-            _check_name(self.name, "case name")
+            check_name(self.name, "case name")
         spec = registry.get_case(self.case)
         if spec is None:
-            known = ", ".join(sorted(registry.CASES))
-            raise ValueError(f"unknown case {self.case!r} (known: {known})")
+            known = sorted(registry.CASES)
+            raise ValueError(f"unknown case {self.case!r} (known: {', '.join(known)}){did_you_mean(self.case, known)}")
         arms = self.arm_names()
         if not arms:
             raise ValueError("arms: at least one arm is needed")
         if len(set(arms)) != len(arms):
             raise ValueError("arms: an arm is named twice")
-        if spec.arms:
-            for arm in arms:
-                if arm not in spec.arms:
-                    raise ValueError(
-                        f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
-                    )
+        for arm in arms:
+            if spec.arms and arm not in spec.arms:
+                raise ValueError(
+                    f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
+                    + did_you_mean(arm, spec.arms)
+                )
+            check_name(arm, "arm name")
+        for kind in self.devices or []:
+            check_name(kind, "device kind")
         for key, values in self.axes().items():
             if not values:
                 raise ValueError(f"params.{key}: empty axis")
             if spec.params and key not in spec.params:
-                raise ValueError(f"params.{key}: unknown parameter for case {self.case!r}")
+                raise ValueError(
+                    f"params.{key}: unknown parameter for case {self.case!r} (known: {', '.join(spec.params)})"
+                    + did_you_mean(key, spec.params)
+                )
+            if not FIELD_RE.fullmatch(key):  # a `{param}` of a template, a name in `where`
+                raise ValueError(f"params: {key!r} is not a parameter name (letters, digits and '_')")
             want = spec.params.get(key)
             for v in values:
                 if want is not None and not _type_ok(v, want):
@@ -127,6 +162,8 @@ class CaseEntry(Strict):
             for f in COMMAND_FIELDS:
                 if getattr(self, f) is not None:
                     raise ValueError(f"{f}: only a command case takes `{f}`")
+        sweepcheck.check_size(self.point_count(), f"case {self.label!r}")
+        sweepcheck.check_points(self)
         return self
 
 
@@ -178,6 +215,13 @@ class Criterion(Strict):
     max_ratio: float | None = Field(default=None, gt=0)
     across: Literal["arms", "commits"] = "arms"  # same-output only
 
+    @field_validator("name", "metric")
+    @classmethod
+    def _printable(cls, v: str, info: ValidationInfo) -> str:
+        if not v.isprintable() or (info.field_name == "name" and not v.strip()):
+            raise ValueError(f"{info.field_name} {v!r} must be printable text on one line")
+        return v
+
     @model_validator(mode="after")
     def _bounds(self) -> Criterion:
         if self.kind == "same-output":
@@ -199,7 +243,7 @@ class Criterion(Strict):
     def _where(cls, v: str | None) -> str | None:
         if v is not None:
             try:
-                parse_where(v)
+                parse_where(v, what=repr(v))
             except InputError as exc:
                 raise ValueError(exc.message) from None
         return v
@@ -247,7 +291,14 @@ class SweepSpec(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return _check_name(v, "sweep name")
+        return check_name(v, "sweep name")
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: list[str]) -> list[str]:
+        for kind in v:
+            check_name(kind, "device kind")
+        return v
 
     @model_validator(mode="after")
     def _labels(self) -> SweepSpec:
@@ -255,226 +306,14 @@ class SweepSpec(Strict):
         dupes = {x for x in labels if labels.count(x) > 1}
         if dupes:
             raise ValueError(f"cases: two cases named {sorted(dupes)[0]!r}; give them distinct `name`s")
+        sweepcheck.check_size(sum(c.point_count() for c in self.cases), f"sweep {self.name!r}")
+        sweepcheck.check_baseline(self)
+        for i, criterion in enumerate(self.criteria):
+            sweepcheck.check_criterion(self, i, criterion)
         return self
-
-
-# -------------------------------------------------------------------------------------- inventory
-
-
-class HeadSpec(Strict):
-    """The Ray head. No address: an embedded local Ray instance on this machine."""
-
-    address: str | None = None
-    ray_port: int = Field(default=6379, ge=1, le=65535)
-    dashboard_port: int = Field(default=8265, ge=1, le=65535)
-    node_ip: str | None = None  # the address worker nodes reach the head on
-    workdir: str = "~/.orchestrate/head"  # where `cluster up` keeps the head's pid, log and Ray temp dir
-    dashboard: bool = True  # start Ray's dashboard with the head (`cluster up`)
-
-    @field_validator("address", "node_ip")
-    @classmethod
-    def _safe(cls, v: str | None) -> str | None:
-        return _check_safe(v, "address")
-
-
-class HostDefaults(Strict):
-    """Settings every host inherits unless it sets its own."""
-
-    user: str | None = None
-    port: int = Field(default=22, ge=1, le=65535)
-    identity_file: str | None = None
-    known_hosts: str | None = None
-    proxy_jump: str | list[str] | None = None
-    python: str = "python3"
-    workdir: str = "~/.orchestrate"
-    lock: str = "/tmp/orchestrate-gpu.lock"
-    max_wait: float = Field(default=0.0, ge=0)
-    idle_secs: float = Field(default=0.0, ge=0)
-    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
-    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
-    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
-    connect_timeout: float = Field(default=10.0, gt=0)
-    env: dict[str, str] = Field(default_factory=dict)
-    num_cpus: int | None = Field(default=None, ge=1)
-
-
-class HostSpec(Strict):
-    """One worker host: how to reach it over SSH and what it has."""
-
-    name: str
-    host: str | None = None  # SSH address; None: this machine (embedded)
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = None
-    proxy_jump: list[str] = Field(default_factory=list)
-    device: str
-    backend: str = "cpu"
-    python: str = "python3"
-    workdir: str = "~/.orchestrate"
-    lock: str = "/tmp/orchestrate-gpu.lock"
-    max_wait: float = Field(default=0.0, ge=0)
-    idle_secs: float = Field(default=0.0, ge=0)
-    max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
-    cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
-    kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
-    connect_timeout: float = Field(default=10.0, gt=0)
-    labels: dict[str, str] = Field(default_factory=dict)
-    env: dict[str, str] = Field(default_factory=dict)
-    node_ip: str | None = None  # the address the head reaches this host's Ray node on (default: Ray's guess)
-    num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
-
-    @field_validator("proxy_jump", mode="before")
-    @classmethod
-    def _jumps(cls, v: Any) -> Any:
-        if v is None:
-            return []
-        if isinstance(v, str):
-            return [j for j in v.split(",") if j]
-        return v
-
-    @field_validator("name", "device")
-    @classmethod
-    def _names(cls, v: str) -> str:
-        return _check_name(v, "name")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _auto(cls, data: Any) -> Any:
-        """`device = "auto"` / `backend = "auto"` on this machine: what MLX runs on here."""
-        if isinstance(data, dict) and not data.get("host") and "auto" in (data.get("device"), data.get("backend")):
-            from orchestrator.localhost import local_device  # asked of a short-lived process
-
-            kind, backend = local_device()
-            data = {**data}
-            if data.get("device") == "auto":
-                data["device"] = kind
-            if data.get("backend", "auto") == "auto":
-                data["backend"] = backend
-        return data
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, v: str) -> str:
-        if v not in ("cpu", "cuda", "metal", "rocm"):
-            raise ValueError(f"backend {v!r} is not one of cpu, cuda, metal, rocm")
-        return v
-
-    @field_validator("host", "user", "identity_file", "known_hosts", "python", "workdir", "lock", "node_ip")
-    @classmethod
-    def _safe(cls, v: str | None) -> str | None:
-        return _check_safe(v, "value")
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        for key, value in v.items():
-            _check_name(key, "label")
-            _check_name(value, f"value of label {key}")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
-                raise ValueError(f"environment variable name {key!r} is not valid")
-        return v
-
-    @field_validator("proxy_jump")
-    @classmethod
-    def _safe_jumps(cls, v: list[str]) -> list[str]:
-        for j in v:
-            _check_safe(j, "proxy_jump")
-        return v
-
-
-class InventorySpec(Strict):
-    """A host inventory: the head and the worker hosts."""
-
-    head: HeadSpec = Field(default_factory=HeadSpec)
-    defaults: HostDefaults = Field(default_factory=HostDefaults)
-    hosts: list[HostSpec] = Field(min_length=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _inherit(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        defaults = data.get("defaults") or {}
-        hosts = data.get("hosts")
-        if isinstance(defaults, dict) and isinstance(hosts, list):
-            merged = []
-            for h in hosts:
-                if isinstance(h, dict):
-                    h = {**{k: v for k, v in defaults.items() if k != "env"}, **h}
-                    if "env" in defaults:
-                        h["env"] = {**defaults["env"], **h.get("env", {})}
-                merged.append(h)
-            data = {**data, "hosts": merged}
-        return data
-
-    @model_validator(mode="after")
-    def _unique(self) -> InventorySpec:
-        names = [h.name for h in self.hosts]
-        for n in names:
-            if names.count(n) > 1:
-                raise ValueError(f"hosts: the host name {n!r} is used twice")
-        by_name = {h.name: h for h in self.hosts}
-        for h in self.hosts:
-            _check_jump_loop(h, by_name)
-        return self
-
-    @property
-    def embedded(self) -> bool:
-        """True when the head is an embedded local Ray instance on this machine."""
-        return self.head.address is None
-
-    def device_kinds(self) -> list[str]:
-        return sorted({h.device for h in self.hosts})
-
-
-def _check_jump_loop(host: HostSpec, by_name: dict[str, HostSpec]) -> None:
-    """A ProxyJump chain that reaches its own host again is refused."""
-    seen = {host.host or host.name, host.name}
-    for jump in host.proxy_jump:
-        target = jump.split("@")[-1].split(":")[0]
-        if target in seen:
-            raise ValueError(f"hosts.{host.name}.proxy_jump: a ProxyJump loop through {target!r}")
-        seen.add(target)
-        nested = by_name.get(target)
-        if nested is not None and nested.proxy_jump:
-            for j in nested.proxy_jump:
-                t = j.split("@")[-1].split(":")[0]
-                if t in seen:
-                    raise ValueError(f"hosts.{host.name}.proxy_jump: a ProxyJump loop through {t!r}")
 
 
 # ------------------------------------------------------------------------------------ file loading
-
-
-def read_toml(path: Path, what: str) -> dict[str, Any]:
-    """Parse a TOML file; a missing or malformed file is an `InputError` naming it."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{what} file not found", where=str(path)) from None
-    except OSError as exc:
-        raise InputError(f"cannot read {what} file: {exc.strerror}", where=str(path)) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"malformed TOML: {exc}", where=str(path)) from None
-
-
-def validation_message(exc: ValidationError) -> str:
-    """The first pydantic error as `field a.b: message`."""
-    err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    return f"field {loc}: {msg}" if loc else msg
 
 
 def builtin_sweeps() -> dict[str, Path]:
@@ -496,53 +335,32 @@ def resolve_sweep_path(name_or_path: str) -> Path:
 
 def load_sweep(name_or_path: str) -> SweepSpec:
     """Load and validate a sweep, by built-in name or path."""
-    path = resolve_sweep_path(name_or_path)
-    data = read_toml(path, "sweep")
-    try:
-        return SweepSpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc), where=str(path)) from None
-
-
-def default_inventory_path() -> Path:
-    """`inventories/local.toml` beside the package, or the packaged copy's equivalent."""
-    here = Path(__file__).resolve().parent.parent / "inventories" / "local.toml"
-    return here
-
-
-LOCAL_INVENTORY = {"hosts": [{"name": "local", "device": "cpu", "backend": "cpu"}]}
-
-
-def load_inventory(path: str | Path | None) -> InventorySpec:
-    """Load and validate an inventory; None means the embedded local one."""
-    if path is None:
-        p = default_inventory_path()
-        if not p.exists():
-            return InventorySpec.model_validate(LOCAL_INVENTORY)
-        path = p
-    path = Path(path)
-    data = read_toml(path, "inventory")
-    try:
-        return InventorySpec.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(validation_message(exc), where=str(path)) from None
+    return load_model(resolve_sweep_path(name_or_path), "sweep", SweepSpec)
 
 
 def check_sweep_against_inventory(sweep: SweepSpec, inventory: InventorySpec, where: str) -> list[str]:
-    """The device kinds the sweep runs on; a kind no host has is an `InputError`."""
+    """The device kinds the sweep runs on, checked before anything starts.
+
+    Raises:
+        InputError: a kind no host has, more jobs than `sweepcheck.MAX_JOBS`, or a point whose
+            arrays exceed the known memory of a device kind it runs on.
+    """
     kinds = inventory.device_kinds()
     wanted = sweep.devices or kinds
-    for kind in wanted:
-        if kind not in kinds:
-            raise InputError(
-                f"field devices: device kind {kind!r} has no host in the inventory (it has: {', '.join(kinds)})",
-                where=where,
-            )
-    for case in sweep.cases:
-        for kind in case.devices or []:
+    for field, listed in [
+        ("devices", wanted),
+        *((f"cases.{i}.devices", c.devices or []) for i, c in enumerate(sweep.cases)),
+    ]:
+        for kind in listed:
             if kind not in kinds:
                 raise InputError(
-                    f"field cases.{case.label}.devices: device kind {kind!r} has no host in the inventory",
+                    f"field {field}: device kind {kind!r} has no host in the inventory (it has: {', '.join(kinds)})"
+                    + did_you_mean(kind, kinds),
                     where=where,
                 )
+    try:
+        sweepcheck.check_size(sweepcheck.job_count(sweep, list(wanted)), f"sweep {sweep.name!r} on {', '.join(wanted)}")
+    except ValueError as exc:
+        raise InputError(str(exc), where=where) from None
+    sweepcheck.check_memory(sweep, inventory, list(wanted), where)
     return list(wanted)

@@ -2,8 +2,8 @@
 
 Grammar: `comparison ("and" comparison)*`, a comparison being `name op value` with `op` one of
 `== != < <= > >=` and `value` a number, a bare word or a quoted string. Numbers compare as
-numbers; words only with `==` and `!=`. Examples: `prompt_tokens >= 4096`,
-`tokens > 1 and dtype == bfloat16`.
+numbers; words only with `==` and `!=` (an ordering against a word, `tokens >= 4k`, is refused:
+it could select nothing). Examples: `prompt_tokens >= 4096`, `tokens > 1 and dtype == bfloat16`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ OPS: dict[str, Callable[[Any, Any], bool]] = {
     ">": operator.gt,
     ">=": operator.ge,
 }
-NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _number(text: str) -> float | None:
+def as_number(text: str) -> float | None:
+    """The number a value's text spells, or None for a word."""
     try:
         return float(text)
     except ValueError:
@@ -55,7 +56,7 @@ class Comparison:
         if self.name not in point:
             return False
         have, want = point[self.name], self.value
-        a, b = _number(have), _number(want)
+        a, b = as_number(have), as_number(want)
         if a is not None and b is not None:
             return OPS[self.op](a, b)
         if self.op in ("==", "!="):
@@ -85,7 +86,9 @@ def _tokens(text: str, what: str) -> list[tuple[str, str]]:
     while pos < len(text):
         m = TOKEN_RE.match(text, pos)
         if m is None or m.end() == pos:
-            raise InputError(f"{what}: cannot read {text[pos:].strip()!r} in {text!r}")
+            rest = text[pos:].strip()
+            hint = " (compare with ==)" if rest.startswith("=") else ""
+            raise InputError(f"{what}: cannot read {rest!r} in {text!r}{hint}")
         kind = m.lastgroup or ""
         value = m.group(kind)
         out.append((kind, value[1:-1] if kind == "str" else value))
@@ -114,10 +117,12 @@ def parse_where(text: str, *, what: str = "where") -> Condition:
         if len(chunk) < 3 or chunk[0][0] != "word" or chunk[1][0] != "op" or chunk[2][0] == "op":
             got = " ".join(v for _, v in chunk)
             raise InputError(f"{what}: expected `name op value` (op one of {' '.join(OPS)}), got {got!r}")
-        name = chunk[0][1]
-        if not NAME_RE.match(name):
+        name, op, value = chunk[0][1], chunk[1][1], chunk[2][1]
+        if not NAME_RE.fullmatch(name):
             raise InputError(f"{what}: {name!r} is not a parameter name")
-        parts.append(Comparison(name, chunk[1][1], chunk[2][1]))
+        if op not in ("==", "!=") and as_number(value) is None:
+            raise InputError(f"{what}: {op} compares numbers, and {value!r} is not one")
+        parts.append(Comparison(name, op, value))
         i += 3
         if i < len(tokens):
             if tokens[i] != ("word", "and"):

@@ -50,6 +50,7 @@ from workers.parsers import parser_for
 DEFAULT_TIMEOUT = 3600.0
 TAIL_CHARS = 1500
 BUILTIN_FIELDS = frozenset({"arm", "backend", "device", "host", "commit"})
+FIELD_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class CommandCaseError(Exception):
@@ -99,12 +100,30 @@ class CommandCase:
 def template_fields(template: str) -> set[str]:
     """The `{field}` names a run or build template uses (the head checks them against params).
 
-    Literal braces (a shell's `${VAR}`) are doubled: `$${{VAR}}`.
+    Literal braces (a shell's `${VAR}`) are doubled: `$${{VAR}}`. A field is a plain name: a
+    conversion (`{p!r}`), a format spec (`{p:.3}`), an attribute or an index (`{p.x}`, `{p[0]}`)
+    would rewrite the shell-quoted value (`{p!r}` quotes the quotes, `{p:.3}` cuts them off), so
+    the quoting would no longer hold; they are refused.
 
     Raises:
-        ValueError: a malformed template (an unmatched brace).
+        ValueError: a malformed template (an unmatched brace) or a field that is not a plain name.
     """
-    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"malformed template ({exc}; write literal braces twice)") from None
+    names: set[str] = set()
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if conversion or spec or not FIELD_RE.fullmatch(name):
+            written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(
+                f"template field {written} is not a plain {{name}} (no conversion, format spec, attribute or index: "
+                "values are shell-quoted as they are)"
+            )
+        names.add(name)
+    return names
 
 
 def render(template: str, values: dict[str, Any], what: str) -> str:
@@ -112,7 +131,7 @@ def render(template: str, values: dict[str, Any], what: str) -> str:
     try:
         missing = template_fields(template) - set(values)
     except ValueError as exc:
-        raise CommandCaseError(f"{what}: malformed template ({exc}; write literal braces twice)") from None
+        raise CommandCaseError(f"{what}: {exc}") from None
     if missing:
         raise CommandCaseError(f"{what}: template field {{{sorted(missing)[0]}}} is not a parameter")
     return template.format_map({k: shlex.quote(str(v)) for k, v in values.items()})
@@ -149,7 +168,7 @@ def check_case_settings(options: dict[str, Any], params: set[str]) -> None:
         try:
             unknown = template_fields(str(template)) - names
         except ValueError as exc:
-            raise ValueError(f"{key}: malformed template ({exc}; write literal braces twice)") from None
+            raise ValueError(f"{key}: {exc}") from None
         if unknown:
             raise ValueError(f"{key}: template field {{{sorted(unknown)[0]}}} is not a parameter")
 

@@ -60,6 +60,22 @@ def _nvidia_gpu() -> tuple[str | None, str | None]:
     return name.strip() or None, driver.strip() or None
 
 
+def device_memory_bytes(backend: str) -> int | None:
+    """The memory one job's arrays can live in on this machine's device of `backend`, or None.
+
+    CPU and Metal (unified memory): the RAM. CUDA: the first GPU's total memory as `nvidia-smi`
+    reports it (NVML; no device context is opened). ROCm and anything else: None (unknown here;
+    an inventory states it with `memory_gib`).
+    """
+    if backend in ("cpu", "metal"):
+        return _memory_bytes() or None
+    if backend == "cuda":
+        out = _command(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"])
+        first = out.splitlines()[0].strip() if out else ""
+        return int(first) * 1024 * 1024 if first.isdigit() else None
+    return None
+
+
 def _blas() -> str | None:
     """The BLAS MLX's CPU backend links (the Linux wheel bundles netlib's reference BLAS)."""
     try:

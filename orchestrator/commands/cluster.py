@@ -7,9 +7,18 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from orchestrator.cluster import ClusterCheckError, HostState, cluster_down, cluster_logs, cluster_status, cluster_up
+from orchestrator.cluster import (
+    ClusterCheckError,
+    HostState,
+    cluster_down,
+    cluster_logs,
+    cluster_status,
+    cluster_up,
+    require_ssh_hosts,
+)
 from orchestrator.console import console
-from orchestrator.specs import load_inventory
+from orchestrator.errors import InputError
+from orchestrator.specs import InventorySpec, load_inventory
 
 INVENTORY = typer.Option(..., "--inventory", "-i", help="host inventory TOML with a [head] address")
 
@@ -43,6 +52,16 @@ def hosts_table(states: list[HostState], title: str) -> Table:
     return table
 
 
+def load_cluster_inventory(path: Path) -> InventorySpec:
+    """The inventory, refused (exit 2, naming the file) without a head or an SSH address per host."""
+    inv = load_inventory(path)
+    try:
+        require_ssh_hosts(inv)
+    except InputError as exc:
+        raise InputError(exc.message, where=str(path)) from None
+    return inv
+
+
 def register(app: typer.Typer) -> None:
     cluster = typer.Typer(
         help="Start, stop and inspect the inventory's Ray worker nodes over SSH.", no_args_is_help=True
@@ -52,18 +71,20 @@ def register(app: typer.Typer) -> None:
     @cluster.command("up")
     def up(
         inventory: Path = INVENTORY,
-        join_timeout: float = typer.Option(90.0, "--join-timeout", help="seconds each node may take to join"),
+        join_timeout: float = typer.Option(
+            90.0, "--join-timeout", min=1, help="seconds each node may take to register with the head"
+        ),
         install: bool = typer.Option(
             False, "--install", help="pip-install this commit of orchestrate (and its pins) where it is missing"
         ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
-        inv = load_inventory(inventory)
+        inv = load_cluster_inventory(inventory)
         out = console()
         try:
             states = cluster_up(inv, join_timeout=join_timeout, install=install, log=out.print)
         except ClusterCheckError as exc:
-            started = any(s.node in ("started", "running") for s in exc.states)
+            started = any(s.node != "-" for s in exc.states)  # "-": the checks stopped it before any node
             out.print(hosts_table(exc.states, f"cluster {inventory}" + ("" if started else ": nothing started")))
             raise
         out.print(hosts_table(states, f"cluster {inventory}: {len(states)} nodes up"))
@@ -71,7 +92,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
         """Stop the Ray nodes (and head) that `cluster up` started; nothing else."""
-        inv = load_inventory(inventory)
+        inv = load_cluster_inventory(inventory)
         out = console()
         states = cluster_down(inv, log=out.print)
         out.print(hosts_table(states, f"cluster {inventory}: down"))
@@ -79,7 +100,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("status")
     def status(inventory: Path = INVENTORY) -> None:
         """Per host: reachable, versions, Ray node alive, lock holder, last job."""
-        inv = load_inventory(inventory)
+        inv = load_cluster_inventory(inventory)
         out = console()
         out.print(hosts_table(cluster_status(inv), f"cluster {inventory}"))
 
@@ -89,6 +110,6 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
     ) -> None:
         """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
-        inv = load_inventory(inventory)
+        inv = load_cluster_inventory(inventory)
         states = cluster_logs(inv, out)
         console().print(hosts_table(states, f"cluster {inventory}: logs in {out}"))

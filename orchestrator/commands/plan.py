@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
 from orchestrator.commands.run import results_root
 from orchestrator.errors import InputError
 from orchestrator.plan import code_version, expand, new_run_id
-from orchestrator.specs import InventorySpec, load_sweep
+from orchestrator.specs import InventorySpec, load_sweep, validation_message
 from orchestrator.store import ResultStore
 
 
@@ -25,7 +26,12 @@ def write_jobs(sweep_name: str, device: str, backend: str, out: Path, lock_path:
     host = {"name": device, "device": device, "backend": backend}
     if lock_path:
         host["lock"] = lock_path
-    inventory = InventorySpec.model_validate({"hosts": [host]})
+    try:
+        inventory = InventorySpec.model_validate({"hosts": [host]})
+    except ValidationError as exc:  # --device, --backend or --lock (the host the jobs are for)
+        message = validation_message(exc, InventorySpec).replace("field hosts.0.name", "--device")
+        message = message.replace("field hosts.0.", "--")
+        raise InputError(message) from None
     jobs = expand(sweep, inventory, [device], run_id=new_run_id(), version=code_version())
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
         sweep: str = typer.Option("smoke", "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
         results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
         force: bool = typer.Option(False, "--force", help="run jobs again even when complete in the store"),
-        job_timeout: float | None = typer.Option(None, "--job-timeout", help="seconds before a job is failed"),
+        job_timeout: float | None = typer.Option(None, "--job-timeout", min=1, help="seconds before a job is failed"),
         ref: list[str] | None = typer.Option(
             None, "--ref", help="build the command cases at this git ref; twice (BASE, then HEAD): compare two commits"
         ),

@@ -13,13 +13,14 @@ from orchestrator.history import THRESHOLD, WINDOW
 from orchestrator.schedule import (
     Schedule,
     add_schedule,
+    check_name,
     choose_backend,
     cron_expression,
     list_schedules,
     remove_schedule,
     run_now,
 )
-from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.specs import check_sweep_against_inventory, load_inventory, load_sweep, resolve_sweep_path
 
 BACKEND = typer.Option("auto", "--backend", help="auto (systemd where it runs, else cron), systemd or cron")
 CRONTAB_FILE = typer.Option(
@@ -47,8 +48,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Install a nightly run of a sweep, compared with its history after each run."""
         cron = cron_expression(at)
-        load_sweep(sweep)  # refuse a bad file now, not at 02:00
-        load_inventory(inventory)
+        check_name(name)
+        spec = load_sweep(sweep)  # refuse a bad file now, not at 02:00
+        check_sweep_against_inventory(spec, load_inventory(inventory), str(resolve_sweep_path(sweep)))
         sched = Schedule(
             name=name,
             sweep=str(resolve_sweep_path(sweep).resolve()),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -458,3 +459,92 @@ def test_install_puts_the_worker_packages_on_a_bare_host_then_it_runs_jobs(lab: 
     finally:
         down = orchestrate("cluster", "down", "--inventory", str(inv))
         assert down.returncode == 0, down.stdout + down.stderr
+
+
+# ------------------------------------------------ `cluster up` reports what really happened
+
+
+def _up(work: Path, env: dict[str, str], inv: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [ORCHESTRATE, "cluster", *extra, "--inventory", str(inv)], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def _stop_everything(work: Path, env: dict[str, str], inv: Path, pidfiles: list[Path]) -> None:
+    down = _up(work, env, inv, "down")
+    for pidfile in pidfiles:  # a safety net: nothing this test started may outlive it
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(pidfile.read_text()), signal.SIGKILL)
+    assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_a_host_sharing_another_hosts_ray_dir_is_reported_not_joined(lab: tuple[Path, SshLab]) -> None:
+    root, sshd = lab
+    work = root / "shared"
+    work.mkdir()
+    (work / "x2").mkdir()  # x2's HOME; its workdir is x1's
+    port = free_port("127.0.0.1")
+    shared = str(work / "x1")
+    one = work / "one.toml"
+    one.write_text(inventory_toml(work, sshd, port, {"x1": {"sshd": 0, "device": "alpha"}}))
+    both = work / "both.toml"
+    both.write_text(
+        inventory_toml(work, sshd, port, {"x1": {"sshd": 0, "device": "alpha"}, "x2": {"sshd": 1, "device": "alpha",
+                                                                                      "workdir": shared}})
+    )  # fmt: skip
+    env = child_env(HOME=str(work), RAY_AUTH_TOKEN_PATH=str(work / "token"))
+    try:
+        first = _up(work, env, one, "up")
+        assert first.returncode == 0 and "x1: started" in first.stdout, first.stdout + first.stderr
+        t0 = time.monotonic()
+        second = _up(work, env, both, "up", "--join-timeout", "10")
+        # x2 finds a live node process behind the pid file in its (shared) dir: x1's. Its log says
+        # "Ray runtime started." too. Only the head's node table says that x2 never joined.
+        assert second.returncode == 3, second.stdout + second.stderr
+        assert "x1: running" in second.stdout and "x2: not joined" in second.stdout, second.stdout
+        err = second.stderr.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert err[0].startswith(f"orchestrate: error: 1 of 2 nodes did not join the head at 127.0.0.1:{port}: x2: ")
+        assert f"not registered with the head within 10 s; last lines of {shared}/ray-node.log: " in err[0]
+        log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", (work / "x1" / "ray-node.log").read_text())
+        assert "Ray runtime started." in log  # what made the old check (a line in the log) say "started"
+        assert [ln.strip() for ln in log.splitlines() if ln.strip()][-1] in err[0]  # its last lines, plain
+        assert time.monotonic() - t0 < 10 + 60  # the join timeout, plus SSH, probes and Ray's driver start
+        status = _up(work, env, both, "status")
+        line = next(ln for ln in status.stdout.splitlines() if ln.strip(" │|").startswith("x2"))
+        assert "not joined" in line, status.stdout
+    finally:
+        _stop_everything(work, env, both, [work / "x1" / "ray-node.pid", work / "head" / "head.pid"])
+
+
+def test_a_node_whose_ray_start_exits_is_reported_at_once_with_its_log(lab: tuple[Path, SshLab]) -> None:
+    root, sshd = lab
+    work = root / "exits"
+    work.mkdir()
+    # A host whose Python answers the version probe but whose `ray start` exits at once (as a
+    # broken Ray install or a refused option would): a wrapper around the real interpreter.
+    wrapper = work / "python"
+    wrapper.write_text(
+        '#!/bin/sh\ncase "$*" in *ray.scripts.scripts\\ start*)\n'
+        '  echo "ray start: cannot bind the node manager port" >&2; echo "node exiting" >&2; exit 1;;\nesac\n'
+        f'exec {BIN / "python"} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    inv = work / "inv.toml"
+    inv.write_text(
+        inventory_toml(work, sshd, free_port("127.0.0.1"), {"x1": {"sshd": 0, "device": "alpha", "python": wrapper}})
+    )
+    env = child_env(HOME=str(work), RAY_AUTH_TOKEN_PATH=str(work / "token"))
+    try:
+        t0 = time.monotonic()
+        up = _up(work, env, inv, "up", "--join-timeout", "120")
+        assert up.returncode == 3, up.stdout + up.stderr
+        assert "x1: failed" in up.stdout
+        assert (
+            f"x1: failed: ray start exited; last lines of {work / 'x1'}/ray-node.log: "
+            "ray start: cannot bind the node manager port | node exiting"
+        ) in up.stderr, up.stderr
+        assert time.monotonic() - t0 < 90  # found when the process exits, not at the 120 s join timeout
+    finally:
+        _stop_everything(work, env, inv, [work / "x1" / "ray-node.pid", work / "head" / "head.pid"])

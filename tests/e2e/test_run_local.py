@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from orchestrator.plan import expand
 from orchestrator.specs import load_inventory, load_sweep
+from orchestrator.store import ResultStore
 from tests.conftest import child_env, until_clean
 
 pytestmark = pytest.mark.slow
@@ -87,3 +91,31 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     q = _run([orchestrate_bin, "query", "select count(*) as n from results", "--format", "csv"], work)
     assert q.returncode == 0, q.stderr
     assert q.stdout.strip().splitlines() == ["n", str(reported)]
+
+
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1", socket.gethostname()])
+def test_an_inventory_naming_this_machine_runs_here_and_starts_ray(
+    host: str, tmp_path: Path, orchestrate_bin: str
+) -> None:
+    """The counterpart of issue 15's refusals: this machine, however it is named, runs its jobs here
+    (and Ray's temp dir appears, which the bad-input tests check is absent)."""
+    inv = tmp_path / "here.toml"
+    inv.write_text(f'[[hosts]]\nname = "here"\nhost = "{host}"\ndevice = "cpu"\nbackend = "cpu"\n')
+    sweep = tmp_path / "tiny.toml"
+    sweep.write_text(
+        'name = "tiny"\nrepetitions = 2\nwarmup = 0\n[[cases]]\ncase = "qmm"\narms = ["native"]\n'
+        "params = { tokens = 1, n = 32, k = 64 }\n"
+    )
+    results = tmp_path / "results"
+    ray_tmp = Path(tempfile.mkdtemp(prefix="r-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    try:
+        proc, _ = until_clean(lambda: subprocess.run(
+            [orchestrate_bin, "run", "--inventory", str(inv), "--sweep", str(sweep), "--results", str(results)],
+            capture_output=True, text=True, env=child_env(RAY_TMPDIR=str(ray_tmp)), timeout=600,
+        ))  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert any(ray_tmp.rglob("session_*"))  # Ray started, under the temp dir RAY_TMPDIR names
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    table = ResultStore(results).read(sweep="tiny")
+    assert set(table.column("host").to_pylist()) == {"here"} and set(table.column("status").to_pylist()) == {"ok"}

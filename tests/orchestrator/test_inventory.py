@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import node_command, node_env
-from orchestrator.specs import load_inventory
+from orchestrator.cluster import node_command, node_env, registration
+from orchestrator.specs import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
 GOOD_HOSTS = """
@@ -71,24 +71,24 @@ BAD = {
     ),
     "invalid port": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\nport = 70000\ndevice = "x"\n',
-        "field hosts.0.port: Input should be less than or equal to 65535",
+        "field hosts.0.port: Input should be less than or equal to 65535 (found 70000)",
     ),
     "ProxyJump loop": (
         '[[hosts]]\nname = "a"\nhost = "a"\nproxy_jump = "b"\ndevice = "x"\n'
         '[[hosts]]\nname = "b"\nhost = "b"\nproxy_jump = "a"\ndevice = "x"\n',
-        "hosts.a.proxy_jump: a ProxyJump loop through 'a'",
+        "field hosts.0.proxy_jump (host 'a'): a ProxyJump loop: a -> b -> a",
     ),
     "metacharacters in a host name": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1;reboot"\ndevice = "x"\n',
-        "field hosts.0.host: value '10.0.0.1;reboot' contains shell metacharacters or spaces",
+        "field hosts.0.host: value '10.0.0.1;reboot' contains shell metacharacters, spaces or control characters",
     ),
     "metacharacters in a path": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\npython = "/opt/$(id)/python"\ndevice = "x"\n',
-        "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters or spaces",
+        "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters, spaces or control characters",
     ),
     "unknown field": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nbogus = 1\n',
-        "field hosts.0.bogus: unknown field",
+        "field hosts.0.bogus: unknown field 'bogus' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
     ),
 }
 
@@ -144,3 +144,29 @@ def test_run_without_a_live_head_fails_fast_with_exit_3(tmp_path: Path, orchestr
     assert proc.returncode == 3, proc.stderr
     assert f"no Ray head answers at 127.0.0.1:{port}: start the cluster with `orchestrate cluster up`" in proc.stderr
     assert time.monotonic() - t0 < 30  # not Ray's minutes-long wait for a GCS that is not there
+
+
+def test_a_node_counts_as_joined_only_alive_with_its_labels_and_a_gpu_slot() -> None:
+    inv = load_inventory(REPO / "inventories" / "lab.toml")
+    strix = inv.hosts[1]
+    labels = {
+        "device-kind": "gfx1151",
+        "backend": "rocm",
+        "host": "strix",
+        "chip": "strix-halo",
+        "ray.io/node-id": "ab",
+    }
+
+    def node(alive: bool = True, slot: float = 1.0, **over: str) -> dict[str, object]:
+        return {"Alive": alive, "Labels": {**labels, **over}, "Resources": {"CPU": 16.0, "gpu_slot": slot}}
+
+    assert registration([node()], strix) == (True, "")
+    assert registration([node(alive=False), node()], strix) == (True, "")  # an old dead entry beside the new one
+    assert registration([node(alive=False)], strix) == (False, "")
+    assert registration([node(host="studio")], strix) == (False, "")  # another host's node
+    assert registration([node(**{"device-kind": "cpu"})], strix) == (
+        False,
+        "a node registered as host 'strix' with labels {'device-kind': 'cpu'} where {'device-kind': 'gfx1151'} "
+        "was expected",
+    )
+    assert registration([node(slot=0.0)], strix) == (False, "a node registered as host 'strix' with no gpu_slot")

@@ -9,9 +9,9 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from pydantic import ValidationError
 
 from orchestrator.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
-from orchestrator.errors import InputError
 from orchestrator.report import build_report
 from orchestrator.report_tables import applies, criteria_table, device_verdict, overview_table
 from orchestrator.specs import SweepSpec
@@ -139,13 +139,14 @@ def test_across_arms_judges_every_commit_of_a_comparison() -> None:
 
 def test_same_output_criteria_are_checked_before_anything_runs() -> None:
     validate_criteria(sweep(SAME_ARMS, SAME_COMMITS))
-    with pytest.raises(InputError, match="no case of sweep 's' has arm 'nope'"):
-        validate_criteria(sweep({**SAME_ARMS, "arm": "nope"}))
-    with pytest.raises(InputError, match="has two arms or more"):
-        validate_criteria(sweep(SAME_ARMS, arms=["opt-out"]))
+    # refused as the sweep is loaded (orchestrator.sweepcheck), before anything else looks at it
+    with pytest.raises(ValidationError, match="arm 'nope' is not an arm of any case"):
+        sweep({**SAME_ARMS, "arm": "nope"})
+    with pytest.raises(ValidationError, match="no case has two arms or more to compare"):
+        sweep(SAME_ARMS, arms=["opt-out"])
     validate_criteria(sweep(SAME_COMMITS, arms=["opt-out"]))  # one arm across commits is fine
-    with pytest.raises(InputError, match="parameters of where 'tokens >= 4096'"):
-        validate_criteria(sweep({**SAME_ARMS, "where": "tokens >= 4096"}))
+    with pytest.raises(ValidationError, match="where names 'tokens', not a parameter of its cases"):
+        sweep({**SAME_ARMS, "where": "tokens >= 4096"})
 
 
 def test_ratio_criteria_judge_head_alone_in_a_commit_comparison() -> None:

@@ -143,6 +143,50 @@ def test_second_start_while_one_runs_exits_at_once(tmp_path: Path, config: Path)
         pass
 
 
+@pytest.mark.parametrize("name", ["nightly\n", "night ly", "../nightly", "a/b", ".hidden", "\tnightly"])
+def test_a_name_that_is_not_a_name_is_refused_before_anything_is_written(
+    name: str, tmp_path: Path, config: Path, orchestrate_bin: str
+) -> None:
+    cronfile = tmp_path / "crontab"
+    cronfile.write_text("15 3 * * * /usr/bin/backup\n")
+    env = {**os.environ, "ORCHESTRATE_CONFIG_DIR": str(config)}
+    proc = subprocess.run(
+        [orchestrate_bin, "schedule", "add", name, "--sweep", "smoke", "--crontab-file", str(cronfile)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"orchestrate: error: schedule name {name!r} must be letters, digits, '.', '_' or " \
+        "'-' (starting with a letter or digit)"  # fmt: skip
+    assert cronfile.read_text() == "15 3 * * * /usr/bin/backup\n"  # the crontab line was never split or written
+    assert not config.exists()
+    with pytest.raises(InputError, match="schedule name"):
+        add_schedule(sched(name), Crontab(cronfile))
+
+
+@pytest.mark.parametrize("name", ["../../victim", "../schedules/x", "{tmp}/victim"])
+def test_remove_never_touches_a_file_outside_the_schedules(
+    name: str, tmp_path: Path, config: Path, orchestrate_bin: str
+) -> None:
+    name = name.format(tmp=tmp_path)
+    (config / "schedules").mkdir(parents=True)
+    victim = (config / "schedules" / f"{name}.json").resolve()  # where the record of that "name" would be
+    victim.parent.mkdir(parents=True, exist_ok=True)
+    victim.write_text("precious")
+    try:
+        proc = subprocess.run(
+            [orchestrate_bin, "schedule", "remove", name, "--crontab-file", str(tmp_path / "crontab")],
+            capture_output=True, text=True, env={**os.environ, "ORCHESTRATE_CONFIG_DIR": str(config)}, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"schedule name {name!r} must be" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert victim.read_text() == "precious"
+        with pytest.raises(InputError, match="schedule name"):
+            remove_schedule(name, Crontab(tmp_path / "crontab"))
+        assert victim.read_text() == "precious"
+    finally:
+        victim.unlink()
+
+
 BENCH = bench_script(0.01)
 
 

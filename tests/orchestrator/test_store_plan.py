@@ -13,7 +13,10 @@ from orchestrator.specs import InventorySpec, SweepSpec
 from orchestrator.store import ResultStore
 from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
 
-INV = InventorySpec.model_validate({"hosts": [{"name": "a", "device": "cpu"}, {"name": "b", "device": "m1-ultra"}]})
+# two device kinds need two nodes: a cluster inventory (with a head), as `orchestrate run` would require
+INV = InventorySpec.model_validate(
+    {"head": {"address": "127.0.0.1"}, "hosts": [{"name": "a", "device": "cpu"}, {"name": "b", "device": "m1-ultra"}]}
+)
 
 
 def _sweep(**over: object) -> SweepSpec:
@@ -103,6 +106,7 @@ def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypa
 
     inv = InventorySpec.model_validate(
         {
+            "head": {"address": "127.0.0.1"},
             "defaults": {"max_attempts": 3, "cpu_busy_threshold": 80.0},
             "hosts": [
                 {"name": "a", "device": "cpu", "lock": "/tmp/a.lock", "max_wait": 30, "idle_secs": 2},

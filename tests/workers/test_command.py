@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from workers.command import template_fields
+from workers.command import CommandCaseError, render, template_fields
 from workers.command_job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
@@ -168,6 +168,18 @@ def test_unknown_ref_and_failed_build_are_failed_rows(bench_repo: Path, tmp_path
 
 def test_template_fields() -> None:
     assert template_fields("./b {checkpoint} --p {prompt_tokens} {arm}") == {"checkpoint", "prompt_tokens", "arm"}
+    assert template_fields("echo $${{HOME}} {p}") == {"p"}  # a shell's ${VAR}, braces doubled
+
+
+@pytest.mark.parametrize("field", ["{p!r}", "{p!s}", "{p:.3}", "{p:>20}", "{p[0]}", "{p.upper}", "{0}", "{}"])
+def test_fields_that_would_rewrite_the_quoted_value_are_refused(field: str) -> None:
+    # `{p!r}` of the quoted "a b" is "\"'a b'\"" and `{p:.3}` is "'a " (the closing quote cut off): both
+    # hand the shell an unquoted or half-quoted value, so no template may carry them.
+    with pytest.raises(ValueError, match=re.escape(f"template field {field} is not a plain {{name}}")):
+        template_fields(f"./b {field}")
+    with pytest.raises(CommandCaseError, match=re.escape(f"run: template field {field}")):
+        render(f"./b {field}", {"p": "a b; rm -rf ~"}, "run")
+    assert render("./b {p}", {"p": "a b; rm -rf ~"}, "run") == "./b 'a b; rm -rf ~'"
 
 
 def test_sweep_validation_checks_command_settings() -> None:
