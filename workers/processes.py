@@ -1,14 +1,16 @@
-"""The process table, as the GPU lock and the GPU-user probes need it.
+"""The process table, as the GPU lock, the GPU-user probes and the process trees need it.
 
 Linux reads `/proc`; elsewhere (macOS) `ps` answers. A zombie (exited, not yet reaped) counts
-as gone.
+as gone. `workers.process_tree` builds the workloads' process trees on `process_table`.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 
 
 def pid_alive(pid: int) -> bool:
@@ -79,3 +81,126 @@ def is_descendant(pid: int, ancestor: int) -> bool:
         current = parent_pid(current)
         seen += 1
     return False
+
+
+# ------------------------------------------------------------------------ the whole process table
+
+
+@dataclass(frozen=True)
+class ProcessEntry:
+    """One process as the table shows it.
+
+    Attributes:
+        start: When it started (Linux: clock ticks since boot; elsewhere `ps`'s start time), so
+            that a pid reused by another process is never taken for the one seen before.
+        sid: Its session id (Linux only; 0 elsewhere).
+        zombie: It has exited and waits for its parent to reap it (it holds no files any more).
+    """
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    start: str
+    zombie: bool
+
+
+def process_table() -> dict[int, ProcessEntry]:
+    """Every process of this pid namespace, by pid (Linux `/proc`, elsewhere one `ps` call)."""
+    if not sys.platform.startswith("linux"):
+        return _ps_table()
+    out: dict[int, ProcessEntry] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            entry = _proc_entry(int(name))
+            if entry is not None:
+                out[entry.pid] = entry
+    return out
+
+
+def _proc_entry(pid: int) -> ProcessEntry | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    # fields[0] is the state, then ppid, pgrp, session, ...; the start time is field 22 of stat
+    return ProcessEntry(
+        pid=pid,
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        start=fields[19].decode(),
+        zombie=fields[0] in (b"Z", b"X"),
+    )
+
+
+def _ps_table() -> dict[int, ProcessEntry]:
+    argv = ["ps", "-A", "-o", "pid=,ppid=,pgid=,stat=,lstart="]
+    try:
+        text = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out: dict[int, ProcessEntry] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 4)
+        if len(parts) == 5 and parts[0].isdigit() and parts[1].isdigit() and parts[2].isdigit():
+            pid = int(parts[0])
+            out[pid] = ProcessEntry(pid, int(parts[1]), int(parts[2]), 0, parts[4].strip(), parts[3].startswith("Z"))
+    return out
+
+
+def process_entry(pid: int) -> ProcessEntry | None:
+    """One process's table entry, or None when it is gone."""
+    if sys.platform.startswith("linux"):
+        return _proc_entry(pid)
+    return _ps_table().get(pid)
+
+
+def signal_process(entry: ProcessEntry, signum: int) -> bool:
+    """Send `signum` to the process `entry` names, never to another that reused its pid.
+
+    On Linux the process is pinned by a pidfd and its start time checked before the signal goes;
+    elsewhere the start time is checked just before `kill` (a narrow window remains).
+
+    Returns:
+        True when the signal was delivered.
+    """
+    if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
+        try:
+            fd = os.pidfd_open(entry.pid)
+        except OSError:
+            return False
+        try:
+            now = process_entry(entry.pid)
+            if now is None or now.start != entry.start:
+                return False
+            signal.pidfd_send_signal(fd, signum)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+    now = process_entry(entry.pid)
+    if now is None or now.start != entry.start:
+        return False
+    try:
+        os.kill(entry.pid, signum)
+    except OSError:
+        return False
+    return True
+
+
+def process_cmdline(pid: int) -> list[str]:
+    """A process's command line as its argv (`/proc/<pid>/cmdline`, elsewhere `ps`); [] when unknown."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+        return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        return []
+    text = _ps_field(pid, "command")
+    return text.split() if text else []

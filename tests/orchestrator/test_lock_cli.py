@@ -71,24 +71,15 @@ def test_status_free_held_stale(orchestrate_bin: str, lock: str, env: dict[str, 
 
 
 def test_hold_passes_the_exit_code_stdin_and_the_variable(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
-    done = run(
-        orchestrate_bin,
-        "lock",
-        "hold",
-        "--lock",
-        lock,
-        "--",
-        "sh",
-        "-c",
-        f'cat; echo "held=${GUARD_ENV} parent=$PPID"; exit 3',
-        env=env,
-        input="piped\n",
-    )
-    assert done.returncode == 3, done.stderr
-    lines = done.stdout.splitlines()
+    hold = subprocess.Popen(
+        [orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", f'cat; echo "held=${GUARD_ENV}"; exit 3'],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    out, err = hold.communicate("piped\n", timeout=60)
+    assert hold.returncode == 3, err
+    lines = out.splitlines()
     assert lines[0] == "piped"
-    held, parent = (part.split("=")[1] for part in lines[1].split())
-    assert held == parent  # the variable names the holder, the command's parent
+    assert lines[1] == f"held={hold.pid}"  # the variable names the holder
     assert not lock_status(lock).busy and not os.path.exists(holder_path(lock))
     killed = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", "kill -9 $$", env=env)
     assert killed.returncode == 128 + 9

@@ -1,0 +1,468 @@
+"""A workload's whole process tree: started, followed, ended, and only then let go.
+
+A benchmark is rarely one process: a shell script starts the engine, the engine forks helpers,
+a helper calls `setsid` and daemonises. Killing the first process (or its process group) leaves
+the rest running on the GPU with the lock already free, and a descendant that keeps stdout open
+makes a pipe reader wait long past any timeout. `ProcessTree` follows every descendant instead.
+
+* Linux: the workload runs under a keeper (`workers/tree_keeper.py`, a small stdlib script)
+  that is a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`): a descendant whose parent exits
+  is re-parented to the keeper, not to init, so the keeper's descendants are exactly the tree,
+  whatever they do (`setsid`, double forks, a cleared environment). The keeper is tied to this
+  process by a socket: when this process closes it (to end the tree) or dies (a SIGKILLed
+  worker, a killed `orchestrate lock hold`), the keeper SIGKILLs every descendant and exits.
+* Elsewhere (macOS has no subreaper): the tree is followed by polling the process table for the
+  root's descendants (parent links) and its process group, remembering every member seen; a
+  descendant that leaves the group and whose parent exits between two polls (50 ms) is
+  re-parented to launchd and escapes. Nothing ends the tree when this process is SIGKILLed.
+
+Either way the GPU lock holds while any of the tree runs, because the workload inherits the
+lock's descriptor (`pass_fds`, as `flock(1)` does; see `workers.gpulock`). A cgroup would also
+contain the tree, but hosts rarely delegate a writable one to the benchmark user (a Ray node runs
+in a login session's scope), and the keeper catches the same processes; none is used.
+
+Ending a tree signals members through pidfds (never a pid reused by someone else) and returns
+only when every member is gone (exited, or a zombie: it holds no files). `run_tree` is the
+one-call form: output streamed to files (a bounded tail kept for messages, a size limit
+enforced), a timeout that kills the whole tree, leftovers ended when the root exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Literal
+
+from workers.processes import ProcessEntry, process_table, signal_process
+
+KEEPER = Path(__file__).with_name("tree_keeper.py")
+DEFAULT_TAIL_BYTES = 16 * 1024
+DEFAULT_MAX_OUTPUT = 64 * 2**20  # per stream; a workload that prints more is stopped
+KILL_WAIT_S = 30.0  # how long `end` waits for SIGKILLed members to go (a D-state process may linger)
+POLL_S = 0.05
+
+
+def keeper_supported() -> bool:
+    """Whether trees run under a subreaper keeper here (Linux)."""
+    return sys.platform.startswith("linux")
+
+
+class ProcessTree:
+    """One workload's process tree.
+
+    Example:
+        with ProcessTree(["bash", "-c", script], stdout=log, stderr=log) as tree:
+            code = tree.wait(timeout=60)   # None: still running after 60 s
+        # leaving the block ends whatever is left of the tree and returns once it is gone
+
+    Args:
+        argv: The root command.
+        cwd, env, stdin, stdout, stderr: As for `subprocess.Popen` (`env` None: this process's).
+        pass_fds: Descriptors the workload inherits (the GPU lock's, so the workload holds it).
+        session: True: the tree gets a new session (no controlling terminal); False: a new
+            process group in this session (a foreground job on a terminal, for `lock hold`).
+
+    Attributes:
+        seconds: The root's run time (from just before it was spawned to its exit), once known.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: int | IO[bytes] | None = None,
+        stdout: int | IO[bytes] | None = None,
+        stderr: int | IO[bytes] | None = None,
+        pass_fds: Sequence[int] = (),
+        session: bool = True,
+    ) -> None:
+        self.argv = list(argv)
+        self._env = dict(os.environ if env is None else env)
+        self._popen_kw = {"cwd": cwd, "stdin": stdin, "stdout": stdout, "stderr": stderr}
+        self._pass_fds = tuple(pass_fds)
+        self._session = session
+        self._keeper = keeper_supported()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._buffer = b""
+        self._root = -1
+        self._code: int | None = None
+        self._seen: dict[int, str] = {}  # polled trees: pid -> start time of every member seen
+        self._started = 0.0
+        self.seconds: float | None = None
+
+    # ---------------------------------------------------------------------------------- running
+
+    def start(self) -> ProcessTree:
+        """Start the tree.
+
+        Raises:
+            OSError: The command cannot be started (FileNotFoundError, PermissionError, ...).
+        """
+        group: dict[str, object] = {"start_new_session": True} if self._session else {"process_group": 0}
+        self._started = time.monotonic()
+        if not self._keeper:
+            self._proc = subprocess.Popen(
+                self.argv,
+                env=self._env,
+                pass_fds=self._pass_fds,
+                **self._popen_kw,
+                **group,  # type: ignore[call-overload]
+            )
+            self._root = self._proc.pid
+            self.members()
+            return self
+        ours, theirs = socket.socketpair()
+        try:
+            argv = [sys.executable, "-S", "-I", str(KEEPER), str(theirs.fileno()), "--", *self.argv]
+            self._proc = subprocess.Popen(
+                argv,
+                env=self._env,
+                pass_fds=(theirs.fileno(), *self._pass_fds),
+                **self._popen_kw,
+                **group,  # type: ignore[call-overload]
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+        first = self._message(None)
+        if first is None or first[0] != "root":
+            self._proc.wait()
+            ours.close()
+            self._sock = None
+            errno, _, why = (first[1] if first and first[0] == "error" else "0 the tree keeper exited").partition(" ")
+            raise OSError(int(errno), why or "cannot start", self.argv[0])
+        self._root = int(first[1])
+        return self
+
+    def _message(self, timeout: float | None) -> tuple[str, str] | None:
+        """The keeper's next line (`kind`, `rest`; `eof` when it is gone), None when none came in time."""
+        assert self._sock is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._sock], [], [], left)
+            if not ready:
+                return None
+            chunk = self._sock.recv(4096)
+            if not chunk:
+                return "eof", ""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        kind, _, rest = line.decode().partition(" ")
+        return kind, rest
+
+    @property
+    def pid(self) -> int:
+        """The workload's root process."""
+        return self._root
+
+    @property
+    def pgid(self) -> int:
+        """The tree's process group (the keeper's on Linux, else the root's)."""
+        assert self._proc is not None, "the tree was not started"
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        """The root's exit status (negative: the signal that killed it), None while it runs."""
+        return self.wait(0)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the root to exit (following the tree meanwhile); None when `timeout` ran out."""
+        assert self._proc is not None, "the tree was not started"
+        if self._code is not None:
+            return self._code
+        if self._sock is None:  # polled
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while (code := self._proc.poll()) is None:
+                self.members()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                time.sleep(POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic())))
+            self._code, self.seconds = code, time.monotonic() - self._started
+            return code
+        message = self._message(timeout)
+        if message is None:
+            return None
+        kind, rest = message
+        if kind == "exit":
+            status, _, seconds = rest.partition(" ")
+            self._code, self.seconds = int(status), float(seconds)
+        elif kind == "eof":  # the keeper itself was killed: its tree went with it (or is going)
+            self._proc.wait()
+            self._code = -signal.SIGKILL
+        return self._code
+
+    # ---------------------------------------------------------------------------------- members
+
+    def members(self) -> list[ProcessEntry]:
+        """Every live process of the workload's tree now (the keeper not included)."""
+        assert self._proc is not None, "the tree was not started"
+        table = process_table()
+        children: dict[int, list[int]] = {}
+        for entry in table.values():
+            children.setdefault(entry.ppid, []).append(entry.pid)
+        if self._keeper:
+            found: set[int] = set()
+            stack = [self._proc.pid]
+        else:
+            grouped = self._proc.returncode is None  # the root's group id is reserved until it is reaped
+            found = {
+                e.pid
+                for e in table.values()
+                if self._seen.get(e.pid) == e.start or (grouped and (e.pid == self._root or e.pgid == self._root))
+            }
+            stack = list(found)
+        while stack:
+            for child in children.get(stack.pop(), []):
+                if child not in found:
+                    found.add(child)
+                    stack.append(child)
+        live = [table[pid] for pid in found if not table[pid].zombie]
+        if not self._keeper:
+            self._seen.update((e.pid, e.start) for e in live)
+        return sorted(live, key=lambda e: e.pid)
+
+    def signal(self, signum: int) -> int:
+        """Send `signum` to every live member; returns how many got it."""
+        return sum(signal_process(entry, signum) for entry in self.members())
+
+    def end(self, grace: float = 0.0, *, kill_wait: float = KILL_WAIT_S) -> list[int]:
+        """End the whole tree: SIGTERM (and `grace` seconds to exit) when `grace` > 0, then SIGKILL
+        until every member is gone.
+
+        Returns:
+            The pids that were still running when `end` was called (empty: nothing was left).
+        """
+        if self._proc is None:
+            return []
+        first = self.members()
+        if grace > 0 and first:
+            for entry in first:
+                signal_process(entry, signal.SIGTERM)
+                signal_process(entry, signal.SIGCONT)  # a stopped member cannot act on SIGTERM
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and self.members():
+                time.sleep(POLL_S)
+        deadline = time.monotonic() + kill_wait
+        if self._sock is not None:
+            self.wait(0)  # collect the root's exit report before the socket goes
+            self._sock.close()  # EOF: the keeper SIGKILLs what is left, reaps it, and exits
+            self._sock = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=kill_wait)
+        while (live := self.members()) and time.monotonic() < deadline:
+            for entry in live:  # polled trees, or a keeper that did not finish in time
+                signal_process(entry, signal.SIGKILL)
+            time.sleep(0.01)
+        if self._proc.poll() is None:
+            self._proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if self._code is None and not self._keeper:
+            self._code = self._proc.returncode
+        return [e.pid for e in first]
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """End what is left of the tree."""
+        self.end()
+
+    def __enter__(self) -> ProcessTree:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------- the one call
+
+
+@dataclass(frozen=True)
+class TreeResult:
+    """What one `run_tree` did.
+
+    Attributes:
+        returncode: The root's exit status (negative: killed by that signal); None when the
+            timeout ran out or the output limit was passed and the tree was stopped.
+        timed_out: The timeout ran out.
+        overflow: `stdout` or `stderr` when that stream passed `max_output` bytes (tree stopped).
+        stdout_tail, stderr_tail: The last `tail_bytes` of each stream, decoded (for messages).
+        stdout_path, stderr_path: Where the whole streams are (None when they went to temp files,
+            now removed).
+        leftovers: Pids of descendants still running when the root exited (they were ended).
+    """
+
+    returncode: int | None
+    seconds: float
+    timed_out: bool
+    overflow: str | None
+    stdout_tail: str
+    stderr_tail: str
+    stdout_path: Path | None
+    stderr_path: Path | None
+    leftovers: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Exit 0, within the timeout and the output limit."""
+        return self.returncode == 0
+
+    def failure(self, timeout: float | None, max_output: int) -> str | None:
+        """Why the run failed, in words (`exited with 3`, `timed out after 2 s`, ...), or None."""
+        if self.timed_out:
+            return f"timed out after {timeout:g} s"
+        if self.overflow:
+            return f"printed more than {max_output / 2**20:g} MiB on {self.overflow}; stopped"
+        if self.returncode is not None and self.returncode < 0:
+            name = signal.Signals(-self.returncode).name if -self.returncode in signal.valid_signals() else "?"
+            return f"killed by signal {-self.returncode} ({name})"
+        return None if self.returncode == 0 else f"exited with {self.returncode}"
+
+
+def read_tail(path: Path, size: int = DEFAULT_TAIL_BYTES) -> str:
+    """The last `size` bytes of a file, decoded (invalid UTF-8 replaced); '' when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            f.seek(max(0, end - size))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def run_tree(
+    argv: Sequence[str],
+    *,
+    timeout: float | None = None,
+    cwd: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: Path | None = None,
+    stderr: Path | Literal["stdout"] | None = None,
+    pass_fds: Sequence[int] = (),
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    tail_bytes: int = DEFAULT_TAIL_BYTES,
+    grace: float = 0.0,
+) -> TreeResult:
+    """Run `argv` as a `ProcessTree`, output streamed to files, and return once the tree is gone.
+
+    Memory stays bounded whatever the workload prints: the streams go to files (`stdout`,
+    `stderr`; None: a temp file, removed after its tail is read; `stderr="stdout"`: one file for
+    both), only their tails are read back, and a stream that passes `max_output` bytes stops the
+    tree. The timeout, the output limit and the root's exit all end the whole tree (SIGTERM and
+    `grace` seconds first when `grace` > 0, then SIGKILL), so nothing of it outlives the call.
+
+    Args:
+        argv: The command.
+        timeout: Seconds before the tree is killed; None: no limit.
+        cwd, env: Working directory and environment (`env` None: this process's).
+        stdout, stderr: Where the streams go (see above).
+        pass_fds: Descriptors the workload inherits (the GPU lock's).
+        max_output: Bytes per stream before the tree is stopped.
+        tail_bytes: How much of each stream's end the result carries.
+        grace: Seconds between SIGTERM and SIGKILL when ending the tree.
+
+    Raises:
+        OSError: The command cannot be started (FileNotFoundError, PermissionError, ...).
+    """
+    temps: list[Path] = []
+    fds: list[int] = []
+    try:
+        out_path, out_fd = _open_output(stdout, temps, fds)
+        err_path, err_fd = (out_path, out_fd) if stderr == "stdout" else _open_output(stderr, temps, fds)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        timed_out = False
+        overflow: str | None = None
+        with ProcessTree(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=pass_fds
+        ) as tree:
+            while tree.wait(_step(deadline)) is None:
+                overflow = _overflow(out_fd, err_fd, max_output)
+                timed_out = deadline is not None and time.monotonic() >= deadline
+                if overflow or timed_out:
+                    break
+            left = tree.end(grace)
+            seconds = tree.seconds if tree.seconds is not None and not timed_out else time.monotonic() - start
+            overflow = overflow or _overflow(out_fd, err_fd, max_output)  # a fast writer may exit first
+            returncode = None if (timed_out or overflow) else tree.poll()
+        return TreeResult(
+            returncode=returncode,
+            seconds=seconds,
+            timed_out=timed_out,
+            overflow=overflow,
+            stdout_tail=read_tail(out_path, tail_bytes),
+            stderr_tail="" if err_path == out_path else read_tail(err_path, tail_bytes),
+            stdout_path=None if out_path in temps else out_path,
+            stderr_path=None if err_path in temps else err_path,
+            leftovers=tuple(p for p in left if p != tree.pid) if returncode is not None else (),
+        )
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        for path in temps:
+            path.unlink(missing_ok=True)
+
+
+def _open_output(path: Path | None, temps: list[Path], fds: list[int]) -> tuple[Path, int]:
+    if path is None:
+        fd, name = tempfile.mkstemp(prefix="orchestrate-output-")
+        temps.append(Path(name))
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fds.append(fd)
+    return (Path(name) if path is None else path), fd
+
+
+def _overflow(out_fd: int, err_fd: int, limit: int) -> str | None:
+    """The stream that passed `limit` bytes, if any."""
+    for name, fd in (("stdout", out_fd), ("stderr", err_fd)):
+        if os.fstat(fd).st_size > limit:
+            return name
+    return None
+
+
+def _step(deadline: float | None) -> float:
+    step = POLL_S * 4
+    return step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))
+
+
+# --------------------------------------------------------------------------- the environment
+
+SCRUBBED_PREFIXES = ("RAY_",)
+
+
+def workload_env(base: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a workload (a benchmark, a build) runs with: `base` (default: this
+    process's) without Ray's variables, then `overrides` (the arm's env) on top.
+
+    Ray's variables (`RAY_*`: the token's path `RAY_AUTH_TOKEN_PATH`, a literal `RAY_AUTH_TOKEN`,
+    the cluster address, the job and node ids, TLS key paths) are what would let third-party code
+    join the cluster as us; none reaches the workload. Everything else (PATH, HOME, CUDA and ROCm
+    settings, the host's `env` from the inventory, `ROCM_GPU_GUARD_LOCK_HELD`) does.
+    """
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SCRUBBED_PREFIXES)}
+    env.update(overrides or {})
+    return env
