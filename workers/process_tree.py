@@ -22,9 +22,8 @@ contain the tree, but hosts rarely delegate a writable one to the benchmark user
 in a login session's scope), and the keeper catches the same processes; none is used.
 
 Ending a tree signals members through pidfds (never a pid reused by someone else) and returns
-only when every member is gone (exited, or a zombie: it holds no files). `run_tree` is the
-one-call form: output streamed to files (a bounded tail kept for messages, a size limit
-enforced), a timeout that kills the whole tree, leftovers ended when the root exits.
+only when every member is gone (exited, or a zombie: it holds no files). `workers.workload_run`
+builds the one-call form on it (`run_tree`: output to files, a timeout, leftovers ended).
 """
 
 from __future__ import annotations
@@ -36,19 +35,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal
+from typing import IO
 
 from workers.processes import ProcessEntry, process_table, signal_process
 
 KEEPER = Path(__file__).with_name("tree_keeper.py")
-DEFAULT_TAIL_BYTES = 16 * 1024
-DEFAULT_MAX_OUTPUT = 64 * 2**20  # per stream; a workload that prints more is stopped
 KILL_WAIT_S = 30.0  # how long `end` waits for SIGKILLed members to go (a D-state process may linger)
 POLL_S = 0.05
 
@@ -292,177 +287,3 @@ class ProcessTree:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------------------- the one call
-
-
-@dataclass(frozen=True)
-class TreeResult:
-    """What one `run_tree` did.
-
-    Attributes:
-        returncode: The root's exit status (negative: killed by that signal); None when the
-            timeout ran out or the output limit was passed and the tree was stopped.
-        timed_out: The timeout ran out.
-        overflow: `stdout` or `stderr` when that stream passed `max_output` bytes (tree stopped).
-        stdout_tail, stderr_tail: The last `tail_bytes` of each stream, decoded (for messages).
-        stdout_path, stderr_path: Where the whole streams are (None when they went to temp files,
-            now removed).
-        leftovers: Pids of descendants still running when the root exited (they were ended).
-    """
-
-    returncode: int | None
-    seconds: float
-    timed_out: bool
-    overflow: str | None
-    stdout_tail: str
-    stderr_tail: str
-    stdout_path: Path | None
-    stderr_path: Path | None
-    leftovers: tuple[int, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        """Exit 0, within the timeout and the output limit."""
-        return self.returncode == 0
-
-    def failure(self, timeout: float | None, max_output: int) -> str | None:
-        """Why the run failed, in words (`exited with 3`, `timed out after 2 s`, ...), or None."""
-        if self.timed_out:
-            return f"timed out after {timeout:g} s"
-        if self.overflow:
-            return f"printed more than {max_output / 2**20:g} MiB on {self.overflow}; stopped"
-        if self.returncode is not None and self.returncode < 0:
-            name = signal.Signals(-self.returncode).name if -self.returncode in signal.valid_signals() else "?"
-            return f"killed by signal {-self.returncode} ({name})"
-        return None if self.returncode == 0 else f"exited with {self.returncode}"
-
-
-def read_tail(path: Path, size: int = DEFAULT_TAIL_BYTES) -> str:
-    """The last `size` bytes of a file, decoded (invalid UTF-8 replaced); '' when unreadable."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            end = f.tell()
-            f.seek(max(0, end - size))
-            return f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def run_tree(
-    argv: Sequence[str],
-    *,
-    timeout: float | None = None,
-    cwd: str | Path | None = None,
-    env: Mapping[str, str] | None = None,
-    stdout: Path | None = None,
-    stderr: Path | Literal["stdout"] | None = None,
-    pass_fds: Sequence[int] = (),
-    max_output: int = DEFAULT_MAX_OUTPUT,
-    tail_bytes: int = DEFAULT_TAIL_BYTES,
-    grace: float = 0.0,
-) -> TreeResult:
-    """Run `argv` as a `ProcessTree`, output streamed to files, and return once the tree is gone.
-
-    Memory stays bounded whatever the workload prints: the streams go to files (`stdout`,
-    `stderr`; None: a temp file, removed after its tail is read; `stderr="stdout"`: one file for
-    both), only their tails are read back, and a stream that passes `max_output` bytes stops the
-    tree. The timeout, the output limit and the root's exit all end the whole tree (SIGTERM and
-    `grace` seconds first when `grace` > 0, then SIGKILL), so nothing of it outlives the call.
-
-    Args:
-        argv: The command.
-        timeout: Seconds before the tree is killed; None: no limit.
-        cwd, env: Working directory and environment (`env` None: this process's).
-        stdout, stderr: Where the streams go (see above).
-        pass_fds: Descriptors the workload inherits (the GPU lock's).
-        max_output: Bytes per stream before the tree is stopped.
-        tail_bytes: How much of each stream's end the result carries.
-        grace: Seconds between SIGTERM and SIGKILL when ending the tree.
-
-    Raises:
-        OSError: The command cannot be started (FileNotFoundError, PermissionError, ...).
-    """
-    temps: list[Path] = []
-    fds: list[int] = []
-    try:
-        out_path, out_fd = _open_output(stdout, temps, fds)
-        err_path, err_fd = (out_path, out_fd) if stderr == "stdout" else _open_output(stderr, temps, fds)
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
-        timed_out = False
-        overflow: str | None = None
-        with ProcessTree(
-            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, pass_fds=pass_fds
-        ) as tree:
-            while tree.wait(_step(deadline)) is None:
-                overflow = _overflow(out_fd, err_fd, max_output)
-                timed_out = deadline is not None and time.monotonic() >= deadline
-                if overflow or timed_out:
-                    break
-            left = tree.end(grace)
-            seconds = tree.seconds if tree.seconds is not None and not timed_out else time.monotonic() - start
-            overflow = overflow or _overflow(out_fd, err_fd, max_output)  # a fast writer may exit first
-            returncode = None if (timed_out or overflow) else tree.poll()
-        return TreeResult(
-            returncode=returncode,
-            seconds=seconds,
-            timed_out=timed_out,
-            overflow=overflow,
-            stdout_tail=read_tail(out_path, tail_bytes),
-            stderr_tail="" if err_path == out_path else read_tail(err_path, tail_bytes),
-            stdout_path=None if out_path in temps else out_path,
-            stderr_path=None if err_path in temps else err_path,
-            leftovers=tuple(p for p in left if p != tree.pid) if returncode is not None else (),
-        )
-    finally:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        for path in temps:
-            path.unlink(missing_ok=True)
-
-
-def _open_output(path: Path | None, temps: list[Path], fds: list[int]) -> tuple[Path, int]:
-    if path is None:
-        fd, name = tempfile.mkstemp(prefix="orchestrate-output-")
-        temps.append(Path(name))
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    fds.append(fd)
-    return (Path(name) if path is None else path), fd
-
-
-def _overflow(out_fd: int, err_fd: int, limit: int) -> str | None:
-    """The stream that passed `limit` bytes, if any."""
-    for name, fd in (("stdout", out_fd), ("stderr", err_fd)):
-        if os.fstat(fd).st_size > limit:
-            return name
-    return None
-
-
-def _step(deadline: float | None) -> float:
-    step = POLL_S * 4
-    return step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))
-
-
-# --------------------------------------------------------------------------- the environment
-
-SCRUBBED_PREFIXES = ("RAY_",)
-
-
-def workload_env(base: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment a workload (a benchmark, a build) runs with: `base` (default: this
-    process's) without Ray's variables, then `overrides` (the arm's env) on top.
-
-    Ray's variables (`RAY_*`: the token's path `RAY_AUTH_TOKEN_PATH`, a literal `RAY_AUTH_TOKEN`,
-    the cluster address, the job and node ids, TLS key paths) are what would let third-party code
-    join the cluster as us; none reaches the workload. Everything else (PATH, HOME, CUDA and ROCm
-    settings, the host's `env` from the inventory, `ROCM_GPU_GUARD_LOCK_HELD`) does.
-    """
-    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(SCRUBBED_PREFIXES)}
-    env.update(overrides or {})
-    return env
