@@ -204,3 +204,56 @@ def process_cmdline(pid: int) -> list[str]:
         return []
     text = _ps_field(pid, "command")
     return text.split() if text else []
+
+
+def listening_pids(port: int) -> list[int] | None:
+    """Pids of the processes of this machine listening on TCP `port` (any address).
+
+    Linux: `/proc/net/tcp{,6}` and each process's descriptors (only processes this user may
+    inspect are found: a listener of another user shows as an empty list); elsewhere `lsof`.
+
+    Returns:
+        The pids (empty: a listener no visible process owns), or None when nothing listens.
+    """
+    if not sys.platform.startswith("linux"):
+        return _lsof_listeners(port)
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])  # 0A: LISTEN
+    if not inodes:
+        return None
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{name}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{name}/fd/{fd}") in wanted:
+                    pids.append(int(name))
+                    break
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+def _lsof_listeners(port: int) -> list[int] | None:
+    argv = ["lsof", "-nP", f"-iTCP:{port}", "-sTCP:LISTEN", "-t"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    pids = sorted({int(p) for p in out.split() if p.isdigit()})
+    return pids or None
