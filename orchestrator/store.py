@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.errors import InputError
+from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.specs import NAME_RE
 from workers.contract import META_JOB_KEY, META_JOB_STATUS, META_SCHEMA_VERSION, SCHEMA, STATUS_OK
 from workers.files import write_parquet_atomic
@@ -76,7 +76,14 @@ class ResultStore:
     def write(self, table: pa.Table, *, sweep: str, date: dt.date, device: str, run_id: str, job_key: str) -> Path:
         """Store one job's rows atomically."""
         path = self.fragment_path(sweep=sweep, date=date, device=device, run_id=run_id, job_key=job_key)
-        return write_parquet_atomic(table, path)
+        try:
+            return write_parquet_atomic(table, path)
+        except OSError as exc:  # a full disk, a quota: exit 3; every fragment written before stays whole
+            raise InfrastructureError(
+                f"cannot store job {job_key}'s rows: {exc.strerror or exc}; the jobs stored before are kept, "
+                "and the next `orchestrate run` runs the rest",
+                where=str(self.root),
+            ) from None
 
     def check_fragment(self, source: Path) -> tuple[pa.Table, Path]:
         """Read a fragment written elsewhere and say where it would go, refusing what is unsafe.

@@ -1,4 +1,8 @@
-"""Atomic Parquet writes: a file is either whole or absent, never half-written."""
+"""Atomic Parquet writes: a file is either whole or absent, never half-written.
+
+A written file gets the mode any new file gets under the process's umask (0644 under the usual
+022), so a team's analytics user can read the results; a stricter umask (077) keeps them private.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600 whatever the umask says
         with os.fdopen(fd, "wb") as fh:
             pq.write_table(table, fh, compression="zstd")
             fh.flush()
@@ -24,3 +29,17 @@ def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def current_umask() -> int:
+    """This process's umask (read from `/proc` on Linux; elsewhere set and restored at once)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
