@@ -133,16 +133,18 @@ def node_env(host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool =
 
 
 def _node_ip(shell: RemoteShell, host: HostSpec) -> str:
-    """The IP the host's Ray node will use: `node_ip`, else what Ray itself picks there."""
-    if host.node_ip:
-        return host.node_ip
-    pick = "from ray._private.services import get_node_ip_address as ip; print(ip())"
-    return shell.run([host.python, "-c", pick], check=True, timeout=120).stdout.strip()
+    """The IP the host's Ray node will use, as Ray itself works it out there (`node_ip`, with a
+    loopback address replaced by the host's own; without `node_ip`, Ray's guess)."""
+    pick = (
+        "import sys; from ray._private.services import get_node_ip_address, resolve_ip_for_localhost; "
+        "print(resolve_ip_for_localhost(sys.argv[1]) if sys.argv[1] else get_node_ip_address())"
+    )
+    return shell.run([host.python, "-c", pick, host.node_ip or ""], check=True, timeout=120).stdout.strip()
 
 
 def _put_tls(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, paths: dict[str, str]) -> None:
     """Give the host its TLS files: the CA's certificate, its own certificate and key (0600)."""
-    addresses = [_node_ip(shell, host), *([host.host] if host.host else [])]
+    addresses = [_node_ip(shell, host), *(a for a in (host.node_ip, host.host) if a)]
     files = dict(zip(NODE_FILES, issue(inventory, host.name, addresses), strict=True))
     shell.mkdir_p(paths["tls"])
     for name, data in files.items():

@@ -9,11 +9,12 @@ this inventory's temp dir; anything else (a port squatter, another user's Ray, a
 hand) is refused before a node sends it the token. `stop_head` stops only the head `start_head`
 started, and never a process that merely reuses a stale pid file's pid.
 
-Ray binds where it lets us: the node's IP (`--node-ip-address`), the dashboard on that IP, and no
-per-node metrics exporter (`RAY_enable_metrics_collection=0`, which listened on every interface
-without authentication). What Ray 2.60 still binds on every interface: the GCS port, each raylet's
-and worker's gRPC ports (all behind the token, and TLS when enabled) and the head's autoscaler
-metrics port (read-only Prometheus text, no secrets); the README says to firewall them.
+Ray binds where it lets us: the node's IP (`--node-ip-address`), the dashboard on that IP, and
+none of the Prometheus endpoints that listened on every interface without authentication (the
+per-node metrics exporter: `RAY_enable_metrics_collection=0`; the head's autoscaler monitor,
+which a static cluster does not need: `--no-monitor`). What Ray 2.60 still binds on every
+interface: the GCS port and each raylet's, dashboard agent's and worker's gRPC ports, all behind
+the token (and TLS when enabled); with `dashboard = true`, the dashboard's own metrics port.
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def head_address(inventory: InventorySpec) -> str:
 # ------------------------------------------------------------------------------------- the head
 
 
-# Ray's per-node metrics exporter listens on every interface, unauthenticated; we read no metrics.
+# Ray's per-node metrics exporter and the head's autoscaler monitor serve Prometheus metrics on
+# every interface, unauthenticated; a static cluster needs neither, and we read no metrics.
 RAY_BIND_ENV = {"RAY_enable_metrics_collection": "0"}
+RAY_HEAD_BIND_ARGS = ["--no-monitor"]
 
 
 def require_head(inventory: InventorySpec, timeout: float = 3.0) -> None:
@@ -72,8 +75,8 @@ def require_head(inventory: InventorySpec, timeout: float = 3.0) -> None:
 
 def connect_env(inventory: InventorySpec) -> None:
     """Set this process up to join the inventory's cluster as a driver: the token, and TLS."""
+    os.environ.update(head_tls_env(inventory))  # before the token: that re-reads Ray's config
     enable_token_auth()
-    os.environ.update(head_tls_env(inventory))
 
 
 def listening(address: str, port: int, timeout: float = 1.0) -> bool:
@@ -149,7 +152,7 @@ def start_head(inventory: InventorySpec, *, timeout: float = 60.0) -> bool:
     argv = [
         sys.executable, *RAY_CLI, "start", "--head", "--block", "--port", str(head.ray_port),
         "--node-ip-address", ip, "--temp-dir", str(_temp_dir(inventory)), "--num-cpus", "0",
-        "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
+        "--disable-usage-stats", "--dashboard-agent-listen-port", "0", *RAY_HEAD_BIND_ARGS,
         "--include-dashboard", "true" if head.dashboard else "false",
         "--dashboard-port", str(head.dashboard_port), "--dashboard-host", ip,
     ]  # fmt: skip

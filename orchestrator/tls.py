@@ -156,8 +156,11 @@ def head_tls_env(inventory: InventorySpec, *, ip: str | None = None) -> dict[str
     root = tls_dir(inventory)
     cert, key = root / "head.crt", root / "head.key"
     if ip is not None:
+        from ray._private.services import resolve_ip_for_localhost  # Ray's own IP for a loopback one
+
         address = inventory.head.address or ip
-        _, node_cert, node_key = issue(inventory, "head", [ip, address, socket.gethostname()])
+        names = [ip, resolve_ip_for_localhost(ip), address, socket.gethostname()]
+        _, node_cert, node_key = issue(inventory, "head", names)
         _write_private(key, node_key, 0o600)
         _write_private(cert, node_cert, 0o644)
     elif not (cert.exists() and key.exists()):
