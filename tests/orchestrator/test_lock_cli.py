@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from workers.gpulock import GUARD_ENV, holder_path, lock_status
+from workers.processes import pid_alive
 
 
 @pytest.fixture
@@ -187,3 +188,42 @@ def test_the_shell_guards_lock_variable_picks_the_lock(orchestrate_bin: str, loc
     assert "mode=hold" in done.stdout and f"cmd=cat {holder_path(lock)}" in done.stdout
     done = run(orchestrate_bin, "lock", "status", env={**env, "ORCHESTRATE_LOCK_PATH": lock + ".other"})
     assert done.stdout.strip() == f"free: {lock}.other"  # the node's own setting comes first
+
+
+def test_a_killed_holder_takes_the_command_tree_with_it_and_the_lock_outlasts_every_process(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    # A command whose helper left its session: killing the holder used to free the lock at once
+    # while the command ran on, reparented to init.
+    script = f"echo $$ >> {pids}; setsid sleep 60 & echo $! >> {pids}; sleep 60"
+    holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
+    deadline = time.monotonic() + 10
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    command = [int(p) for p in pids.read_text().split()]
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{p}") for p in command):
+        assert time.monotonic() < deadline, "the command outlived its killed holder"
+        if not lock_status(lock).busy:
+            assert not any(os.path.exists(f"/proc/{p}") for p in command), "the lock was free while the command ran"
+        time.sleep(0.01)
+    while lock_status(lock).busy:
+        assert time.monotonic() < deadline, "the lock stayed taken after the command was gone"
+        time.sleep(0.05)
+
+
+def test_what_the_command_leaves_running_is_ended_before_the_lock_goes(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "daemon.pid"
+    script = f"setsid sh -c 'echo $$ > {pidfile}; exec sleep 60' & sleep 0.5; exit 5"
+    done = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", script, env=env)
+    assert done.returncode == 5, done.stderr
+    daemon = int(pidfile.read_text())
+    assert f"ended 1 process(es) the command left running (pid {daemon})" in done.stderr
+    assert not pid_alive(daemon)
+    assert not lock_status(lock).busy
