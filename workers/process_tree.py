@@ -247,6 +247,14 @@ class ProcessTree:
         """
         if self._proc is None:
             return []
+        if self._sock is not None and self.wait(0) is not None:
+            # The keeper exits by itself once the root and every descendant are gone.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=0.05)
+            if self._proc.returncode is not None:
+                self._sock.close()
+                self._sock = None
+                return []
         first = self.members()
         if grace > 0 and first:
             for entry in first:

@@ -1,16 +1,15 @@
 """The process table, as the GPU lock, the GPU-user probes and the process trees need it.
 
 Linux reads `/proc`; elsewhere (macOS) `ps` answers. A zombie (exited, not yet reaped) counts
-as gone. `workers.process_tree` builds the workloads' process trees on `process_table`.
+as gone. `workers.process_tree` builds the workloads' process trees on `process_table`, and its
+keeper imports this module at every workload's start, so it imports only what is cheap (no
+dataclasses, typing or subprocess at import time).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-from dataclasses import dataclass
 
 
 def pid_alive(pid: int) -> bool:
@@ -45,6 +44,8 @@ def process_name(pid: int) -> str:
 
 def _ps_field(pid: int, name: str) -> str:
     """One `ps -o NAME=` value of a process, '' when it is gone (the process table off Linux)."""
+    import subprocess
+
     argv = ["ps", "-o", f"{name}=", "-p", str(pid)]
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False).stdout.strip()
@@ -86,7 +87,6 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 # ------------------------------------------------------------------------ the whole process table
 
 
-@dataclass(frozen=True)
 class ProcessEntry:
     """One process as the table shows it.
 
@@ -97,12 +97,13 @@ class ProcessEntry:
         zombie: It has exited and waits for its parent to reap it (it holds no files any more).
     """
 
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    start: str
-    zombie: bool
+    __slots__ = ("pgid", "pid", "ppid", "sid", "start", "zombie")
+
+    def __init__(self, pid: int, ppid: int, pgid: int, sid: int, start: str, zombie: bool) -> None:
+        self.pid, self.ppid, self.pgid, self.sid, self.start, self.zombie = pid, ppid, pgid, sid, start, zombie
+
+    def __repr__(self) -> str:
+        return f"ProcessEntry(pid={self.pid}, ppid={self.ppid}, start={self.start}, zombie={self.zombie})"
 
 
 def process_table() -> dict[int, ProcessEntry]:
@@ -137,6 +138,8 @@ def _proc_entry(pid: int) -> ProcessEntry | None:
 
 
 def _ps_table() -> dict[int, ProcessEntry]:
+    import subprocess
+
     argv = ["ps", "-A", "-o", "pid=,ppid=,pgid=,stat=,lstart="]
     try:
         text = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
@@ -167,6 +170,8 @@ def signal_process(entry: ProcessEntry, signum: int) -> bool:
     Returns:
         True when the signal was delivered.
     """
+    import signal
+
     if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
         try:
             fd = os.pidfd_open(entry.pid)
@@ -250,6 +255,8 @@ def listening_pids(port: int) -> list[int] | None:
 
 
 def _lsof_listeners(port: int) -> list[int] | None:
+    import subprocess
+
     argv = ["lsof", "-nP", f"-iTCP:{port}", "-sTCP:LISTEN", "-t"]
     try:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
