@@ -16,10 +16,10 @@ import os
 import secrets
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 from orchestrator.errors import InfrastructureError
+from workers.files import write_atomic
 
 
 def token_path() -> Path:
@@ -53,16 +53,7 @@ def token_problem(path: Path | None = None) -> str | None:
 def _write_token(path: Path) -> None:
     """A fresh token (256 random bits) at `path`, mode 0600 from its first byte, replacing atomically."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".auth_token.", dir=path.parent)  # mkstemp: mode 0600
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_hex(32))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda fh: fh.write(secrets.token_hex(32).encode()), mode=0o600)
 
 
 def ensure_token() -> Path:

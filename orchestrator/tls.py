@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
+from workers.files import write_atomic
 
 CA_DAYS = 3650
 CERT_DAYS = 365
@@ -37,15 +36,7 @@ def tls_dir(inventory: InventorySpec) -> Path:
 
 def _write_private(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda fh: fh.write(data), mode=mode)
 
 
 def _ca_usage(x509: Any) -> Any:

@@ -45,6 +45,14 @@ def start_hold(bin_: str, lock: str, *cmd: str, env: dict[str, str]) -> subproce
     return proc
 
 
+def wait_lines(path: Path, n: int) -> None:
+    """Wait until the command has written its `n` pids into `path`."""
+    deadline = time.monotonic() + 10
+    while not (path.exists() and len(path.read_text().split()) == n):
+        assert time.monotonic() < deadline, f"{path} never got {n} lines"
+        time.sleep(0.05)
+
+
 def wait_gone(pid: int) -> bool:
     deadline = time.monotonic() + 5
     while os.path.exists(f"/proc/{pid}"):
@@ -130,10 +138,7 @@ def test_signal_ends_the_command_group_and_frees_the_lock(
     # A command with a grandchild of its own: the whole group must go.
     script = f"sleep 30 & echo $! >> {pids}; echo $$ >> {pids}; wait; touch {marker}"
     holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
-    deadline = time.monotonic() + 10
-    while not (pids.exists() and len(pids.read_text().split()) == 2):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_lines(pids, 2)
     holder.send_signal(signum)
     _, err = holder.communicate(timeout=30)
     assert holder.returncode == code, err
@@ -198,10 +203,7 @@ def test_a_killed_holder_takes_the_command_tree_with_it_and_the_lock_outlasts_ev
     # while the command ran on, reparented to init.
     script = f"echo $$ >> {pids}; setsid sleep 60 & echo $! >> {pids}; sleep 60"
     holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
-    deadline = time.monotonic() + 10
-    while not (pids.exists() and len(pids.read_text().split()) == 2):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_lines(pids, 2)
     command = [int(p) for p in pids.read_text().split()]
     holder.send_signal(signal.SIGKILL)
     holder.wait()
