@@ -12,9 +12,9 @@ started, and never a process that merely reuses a stale pid file's pid.
 Ray binds where it lets us: the node's IP (`--node-ip-address`), the dashboard on that IP, and
 none of the Prometheus endpoints that listened on every interface without authentication (the
 per-node metrics exporter: `RAY_enable_metrics_collection=0`; the head's autoscaler monitor,
-which a static cluster does not need: `--no-monitor`). What Ray 2.60 still binds on every
-interface: the GCS port and each raylet's, dashboard agent's and worker's gRPC ports, all behind
-the token (and TLS when enabled); with `dashboard = true`, the dashboard's own metrics port.
+which a static cluster does not need: `--no-monitor`; the dashboard process's: see
+`RAY_BIND_ENV`). What Ray 2.60 still binds on every interface: the GCS port and each raylet's,
+dashboard agent's and worker's gRPC ports, all behind the token (and TLS when enabled).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ def head_address(inventory: InventorySpec) -> str:
 # ------------------------------------------------------------------------------------- the head
 
 
-# Ray's per-node metrics exporter and the head's autoscaler monitor serve Prometheus metrics on
-# every interface, unauthenticated; a static cluster needs neither, and we read no metrics.
-RAY_BIND_ENV = {"RAY_enable_metrics_collection": "0"}
+# Ray's per-node metrics exporter, the head's autoscaler monitor and its dashboard process serve
+# Prometheus metrics on every interface, unauthenticated; a static cluster needs none of them and
+# we read no metrics. Ray has no switch for the dashboard's: a port past 65535 makes that server
+# fail to start, which Ray logs and goes on (tests/e2e/test_cluster_security.py checks it stays off).
+RAY_BIND_ENV = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "65536"}
 RAY_HEAD_BIND_ARGS = ["--no-monitor"]
 
 

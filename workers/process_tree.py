@@ -183,7 +183,7 @@ class ProcessTree:
         assert self._proc is not None, "the tree was not started"
         if self._code is not None:
             return self._code
-        if self._sock is None:  # polled
+        if not self._keeper:
             deadline = None if timeout is None else time.monotonic() + timeout
             while (code := self._proc.poll()) is None:
                 self.members()
@@ -192,6 +192,9 @@ class ProcessTree:
                 time.sleep(POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic())))
             self._code, self.seconds = code, time.monotonic() - self._started
             return code
+        if self._sock is None:  # the tree was ended before its root reported an exit: it was killed
+            self._code = -signal.SIGKILL
+            return self._code
         message = self._message(timeout)
         if message is None:
             return None
@@ -214,6 +217,8 @@ class ProcessTree:
         for entry in table.values():
             children.setdefault(entry.ppid, []).append(entry.pid)
         if self._keeper:
+            if self._proc.poll() is not None:  # the keeper is gone, and its pid may be another's now
+                return []
             found: set[int] = set()
             stack = [self._proc.pid]
         else:
