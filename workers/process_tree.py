@@ -36,12 +36,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from workers.processes import ProcessEntry, process_table, signal_process
+from workers.processes import ProcessEntry, descendants, process_table, signal_process
 
 KEEPER = Path(__file__).with_name("tree_keeper.py")
 KILL_WAIT_S = 30.0  # how long `end` waits for SIGKILLed members to go (a D-state process may linger)
@@ -213,31 +213,22 @@ class ProcessTree:
         """Every live process of the workload's tree now (the keeper not included)."""
         assert self._proc is not None, "the tree was not started"
         table = process_table()
-        children: dict[int, list[int]] = {}
-        for entry in table.values():
-            children.setdefault(entry.ppid, []).append(entry.pid)
         if self._keeper:
             if self._proc.poll() is not None:  # the keeper is gone, and its pid may be another's now
                 return []
-            found: set[int] = set()
-            stack = [self._proc.pid]
-        else:
-            grouped = self._proc.returncode is None  # the root's group id is reserved until it is reaped
-            found = {
-                e.pid
-                for e in table.values()
-                if self._seen.get(e.pid) == e.start or (grouped and (e.pid == self._root or e.pgid == self._root))
-            }
-            stack = list(found)
-        while stack:
-            for child in children.get(stack.pop(), []):
-                if child not in found:
-                    found.add(child)
-                    stack.append(child)
-        live = [table[pid] for pid in found if not table[pid].zombie]
-        if not self._keeper:
-            self._seen.update((e.pid, e.start) for e in live)
-        return sorted(live, key=lambda e: e.pid)
+            return sorted(descendants(self._proc.pid, table), key=lambda e: e.pid)
+        grouped = self._proc.returncode is None  # the root's group id is reserved until it is reaped
+        roots = [
+            e
+            for e in table.values()
+            if not e.zombie
+            and (self._seen.get(e.pid) == e.start or (grouped and (e.pid == self._root or e.pgid == self._root)))
+        ]
+        live = {e.pid: e for e in roots}
+        for entry in roots:
+            live.update((d.pid, d) for d in descendants(entry.pid, table))
+        self._seen.update((e.pid, e.start) for e in live.values())
+        return sorted(live.values(), key=lambda e: e.pid)
 
     def signal(self, signum: int) -> int:
         """Send `signum` to every live member; returns how many got it."""
@@ -261,13 +252,7 @@ class ProcessTree:
                 self._sock = None
                 return []
         first = self.members()
-        if grace > 0 and first:
-            for entry in first:
-                signal_process(entry, signal.SIGTERM)
-                signal_process(entry, signal.SIGCONT)  # a stopped member cannot act on SIGTERM
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self.members():
-                time.sleep(POLL_S)
+        _terminate(self.members, first, grace)
         deadline = time.monotonic() + kill_wait
         if self._sock is not None:
             self.wait(0)  # collect the root's exit report before the socket goes
@@ -275,10 +260,7 @@ class ProcessTree:
             self._sock = None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=kill_wait)
-        while (live := self.members()) and time.monotonic() < deadline:
-            for entry in live:  # polled trees, or a keeper that did not finish in time
-                signal_process(entry, signal.SIGKILL)
-            time.sleep(0.01)
+        _kill(self.members, deadline)  # polled trees, or a keeper that did not finish in time
         if self._proc.poll() is None:
             self._proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -300,3 +282,79 @@ class ProcessTree:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------- trees not started here
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux): orphans among its descendants are re-parented
+    to it instead of to init, so its descendants stay findable. For a job that a fork server
+    forks (no `ProcessTree` there): call it first thing in the forked job, and the server can
+    then end the job's whole tree with `end_descendants(job)`. False where there is no subreaper.
+
+    The setting is process-wide and lasts until exit; exited orphans become this process's
+    zombies to reap (a Python process reaps them with `os.waitpid`, `subprocess` does not).
+    """
+    if not keeper_supported():
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
+
+
+def end_descendants(pid: int, grace: float = 0.0, *, kill_wait: float = KILL_WAIT_S) -> list[int]:
+    """End process `pid` and every descendant it has, as `ProcessTree.end` does: SIGTERM and `grace`
+    seconds when `grace` > 0; then `pid` is stopped (it can fork no more), its descendants are
+    SIGKILLed until none is left, and `pid` last.
+
+    Descendants are found through parent links: when `pid` is a subreaper (`become_subreaper`),
+    that is all of them, also what left its session; otherwise an orphan re-parented to init is
+    missed. `pid` itself is not reaped (its parent's `wait` gets its status).
+
+    Returns:
+        The pids that were ended.
+    """
+    me = os.getpid()
+
+    def below() -> list[ProcessEntry]:
+        return descendants(pid, process_table())
+
+    def alive() -> list[ProcessEntry]:
+        table = process_table()
+        root = [table[pid]] if pid in table and not table[pid].zombie and pid != me else []
+        return root + descendants(pid, table)
+
+    first = alive()
+    _terminate(alive, first, grace)
+    root = next((e for e in first if e.pid == pid), None)
+    if root is not None:
+        signal_process(root, signal.SIGSTOP)  # still the reaper of its tree, but forking no more
+    deadline = time.monotonic() + kill_wait
+    _kill(below, deadline)
+    if root is not None:
+        signal_process(root, signal.SIGKILL)
+    _kill(alive, deadline)
+    return [e.pid for e in first]
+
+
+def _terminate(members: Callable[[], list[ProcessEntry]], first: list[ProcessEntry], grace: float) -> None:
+    """SIGTERM (and SIGCONT: a stopped process cannot act on it) to `first`, then up to `grace`
+    seconds for every member to go."""
+    if grace <= 0 or not first:
+        return
+    for entry in first:
+        signal_process(entry, signal.SIGTERM)
+        signal_process(entry, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and members():
+        time.sleep(POLL_S)
+
+
+def _kill(members: Callable[[], list[ProcessEntry]], deadline: float) -> None:
+    """SIGKILL every member until none is left (or the deadline passes)."""
+    while (live := members()) and time.monotonic() < deadline:
+        for entry in live:
+            signal_process(entry, signal.SIGKILL)
+        time.sleep(0.01)

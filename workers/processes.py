@@ -264,3 +264,18 @@ def _lsof_listeners(port: int) -> list[int] | None:
         return None
     pids = sorted({int(p) for p in out.split() if p.isdigit()})
     return pids or None
+
+
+def descendants(root: int, table: dict[int, ProcessEntry] | None = None) -> list[ProcessEntry]:
+    """Every live process below `root` in the table's parent links (never this process itself)."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for entry in table.values():
+        children.setdefault(entry.ppid, []).append(entry.pid)
+    me, found, stack = os.getpid(), set(), [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found and child != me:
+                found.add(child)
+                stack.append(child)
+    return [table[pid] for pid in found if not table[pid].zombie]

@@ -31,23 +31,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workers.processes import ProcessEntry, process_table, signal_process
+from workers.processes import descendants, signal_process
 
 PR_SET_CHILD_SUBREAPER = 36
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGPIPE)
-
-
-def _descendants() -> list[ProcessEntry]:
-    table = process_table()
-    children: dict[int, list[int]] = {}
-    for entry in table.values():
-        children.setdefault(entry.ppid, []).append(entry.pid)
-    out, stack = [], [os.getpid()]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(table[child])
-            stack.append(child)
-    return [entry for entry in out if not entry.zombie]
 
 
 def _reap(root: int, report: int, started: float) -> bool:
@@ -71,7 +58,7 @@ def _kill_all() -> None:
                 pass
         except ChildProcessError:
             return
-        for entry in _descendants():
+        for entry in descendants(os.getpid()):
             signal_process(entry, signal.SIGKILL)
         time.sleep(0.01)
 

@@ -158,3 +158,30 @@ def test_workloads_get_no_ray_variables() -> None:
     env["RAY_AUTH_TOKEN"] = "secret"
     shown = run_tree(["env"], env=workload_env(env)).stdout_tail
     assert "RAY_" not in shown and "secret" not in shown and "PATH=" in shown
+
+
+SERVER = textwrap.dedent("""
+    import os, sys, time
+    from workers.process_tree import become_subreaper, end_descendants
+    job = os.fork()
+    if job == 0:  # a forked job (first thing: its tree's reaper) whose helper double-forks out of its session
+        assert become_subreaper()
+        os.system(f"(setsid sleep 61 & echo $! > {sys.argv[1]})")
+        time.sleep(120)
+        os._exit(0)
+    while not os.path.exists(sys.argv[1]) or not open(sys.argv[1]).read().strip():
+        time.sleep(0.02)
+    ended = end_descendants(job)
+    os.waitpid(job, 0)
+    print(" ".join(map(str, sorted(ended))))
+""")
+
+
+@linux_only
+def test_a_fork_server_as_subreaper_ends_a_forked_jobs_orphans_too(tmp_path: Path) -> None:
+    pidfile = tmp_path / "orphan"
+    done = subprocess.run([sys.executable, "-c", SERVER, str(pidfile)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    orphan = int(pidfile.read_text())
+    assert orphan in map(int, done.stdout.split())  # found, re-parented to the job, and ended
+    assert not pid_alive(orphan)
