@@ -13,8 +13,11 @@ its log, and `cluster up` exits 3. Each started process's pid is kept in a file 
 `cluster_down` stops exactly what `cluster_up` started (never `ray stop`, which kills every Ray
 on a machine).
 
-The token (see `orchestrator.head`) is never printed or logged; each host keeps its copy in
-`<workdir>/auth_token`, mode 0600.
+The token (see `orchestrator.auth_token`) is never printed or logged; each host keeps its copy in
+`<workdir>/auth_token`, mode 0600, and with `[head] tls = true` its TLS files in `<workdir>/tls/`
+(`orchestrator.tls`); `cluster_down` removes both. A pid file is trusted only when its process
+is the `ray start` of that host's work dir: a stale one naming a process that reused the pid
+makes `up` start the node and `down` leave that process alone.
 """
 
 from __future__ import annotations
@@ -32,22 +35,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.auth_token import ensure_token, rotate_token, token_path, token_problem
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.head import (
     HEAD_LOG,
+    RAY_BIND_ENV,
     RAY_CLI,
-    enable_token_auth,
-    ensure_token,
+    connect_env,
     head_address,
     listening,
+    our_head_pid,
     start_head,
     stop_head,
-    token_path,
 )
 from orchestrator.hostprobe import HostProbe, last_job, lock_holder, probe, probe_host, version_problems
 from orchestrator.plan import lock_settings
 from orchestrator.specs import HostSpec, InventorySpec
-from orchestrator.ssh import RemoteShell, SshTarget, command_line, shell_path
+from orchestrator.ssh import RemoteShell, SftpError, SshTarget, command_line, shell_path
+from orchestrator.tls import NODE_FILES, issue, tls_env
 from orchestrator.workerenv import install_worker_packages, installable, source_archive
 
 NODE_PID = "ray-node.pid"
@@ -83,7 +88,20 @@ class HostState:
 
 def _paths(host: HostSpec, home: str) -> dict[str, str]:
     wd = host.workdir if not host.workdir.startswith("~") else home + host.workdir[1:]
-    return {"workdir": wd, "pid": f"{wd}/{NODE_PID}", "log": f"{wd}/{NODE_LOG}", "token": f"{wd}/{TOKEN_FILE}"}
+    return {
+        "workdir": wd, "pid": f"{wd}/{NODE_PID}", "log": f"{wd}/{NODE_LOG}", "token": f"{wd}/{TOKEN_FILE}",
+        "tls": f"{wd}/tls",
+    }  # fmt: skip
+
+
+def _our_node_script(paths: dict[str, str]) -> str:
+    """Shell that sets `p` to the node's pid and succeeds only when that process is the `ray start`
+    of this work dir (not a stale pid file's pid reused by another process)."""
+    marker = shlex.quote(f"--temp-dir {paths['workdir']}/ray")
+    return (
+        f'p=$(cat {shell_path(paths["pid"])} 2>/dev/null) && kill -0 "$p" 2>/dev/null && '
+        f'case "$(ps -ww -o command= -p "$p" 2>/dev/null)" in *ray.scripts.scripts*{marker}*) true;; *) false;; esac'
+    )
 
 
 def node_labels(host: HostSpec) -> dict[str, str]:
@@ -106,31 +124,56 @@ def node_command(host: HostSpec, inventory: InventorySpec, paths: dict[str, str]
     return argv
 
 
-def node_env(host: HostSpec, paths: dict[str, str], os_name: str) -> dict[str, str]:
-    """The node's environment: token auth, this host's settings for `workers.task`, the host's env."""
+def node_env(host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool = False) -> dict[str, str]:
+    """The node's environment: token auth (and TLS), Ray's binding, this host's settings for
+    `workers.task`, the host's env."""
     env = {
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": paths["token"],
+        **RAY_BIND_ENV,
         "ORCHESTRATE_HOST": host.name,
         "ORCHESTRATE_LOCK_PATH": host.lock,
         "ORCHESTRATE_LOCK": lock_settings(host).model_dump_json(),
         "ORCHESTRATE_SPOOL": f"{paths['workdir']}/spool",
     }
+    if tls:
+        tls_dir = paths["tls"]
+        env.update(tls_env(f"{tls_dir}/ca.crt", f"{tls_dir}/node.crt", f"{tls_dir}/node.key"))
     if os_name == "Darwin":
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"  # Ray refuses multi-node on macOS without it
     return {**env, **host.env}
+
+
+def _node_ip(shell: RemoteShell, host: HostSpec) -> str:
+    """The IP the host's Ray node will use, as Ray itself works it out there (`node_ip`, with a
+    loopback address replaced by the host's own; without `node_ip`, Ray's guess)."""
+    pick = (
+        "import sys; from ray._private.services import get_node_ip_address, resolve_ip_for_localhost; "
+        "print(resolve_ip_for_localhost(sys.argv[1]) if sys.argv[1] else get_node_ip_address())"
+    )
+    return shell.run([host.python, "-c", pick, host.node_ip or ""], check=True, timeout=120).stdout.strip()
+
+
+def _put_tls(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, paths: dict[str, str]) -> None:
+    """Give the host its TLS files: the CA's certificate, its own certificate and key (0600)."""
+    addresses = [_node_ip(shell, host), *(a for a in (host.node_ip, host.host) if a)]
+    files = dict(zip(NODE_FILES, issue(inventory, host.name, addresses), strict=True))
+    shell.mkdir_p(paths["tls"])
+    for name, data in files.items():
+        shell.put_bytes(data, f"{paths['tls']}/{name}", mode=0o600)
 
 
 def _launch_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe) -> str:
     """Start `ray start --block` on the host in the background: "launched", or "running" when the
     process its pid file names is alive already (whether it joined is the node table's to say)."""
     paths = _paths(host, probe.home)
-    running = shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])} 2>/dev/null)" 2>/dev/null')
-    if running.ok:
+    if shell.run_script(f"sh -c {shlex.quote(_our_node_script(paths))}").ok:
         return "running"
     shell.mkdir_p(paths["workdir"])
     shell.put_bytes(token_path().read_bytes(), paths["token"], mode=0o600)
-    env = node_env(host, paths, probe.os)
+    if inventory.head.tls:
+        _put_tls(shell, host, inventory, paths)
+    env = node_env(host, paths, probe.os, tls=inventory.head.tls)
     line = command_line(node_command(host, inventory, paths, probe.os), env)
     inner = (
         f"set -m; cd {shell_path(paths['workdir'])} || exit 1; "
@@ -186,7 +229,7 @@ class NodeTable:
     def __init__(self, inventory: InventorySpec) -> None:
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
-        enable_token_auth()
+        connect_env(inventory)  # the token, and TLS where the head uses it
         self.address = head_address(inventory)
         try:
             self._client = GcsClient(address=self.address)
@@ -241,16 +284,21 @@ def _join(
 
 
 def _stop_node(shell: RemoteShell, host: HostSpec, home: str, grace: float) -> str:
+    """Stop the node `up` started (never a process that reused a stale pid file's pid), then remove
+    the host's token and TLS files."""
     paths = _paths(host, home)
     pid = shell_path(paths["pid"])
+    forget = f"rm -rf {shell_path(paths['token'])} {shell_path(paths['tls'])}"
     script = (
-        f'p=$(cat {pid} 2>/dev/null) || exit 3; rm -f {pid}; kill -0 "$p" 2>/dev/null || exit 4; '
-        f'kill -TERM "$p"; n=0; while kill -0 "$p" 2>/dev/null && [ $n -lt {int(grace * 10)} ]; '
+        f"{forget}; [ -e {pid} ] || exit 3; "
+        f'if ! {_our_node_script(paths)}; then kill -0 "$p" 2>/dev/null && c=5 || c=4; rm -f {pid}; exit $c; fi; '
+        f'rm -f {pid}; kill -TERM "$p"; n=0; while kill -0 "$p" 2>/dev/null && [ $n -lt {int(grace * 10)} ]; '
         "do sleep 0.1; n=$((n+1)); done; "
         f'kill -9 -"$p" 2>/dev/null; exit 0'
     )
     code = shell.run_script(f"sh -c {shlex.quote(script)}", timeout=grace + 30, what="stopping the Ray node").exit_code
-    return {0: "stopped", 3: "not started here", 4: "not running"}.get(code, f"stop failed (exit {code})")
+    states = {0: "stopped", 3: "not started here", 4: "not running", 5: "stale pid file (its pid is another process)"}
+    return states.get(code, f"stop failed (exit {code})")
 
 
 # ------------------------------------------------------------------------------- the operations
@@ -317,17 +365,36 @@ def _ray_version() -> str:
     return str(ray.__version__)
 
 
+def _prepare_token(inventory: InventorySpec, rotate: bool, log: Log) -> None:
+    """Make, check, or replace the head's token before any host gets it."""
+    if (rotate or token_problem() is not None) and our_head_pid(inventory) is not None:
+        why = "to rotate the token" if rotate else f"the Ray token {token_path()} {token_problem()}:"
+        raise InfrastructureError(
+            f"{why} the running head must stop first (it keeps the old one): run `orchestrate cluster down`, then `up`"
+        )
+    if rotate:
+        rotate_token()
+        log(f"made a new Ray token at {token_path()}")
+    else:
+        ensure_token()
+
+
 def cluster_up(
-    inventory: InventorySpec, *, join_timeout: float = 90.0, install: bool = False, log: Log = _quiet
+    inventory: InventorySpec,
+    *,
+    join_timeout: float = 90.0,
+    install: bool = False,
+    rotate_token: bool = False,
+    log: Log = _quiet,
 ) -> list[HostState]:
     """Check every host (installing the worker packages where asked), start the head here if
-    needed, then start a Ray worker node on each host."""
+    needed (with a new token when `rotate_token`), then start a Ray worker node on each host."""
     if install:
         with tempfile.TemporaryDirectory(prefix="orchestrate-install-") as tmp:
             states = check_hosts(inventory, install_from=source_archive(Path(tmp)), log=log)
     else:
         states = check_hosts(inventory)
-    ensure_token()
+    _prepare_token(inventory, rotate_token, log)
     if start_head(inventory):
         log(f"started the Ray head at {head_address(inventory)}")
     by_name = {s.name: s for s in states}
@@ -381,8 +448,9 @@ def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _qu
         return state
 
     states = _each_host(inventory, down)
-    if stop_head(inventory):
-        log("stopped the Ray head")
+    head = stop_head(inventory)
+    if head != "not running":
+        log(f"Ray head: {head}")
     return states
 
 
@@ -457,7 +525,7 @@ def cluster_logs(inventory: InventorySpec, out: Path) -> list[HostState]:
                     try:
                         shell.get(remote, out / host.name / name)
                         fetched.append(name)
-                    except OSError:
+                    except SftpError:
                         state.notes.append(f"no {remote}")
                 state.node = f"{len(fetched)} logs"
         except InfrastructureError as exc:

@@ -80,8 +80,10 @@ def collect_spooled(inventory: InventorySpec, store: ResultStore) -> list[HostCo
                 local.write_bytes(blob)
                 try:
                     found.fetched.append(store.import_fragment(local))
-                except (InputError, OSError, pa.ArrowException) as exc:
-                    found.error = f"{name}: not a readable fragment ({str(exc).splitlines()[0]})"
+                except InputError as exc:  # unreadable, or a value that would leave the store: refused
+                    found.error = f"{name}: {exc.message}"
+                except (OSError, pa.ArrowException) as exc:
+                    found.error = f"{name}: not stored ({str(exc).splitlines()[0]})"
                 have.add(name)
             out.append(found)
     return out

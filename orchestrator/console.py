@@ -1,4 +1,10 @@
-"""Terminal output: rich tables and live progress on a terminal, plain lines otherwise."""
+"""Terminal output: rich tables and live progress on a terminal, plain lines otherwise.
+
+Everything printed is data (sweep and parameter names, a benchmark's stderr, host errors), so
+the console reads no Rich markup and no emoji codes: `[/]` or `:x:` in data is printed as is,
+never a `MarkupError` or a dropped word. `plain` makes text safe for a renderable that parses
+markup on its own (a progress column's description).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import sys
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.summary import ArmSummary, format_value
 
@@ -14,8 +21,18 @@ def console() -> Console:
     """The console for stdout; plain (no colour, no live display) when not a terminal."""
     tty = sys.stdout.isatty()
     return Console(
-        highlight=False, soft_wrap=not tty, force_terminal=None if tty else False, width=None if tty else 200
+        highlight=False,
+        markup=False,
+        emoji=False,
+        soft_wrap=not tty,
+        force_terminal=None if tty else False,
+        width=None if tty else 200,
     )
+
+
+def plain(text: object) -> Text:
+    """`text` as a Rich `Text` that no markup or emoji parsing touches."""
+    return Text(str(text))
 
 
 def summary_table(lines: list[ArmSummary], baseline: str | None, title: str) -> Table:

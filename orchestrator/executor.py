@@ -98,13 +98,12 @@ class RayExecutor:
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
-                from orchestrator.head import ensure_token
+                from orchestrator.auth_token import ensure_token, use_token
 
                 # Ray's node processes inherit this: the probes on this host know them as ours
                 os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
                 host = self.inventory.hosts[0]
-                if os.environ.get("RAY_AUTH_TOKEN_PATH"):
-                    ensure_token()  # Ray would refuse a token path naming a missing file; make it (0600)
+                use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
                 ray.init(
                     address="local",
                     labels={"device-kind": host.device, "backend": host.backend, "host": host.name},
@@ -114,11 +113,11 @@ class RayExecutor:
                     **common,
                 )
             else:
-                from orchestrator.head import enable_token_auth, require_head
+                from orchestrator.head import connect_env, require_head
 
                 head = self.inventory.head
-                require_head(self.inventory)
-                enable_token_auth()  # the head's token (`orchestrate cluster up` made it)
+                require_head(self.inventory)  # and, when it runs here, that it is our head
+                connect_env(self.inventory)  # the head's token (`orchestrate cluster up` made it), TLS
                 ray.init(address=f"{head.address}:{head.ray_port}", **common)
         except (ConnectionError, RuntimeError, ValueError, RayError) as exc:
             hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"

@@ -27,6 +27,7 @@ class HeadSpec(Strict):
     node_ip: str | None = None  # the address worker nodes reach the head on
     workdir: str = "~/.orchestrate/head"  # where `cluster up` keeps the head's pid, log and Ray temp dir
     dashboard: bool = True  # start Ray's dashboard with the head (`cluster up`)
+    tls: bool = False  # Ray's own traffic over mutual TLS with a CA `cluster up` makes (orchestrator.tls)
 
     @field_validator("address", "node_ip")
     @classmethod

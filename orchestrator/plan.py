@@ -3,7 +3,9 @@
 A job is one case at one point of its parameter axes, with all its arms, on one device kind.
 Its key hashes everything that changes what it measures (sweep, case, parameters, arms and their
 environment, case options, repetitions, warm-up, code version, device kind), so a stored job
-with the same key is the same measurement and resume may skip it.
+with the same key is the same measurement and resume may skip it. A command case's refs are
+resolved to commits here, when the head can reach the repo, and the commits are one of its
+options: a branch that moved makes new keys, so the next run measures the new commit.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from orchestrator.errors import InputError
 from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
 from orchestrator.sweepcheck import check_size, job_count
+from workers.command import CommandCaseError, plan_commits
 from workers.contract import JobSpec, LockSettings
 
 OPTION_FIELDS = ("repo", "ref", "refs", "build", "gate", "run", "parse", "timeout")
@@ -134,6 +137,15 @@ def _lock_for(inventory: InventorySpec, kind: str) -> LockSettings:
     return lock_settings(next(h for h in inventory.hosts if h.device == kind))
 
 
+def _pin_refs(case: CaseEntry, options: dict[str, Any]) -> dict[str, Any]:
+    """A command case's options with `commits`: each ref as the repo has it now (when reachable)."""
+    try:
+        commits = plan_commits(options)
+    except CommandCaseError as exc:
+        raise InputError(f"field cases.{case.label}.ref: {exc}") from None
+    return {**options, "commits": commits} if commits else options
+
+
 def expand(
     sweep: SweepSpec,
     inventory: InventorySpec,
@@ -161,6 +173,8 @@ def expand(
     for case in sweep.cases:
         case_kinds = case.devices or kinds
         options = {f: getattr(case, f) for f in OPTION_FIELDS if getattr(case, f) is not None}
+        if case.repo is not None:
+            options = _pin_refs(case, options)
         reps = case.repetitions or sweep.repetitions
         warmup = case.warmup if case.warmup is not None else sweep.warmup
         for kind in case_kinds:

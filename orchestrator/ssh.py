@@ -12,13 +12,14 @@ secret (the token, key material) is ever printed or logged.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import select
 import shlex
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,10 @@ def key_fingerprint(key: paramiko.PKey) -> str:
 def known_hosts_name(hop: Hop) -> str:
     """The name a known_hosts line uses for this endpoint (`host` or `[host]:port`)."""
     return hop.hostname if hop.port == 22 else f"[{hop.hostname}]:{hop.port}"
+
+
+class SftpError(InfrastructureError):
+    """A file transfer to or from a host failed (the message names the host, the file and why)."""
 
 
 class _UnknownHostKey(Exception):
@@ -280,29 +285,42 @@ class RemoteShell:
     def sftp(self) -> paramiko.SFTPClient:
         """The host's SFTP session (opened once)."""
         if self._sftp is None:
-            self._sftp = self._clients[-1].open_sftp()
+            with self._sftp_errors("open an SFTP session", ""):
+                self._sftp = self._clients[-1].open_sftp()
             channel = self._sftp.get_channel()
             if channel is not None:
                 channel.settimeout(DEFAULT_COMMAND_TIMEOUT)
         return self._sftp
 
+    @contextlib.contextmanager
+    def _sftp_errors(self, what: str, remote: str) -> Iterator[None]:
+        """An SFTP failure (a missing file, a full disk, a dropped session) as one `SftpError` line."""
+        try:
+            yield
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
+            where = f" {remote}" if remote else ""
+            raise SftpError(f"host {self.target.name!r}: SFTP could not {what}{where}: {reason}") from None
+
     def put_bytes(self, data: bytes, remote: str, *, mode: int = 0o600) -> None:
         """Write `data` to a remote file whose mode is set before any byte is written."""
         sftp = self.sftp()
         path = sftp_path(remote)
-        with sftp.open(path, "w") as fh:
+        with self._sftp_errors("write", remote), sftp.open(path, "w") as fh:
             sftp.chmod(path, mode)
             fh.write(data)
 
     def put(self, local: Path, remote: str, *, mode: int | None = None) -> None:
         """Copy a local file to the host (optionally setting its mode)."""
-        self.sftp().put(str(local), sftp_path(remote))
-        if mode is not None:
-            self.sftp().chmod(sftp_path(remote), mode)
+        with self._sftp_errors("write", remote):
+            self.sftp().put(str(local), sftp_path(remote))
+            if mode is not None:
+                self.sftp().chmod(sftp_path(remote), mode)
 
     def get(self, remote: str, local: Path) -> None:
         """Copy a remote file to this machine."""
-        self.sftp().get(sftp_path(remote), str(local))
+        with self._sftp_errors("read", remote):
+            self.sftp().get(sftp_path(remote), str(local))
 
     def mkdir_p(self, remote: str, mode: int = 0o700) -> None:
         """Create a remote directory and its parents."""

@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.errors import InputError
+from orchestrator.errors import InfrastructureError, InputError
+from orchestrator.names import NAME_RE
 from workers.contract import META_JOB_KEY, META_JOB_STATUS, META_SCHEMA_VERSION, SCHEMA, STATUS_OK
 from workers.files import write_parquet_atomic
 
@@ -75,10 +76,26 @@ class ResultStore:
     def write(self, table: pa.Table, *, sweep: str, date: dt.date, device: str, run_id: str, job_key: str) -> Path:
         """Store one job's rows atomically."""
         path = self.fragment_path(sweep=sweep, date=date, device=device, run_id=run_id, job_key=job_key)
-        return write_parquet_atomic(table, path)
+        try:
+            return write_parquet_atomic(table, path)
+        except OSError as exc:  # a full disk, a quota: exit 3; every fragment written before stays whole
+            raise InfrastructureError(
+                f"cannot store job {job_key}'s rows: {exc.strerror or exc}; the jobs stored before are kept, "
+                "and the next `orchestrate run` runs the rest",
+                where=str(self.root),
+            ) from None
 
-    def import_fragment(self, source: Path) -> Path:
-        """Copy a fragment written elsewhere (another host, a worker's spool) into the store."""
+    def check_fragment(self, source: Path) -> tuple[pa.Table, Path]:
+        """Read a fragment written elsewhere and say where it would go, refusing what is unsafe.
+
+        The destination is built from the fragment's own `sweep`, `device`, `run_id` and job key,
+        so each must pass the sweep loader's name rule (`orchestrator.names.NAME_RE`: no `/`, no
+        `..`), and every row must carry the same values: a fragment from a compromised host or a
+        handed-over file can never write outside the store or into another job's place.
+
+        Raises:
+            InputError: not a readable fragment, or a value that is not a safe name (naming it).
+        """
         try:
             table = pq.read_table(source)
         except (OSError, pa.ArrowException) as exc:
@@ -86,19 +103,38 @@ class ResultStore:
                 f"not a readable Parquet fragment: {str(exc).splitlines()[0]}", where=str(source)
             ) from None
         meta = table.schema.metadata or {}
-        first = table.slice(0, 1).to_pylist()
-        if not first or META_JOB_KEY not in meta:
+        if table.num_rows == 0 or META_JOB_KEY not in meta:
             raise InputError("not an orchestrate result fragment", where=str(source))
-        row = first[0]
-        started = row["started_at"] or dt.datetime.now(dt.UTC)
-        return self.write(
-            table,
-            sweep=row["sweep"],
-            date=started.date(),
-            device=row["device"],
-            run_id=row["run_id"],
-            job_key=meta[META_JOB_KEY].decode(),
-        )
+        values = {"job key": meta[META_JOB_KEY].decode(errors="replace")}
+        for column in ("sweep", "device", "run_id", "job_key"):
+            if column not in table.column_names:
+                raise InputError(f"not an orchestrate result fragment (no column {column!r})", where=str(source))
+            found = set(table.column(column).to_pylist())
+            if len(found) != 1:
+                shown = ", ".join(sorted(repr(v) for v in found)[:3])
+                raise InputError(f"fragment mixes several values of {column} ({shown}); refused", where=str(source))
+            values[column] = next(iter(found))
+        if values["job_key"] != values["job key"]:
+            raise InputError("fragment's rows and footer name different job keys; refused", where=str(source))
+        for name, value in values.items():
+            if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+                raise InputError(
+                    f"fragment's {name} {value!r} is not a safe name (letters, digits, '.', '_' or '-'); refused",
+                    where=str(source),
+                )
+        started = table.column("started_at")[0].as_py() if "started_at" in table.column_names else None
+        started = started if isinstance(started, dt.datetime) else dt.datetime.now(dt.UTC)
+        dest = self.fragment_path(
+            sweep=values["sweep"], date=started.date(), device=values["device"], run_id=values["run_id"],
+            job_key=values["job_key"],
+        )  # fmt: skip
+        return table, dest
+
+    def import_fragment(self, source: Path) -> Path:
+        """Copy a fragment written elsewhere (another host, a worker's spool) into the store,
+        after `check_fragment`."""
+        table, dest = self.check_fragment(source)
+        return write_parquet_atomic(table, dest)
 
     def fragments(self) -> list[Fragment]:
         """Every readable fragment; unreadable ones are listed in `self.broken`."""

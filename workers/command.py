@@ -5,8 +5,11 @@ them, arms and commits interleaved, is `workers.command_job`. The job's `options
 case's `repo`, `ref` (or `refs`: several commits compared in one job), `build`, `gate`, `run`,
 `parse` and `timeout`; `arm_env` the environment overrides per arm. The steps:
 
-1. Mirror `repo` (a git URL or a local path) into the host's cache and fetch it, so a ref is
-   resolved afresh on every run; the commit goes into every row's `commit` column.
+1. Mirror `repo` (a git URL or a local path) into the host's cache and fetch it. The head resolves
+   each ref when it plans the run (`plan_commits`) and sends the commits (`options.commits`, part
+   of the job key, so a branch that moved is measured again on the next run); a ref the head could
+   not reach (a path that exists only on the hosts) is resolved here, once per run and host. The
+   commit goes into every row's `commit` column.
 2. Check the commit out once per (host, commit, build command) and run `build` there, once: a
    marker beside the checkout records the build time, so a second job of that commit is a cache
    hit (`extra["build_cache"] = "hit"`) that still reports the original `build_seconds`.
@@ -18,6 +21,14 @@ case's `repo`, `ref` (or `refs`: several commits compared in one job), `build`, 
 
 A non-zero exit, a timeout, output that does not parse, a failed build or gate or an unknown ref
 becomes a failed row carrying the tail of the output, never an exception.
+
+Each build, gate and run is a `workers.process_tree` tree (`_run_shell`): the timeout kills all of
+it (also what calls `setsid`), what it leaves running is ended when it exits, and it inherits the
+GPU lock's descriptor, so the lock is held until the last of it is gone. Its output streams
+through files: stdout is read back for the parser (at most `$ORCHESTRATE_MAX_OUTPUT_MB`, default
+64 MiB: a stream past it stops the run), stderr only as a tail. It runs with this host's
+environment without Ray's variables (`workers.workload_run.workload_env`: no token path, no
+cluster address), plus the arm's env.
 
 The cache lives in `$ORCHESTRATE_CACHE_DIR` or `~/.cache/orchestrate` (`options.cache_dir` wins).
 A relative local `repo` path starts at `options.base_dir`, else at the worker's working directory
@@ -35,9 +46,9 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import string
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,7 +56,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from workers.gpulock import held_lock_fds
 from workers.parsers import parser_for
+from workers.workload_run import DEFAULT_MAX_OUTPUT, run_tree, workload_env
 
 DEFAULT_TIMEOUT = 3600.0
 TAIL_CHARS = 1500
@@ -71,6 +84,12 @@ class CommandCase:
     cache_dir: str | None = None
     refs: tuple[str, ...] = ()  # every ref of the job: BASE first, HEAD last
     gate: str | None = None
+    commits: tuple[tuple[str, str], ...] = ()  # (ref, commit) as the head resolved them when it planned the run
+
+    @property
+    def commit(self) -> str | None:
+        """The head's commit for `ref`, or None (the hosts resolve it)."""
+        return dict(self.commits).get(self.ref)
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> CommandCase:
@@ -90,6 +109,7 @@ class CommandCase:
             cache_dir=options.get("cache_dir"),
             refs=refs,
             gate=options.get("gate") or None,
+            commits=tuple(sorted((str(k), str(v)) for k, v in (options.get("commits") or {}).items())),
         )
 
     def for_ref(self, ref: str) -> CommandCase:
@@ -204,47 +224,82 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+    # Never a prompt (no terminal here): a credential or host-key question fails the command.
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
+    env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise CommandCaseError(f"git {args[0]} did not finish within {timeout:g} s") from None
     if proc.returncode != 0:
         raise CommandCaseError(f"git {args[0]} failed: {_tail(proc.stderr) or proc.returncode}")
     return proc.stdout.strip()
 
 
+_URL_RE = re.compile(r"^[a-z+]+://|^[\w.-]+@[\w.-]+:")  # a URL or an scp-like address
+
+
 def _repo_location(case: CommandCase) -> str:
-    if re.match(r"^[a-z+]+://|^[\w.-]+@[\w.-]+:", case.repo):
-        return case.repo  # a URL or scp-like address
+    if _URL_RE.match(case.repo):
+        return case.repo
     path = Path(case.repo).expanduser()
     if not path.is_absolute():
         path = Path(case.base_dir or os.getcwd()) / path
     return str(path.resolve())
 
 
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
+
+
+def _mirror_path(case: CommandCase, location: str) -> Path:
+    slug = _safe(location.rstrip("/").split("/")[-1] or "repo")
+    return cache_root(case) / "repos" / f"{slug}-{hashlib.sha256(location.encode()).hexdigest()[:12]}.git"
+
+
+def _has_commit(mirror: Path, commit: str) -> bool:
+    probe = ["git", "--git-dir", str(mirror), "cat-file", "-e", f"{commit}^{{commit}}"]
+    return subprocess.run(probe, capture_output=True, timeout=60, check=False).returncode == 0
+
+
 def resolve_commit(case: CommandCase, run_id: str | None = None) -> tuple[Path, str]:
     """Mirror (or fetch) the repo into the cache and resolve `ref` to a full commit id.
 
-    The first job of a run on this host fetches and resolves; the run's later jobs reuse that commit
-    (a pin file per run), so a branch that moves during a sweep does not split the run over commits.
+    A case that carries the head's commit for `ref` gets that commit (fetched when the mirror
+    lacks it). Otherwise the first job of a run on this host fetches and resolves `ref`; the
+    run's later jobs reuse that commit (a pin file per run), so a branch that moves during a sweep
+    does not split the run over commits.
 
     Returns:
         The mirror's path and the commit.
 
     Raises:
-        CommandCaseError: the repo cannot be cloned or fetched, or it has no such ref.
+        CommandCaseError: the repo cannot be cloned or fetched, or it has no such ref or commit.
     """
     location = _repo_location(case)
-    slug = re.sub(r"[^A-Za-z0-9._-]", "_", location.rstrip("/").split("/")[-1] or "repo")
-    mirror = cache_root(case) / "repos" / f"{slug}-{hashlib.sha256(location.encode()).hexdigest()[:12]}.git"
+    mirror = _mirror_path(case, location)
+    planned = case.commit
     pin = None
-    if run_id:
+    if run_id and not planned:
         ref_hash = hashlib.sha256(case.ref.encode()).hexdigest()[:12]
-        pin = cache_root(case) / "pins" / re.sub(r"[^A-Za-z0-9._-]", "_", run_id) / f"{mirror.stem}-{ref_hash}"
+        pin = cache_root(case) / "pins" / _safe(run_id) / f"{mirror.stem}-{ref_hash}"
     with _file_lock(mirror.with_suffix(".lock")):
         if pin is not None and pin.exists() and (mirror / "HEAD").exists():
             return mirror, pin.read_text().strip()
+        if planned and (mirror / "HEAD").exists() and _has_commit(mirror, planned):
+            return mirror, planned
         if (mirror / "HEAD").exists():
             _git("--git-dir", str(mirror), "fetch", "--prune", "--quiet", "origin")
         else:
             _git("clone", "--mirror", "--quiet", location, str(mirror))
+        if planned:
+            if not _has_commit(mirror, planned):
+                when = f"ref {case.ref!r} when the run was planned"
+                raise CommandCaseError(f"commit {planned} ({when}) is not in {location}")
+            return mirror, planned
         try:
             commit = _git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
         except CommandCaseError:
@@ -253,6 +308,30 @@ def resolve_commit(case: CommandCase, run_id: str | None = None) -> tuple[Path, 
             pin.parent.mkdir(parents=True, exist_ok=True)
             pin.write_text(commit + "\n")
     return mirror, commit
+
+
+def plan_commits(options: dict[str, Any], base_dir: str | None = None) -> dict[str, str]:
+    """Each of a case's refs resolved to a commit on the head, when it plans a run: the commits go
+    into the job key, so a branch that moved is measured again. Empty when the head cannot reach
+    the repo (a path that exists only on the worker hosts, a URL it has no access to): the hosts
+    resolve the refs themselves then.
+
+    Raises:
+        CommandCaseError: the head reaches the repo, and it has no such ref.
+    """
+    case = CommandCase.from_options({**options, "commits": None, "base_dir": options.get("base_dir") or base_dir})
+    location = _repo_location(case)
+    if not _URL_RE.match(location) and not Path(location).exists():
+        return {}
+    commits = {}
+    for ref in case.refs:
+        try:
+            commits[ref] = resolve_commit(case.for_ref(ref))[1]
+        except CommandCaseError as exc:
+            if "not found in" in exc.args[0]:
+                raise
+            return {}  # unreachable from here: the hosts resolve the refs
+    return commits
 
 
 @dataclass(frozen=True)
@@ -286,7 +365,7 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
         if command:
             outcome = _run_shell(command, path, dict(os.environ), case.timeout)
             seconds = outcome.seconds
-            path.with_name(path.name + ".build.log").write_text(outcome.stdout + outcome.stderr)
+            path.with_name(path.name + ".build.log").write_text(outcome.stdout + outcome.stderr)  # stderr's tail
             if outcome.failure:
                 raise CommandCaseError(f"build {outcome.failure}")
         marker.write_text(json.dumps({"commit": commit, "build": command, "build_seconds": seconds}))
@@ -382,7 +461,7 @@ def run_gate(
     key = hashlib.sha256(command.encode()).hexdigest()[:10]
     marker = None
     if run_id:
-        run_slug = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+        run_slug = _safe(run_id)
         marker = cache_root(case) / "gates" / run_slug / f"{build.path.name}-{key}.json"
     with _file_lock(build.path.with_name(build.path.name + ".lock")):
         if marker is not None and marker.exists():
@@ -403,27 +482,38 @@ def run_gate(
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """One run of a shell command."""
+    """One run of a shell command: its whole stdout (at most `max_output()` bytes), stderr's tail."""
 
     stdout: str
     stderr: str
     seconds: float
-    failure: str | None  # None: exit 0 within the timeout; else why, with stderr's tail
+    failure: str | None  # None: exit 0 within the timeout and the output limit; else why, with stderr's tail
+
+
+def max_output() -> int:
+    """Bytes a run may print on one stream (`$ORCHESTRATE_MAX_OUTPUT_MB` MiB, default 64)."""
+    raw = os.environ.get("ORCHESTRATE_MAX_OUTPUT_MB", "")
+    try:
+        return int(float(raw) * 2**20) if raw else DEFAULT_MAX_OUTPUT
+    except ValueError:
+        return DEFAULT_MAX_OUTPUT
 
 
 def _run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> RunOutcome:
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        ["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, errors="replace", start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: the benchmark's children too
-        out, err = proc.communicate()
-        seconds = time.monotonic() - start
-        return RunOutcome(out, err, seconds, _with_stderr(f"timed out after {timeout:g} s", err))
-    seconds = time.monotonic() - start
-    failure = None if proc.returncode == 0 else _with_stderr(f"exited with {proc.returncode}", err)
-    return RunOutcome(out, err, seconds, failure)
+    """Run `command` as one process tree with the GPU lock's descriptor and no Ray variables,
+    its output through files (memory stays bounded whatever it prints)."""
+    limit = max_output()
+    with tempfile.TemporaryDirectory(prefix="orchestrate-run-") as tmp:
+        out = Path(tmp) / "stdout"
+        try:
+            result = run_tree(
+                ["bash", "-c", command], cwd=cwd, env=workload_env(env), timeout=timeout, stdout=out,
+                pass_fds=held_lock_fds(), max_output=limit, tail_bytes=TAIL_CHARS * 4,
+            )  # fmt: skip
+        except OSError as exc:
+            raise CommandCaseError(f"cannot start bash: {exc.strerror or exc}") from None
+        stdout = result.stdout_tail if result.overflow else out.read_text(encoding="utf-8", errors="replace")
+    failure = result.failure(timeout, limit)
+    return RunOutcome(
+        stdout, result.stderr_tail, result.seconds, _with_stderr(failure, result.stderr_tail) if failure else None
+    )

@@ -10,9 +10,23 @@ daemon left behind by a job never keeps the lock.
 Beside it, `<lock>.holder` (written atomically, removed on release) says who holds it: `pid=`,
 `start=`, `mode=`, `cmd=` lines, for `orchestrate lock status`.
 
-Nesting: the holder exports `ROCM_GPU_GUARD_LOCK_HELD=<its pid>` to its children; a lock request
-in a process whose ancestor (or itself) is that pid succeeds at once instead of deadlocking. The
-variable is honoured only when the pid really is an ancestor and the lock really is held.
+The path must still name the locked file when the lock is taken: a waiter that got the flock
+on a file someone deleted or replaced meanwhile closes it and locks the file the path names now.
+While held, a guard thread re-checks the path every `GUARD_INTERVAL_S`; when the file was deleted
+or replaced it creates (or opens) the new one and locks that too, so a newcomer waits again
+(`intact` turns False, with a warning, when someone else got the new file first).
+
+Workloads hold the lock as `flock(1)` users do: `held_lock_fds()` lists this process's locked
+descriptors, which `workers.process_tree` passes to the workload's tree, so the lock stays taken
+until the last process of the tree is gone, even when the process that took it is killed.
+
+Nesting: the holder exports `ROCM_GPU_GUARD_LOCK_HELD=<its pid>` to its children, as the shell
+guard does (the value stays a bare pid, so the guard's own check of it keeps working); a lock
+request in a process whose ancestor (or itself) is that pid succeeds at once instead of
+deadlocking. The variable is honoured only for the lock it stands for: the named process, or one
+between it and the requester, must hold an flock on this very file (same device and inode; Linux
+reads `/proc/<pid>/fdinfo`, macOS asks `lsof` whether the process has the file open). A stale
+export, a reused pid, or an export made for another lock file is ignored.
 """
 
 from __future__ import annotations
@@ -24,15 +38,19 @@ import fcntl
 import logging
 import os
 import stat
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from workers.processes import is_descendant, pid_alive, process_name
+from workers.processes import is_descendant, parent_pid, pid_alive, process_name
 
 DEFAULT_LOCK_PATH = "/tmp/orchestrate-gpu.lock"
 GUARD_ENV = "ROCM_GPU_GUARD_LOCK_HELD"  # the shell guard's name, so both nest inside each other
+GUARD_INTERVAL_S = 0.25  # how often a held lock checks that its path still names the locked file
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +241,16 @@ def lock_status(path: str) -> LockStatus:
     return LockStatus(path, "stale", busy, holder, lockers)
 
 
-def nesting_pid() -> int | None:
-    """The pid named by `ROCM_GPU_GUARD_LOCK_HELD` when it is this process or one of its ancestors.
+def nesting_pid(fd: int | None = None) -> int | None:
+    """The pid named by `ROCM_GPU_GUARD_LOCK_HELD` when it stands for this lock.
 
-    Anything else (not a number, pid 1, a pid that is not an ancestor: a reused pid or an export
-    leaked by a daemon) is ignored and None returned.
+    The pid must be this process or one of its ancestors, and it (or a process between it and
+    this one) must hold an flock on the file `fd` is open on. Anything else (not a number,
+    pid 1, a pid that is not an ancestor, an ancestor that holds another lock or none: a reused
+    pid, a stale export, an export for another lock file) is ignored and None returned.
+
+    Args:
+        fd: A descriptor open on the lock file; None only checks the ancestry (no lock named).
     """
     raw = os.environ.get(GUARD_ENV, "").strip()
     if not raw.isdigit():
@@ -235,7 +258,81 @@ def nesting_pid() -> int | None:
     pid = int(raw)
     if pid <= 1 or not is_descendant(os.getpid(), pid):
         return None
-    return pid
+    if fd is None:
+        return pid
+    info = os.fstat(fd)
+    current: int | None = os.getpid()
+    while current is not None and current > 1:
+        if holds_flock(current, info.st_dev, info.st_ino):
+            return pid
+        if current == pid:
+            return None
+        current = parent_pid(current)
+    return None
+
+
+def holds_flock(pid: int, dev: int, ino: int) -> bool:
+    """Whether process `pid` holds an flock on the file (`dev`, `ino`).
+
+    Linux: one of its descriptors is open on that file and `/proc/<pid>/fdinfo` lists an FLOCK
+    on it (flock belongs to the open file, so this is exact). macOS (no fdinfo): `lsof` shows the
+    process has the file open (the lock itself is checked by the caller's failed flock).
+    """
+    if not sys.platform.startswith("linux"):
+        return _lsof_has_open(pid, dev, ino)
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in fds:
+        try:
+            info = os.stat(f"/proc/{pid}/fd/{name}")
+            if (info.st_dev, info.st_ino) != (dev, ino):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
+                if any(line.startswith("lock:") and " FLOCK " in line for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _lsof_has_open(pid: int, dev: int, ino: int) -> bool:
+    try:
+        out = subprocess.run(
+            ["lsof", "-n", "-a", "-p", str(pid), "-F", "n"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    for line in out.splitlines():
+        if line.startswith("n"):
+            try:
+                info = os.stat(line[1:])
+            except OSError:
+                continue
+            if (info.st_dev, info.st_ino) == (dev, ino):
+                return True
+    return False
+
+
+def _names_file(fd: int, path: str) -> bool:
+    """Whether `path` (not followed) still names the file `fd` is open on."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    info = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (info.st_dev, info.st_ino)
+
+
+_HELD: dict[int, GpuLock] = {}  # descriptor -> the lock holding it, in this process
+_HELD_LOCK = threading.Lock()
+
+
+def held_lock_fds() -> list[int]:
+    """The descriptors of every GPU lock this process holds (for a workload to inherit)."""
+    with _HELD_LOCK:
+        return sorted(_HELD)
 
 
 def _try_flock(fd: int, operation: int) -> bool:
@@ -269,6 +366,8 @@ class GpuLock:
     Attributes:
         wait_s: Seconds spent waiting for the lock.
         nested: True when an ancestor holds the lock and this one took nothing.
+        intact: False once the lock file was replaced while held and another process locked the
+            new one (exclusion was lost for a while; measurements then are suspect).
 
     Within one process the lock is re-entrant (a second request while it is held runs nested),
     so it serialises processes, not threads: the runner takes it in the job's own process.
@@ -298,6 +397,10 @@ class GpuLock:
         self._wrote_holder = False
         self._saved_env: str | None = None
         self._exported = False
+        self._extra: list[int] = []  # files locked because the path was re-made while held
+        self._stop_guard = threading.Event()
+        self._guard: threading.Thread | None = None
+        self.intact = True
 
     @property
     def held(self) -> bool:
@@ -321,23 +424,30 @@ class GpuLock:
         if self.held:
             raise RuntimeError(f"GpuLock({self.path}) acquired twice")
         start = time.monotonic()
-        fd = open_lock_file(self.path)
-        try:
-            if _try_flock(fd, fcntl.LOCK_EX):
-                return self._take(fd)
-            outer = nesting_pid()
-            if outer is not None:
+        announced = False
+        while True:
+            fd = open_lock_file(self.path)
+            try:
+                if not _try_flock(fd, fcntl.LOCK_EX):
+                    outer = nesting_pid(fd)
+                    if outer is not None:
+                        os.close(fd)
+                        self.nested = True
+                        log.info("GPU lock %s held by outer holder pid %d; running nested", self.path, outer)
+                        return self
+                    if self.on_wait is not None and not announced:
+                        announced = True
+                        self.on_wait(lock_status(self.path))
+                    self._wait(fd, start)
+                if _names_file(fd, self.path):
+                    break
+                # Deleted or replaced while we waited: this flock guards nothing; lock what the path names.
+                log.warning("GPU lock %s was deleted or replaced while waiting; locking the new file", self.path)
                 os.close(fd)
-                self.nested = True
-                log.info("GPU lock %s held by outer holder pid %d; running nested", self.path, outer)
-                return self
-            if self.on_wait is not None:
-                self.on_wait(lock_status(self.path))
-            self._wait(fd, start)
-        except BaseException:
-            if self._fd is None:
-                os.close(fd)
-            raise
+            except BaseException:
+                if self._fd != fd:
+                    os.close(fd)
+                raise
         self.wait_s = time.monotonic() - start
         return self._take(fd)
 
@@ -362,15 +472,52 @@ class GpuLock:
     def _take(self, fd: int) -> GpuLock:
         self._fd = fd
         try:
+            with _HELD_LOCK:
+                _HELD[fd] = self
             self._write_holder()
             if self.export_env:
                 self._saved_env = os.environ.get(GUARD_ENV)
                 os.environ[GUARD_ENV] = str(os.getpid())
                 self._exported = True
+            self._stop_guard = threading.Event()
+            self._guard = threading.Thread(target=self._guard_path, name=f"gpulock-guard {self.path}", daemon=True)
+            self._guard.start()
         except BaseException:  # e.g. a signal's exception: never leave the lock taken behind a failed enter
             self.release()
             raise
         return self
+
+    def fileno(self) -> int:
+        """The locked descriptor (for a workload to inherit, as `flock(1)` passes it).
+
+        Raises:
+            RuntimeError: The lock is not held by this object (not taken, or nested).
+        """
+        if self._fd is None:
+            raise RuntimeError(f"GpuLock({self.path}) is not held here")
+        return self._fd
+
+    def _guard_path(self) -> None:
+        """While held: when the path stops naming a locked file, lock what it names now."""
+        while not self._stop_guard.wait(GUARD_INTERVAL_S):
+            if self._fd is None:
+                return
+            if any(_names_file(fd, self.path) for fd in [self._fd, *self._extra]):
+                continue
+            try:
+                fd = open_lock_file(self.path)
+            except (GpuLockError, OSError) as exc:
+                log.warning("GPU lock %s was deleted or replaced while held and cannot be re-made: %s", self.path, exc)
+                continue
+            if _try_flock(fd, fcntl.LOCK_EX) and _names_file(fd, self.path):
+                self._extra.append(fd)
+                log.warning("GPU lock %s was deleted or replaced while held; locked the new file too", self.path)
+                self._write_holder()
+            else:
+                os.close(fd)
+                if self.intact:
+                    log.error("GPU lock %s was replaced while held and another process holds the new file", self.path)
+                self.intact = False
 
     def _write_holder(self) -> None:
         target = holder_path(self.path)
@@ -392,7 +539,11 @@ class GpuLock:
                 os.unlink(tmp)
 
     def release(self) -> None:
-        """Give the lock back (a no-op when not held); removes the holder file if it is ours."""
+        """Give the lock back (a no-op when not held); removes the holder file if it is ours.
+
+        The descriptor is closed, not unlocked, so the flock ends when the last process holding
+        it (this one, or a workload that inherited it) is gone.
+        """
         if self.nested:
             self.nested = False
             return
@@ -410,10 +561,17 @@ class GpuLock:
             else:
                 os.environ[GUARD_ENV] = self._saved_env
             self._exported = False
+        self._stop_guard.set()
+        if self._guard is not None and self._guard is not threading.current_thread():
+            self._guard.join()
+        self._guard = None
         fd, self._fd = self._fd, None
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        with _HELD_LOCK:
+            _HELD.pop(fd, None)
+        # Closed, not unlocked: a workload that inherited the descriptor keeps the lock until it exits.
+        for held in [fd, *self._extra]:
+            os.close(held)
+        self._extra = []
 
     def __enter__(self) -> GpuLock:
         return self.acquire()

@@ -77,12 +77,17 @@ def register(app: typer.Typer) -> None:
         install: bool = typer.Option(
             False, "--install", help="pip-install this commit of orchestrate (and its pins) where it is missing"
         ),
+        rotate_token: bool = typer.Option(
+            False, "--rotate-token", help="make a new Ray token first (the head must be down: `cluster down`)"
+        ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
         inv = load_cluster_inventory(inventory)
         out = console()
         try:
-            states = cluster_up(inv, join_timeout=join_timeout, install=install, log=out.print)
+            states = cluster_up(
+                inv, join_timeout=join_timeout, install=install, rotate_token=rotate_token, log=out.print
+            )
         except ClusterCheckError as exc:
             started = any(s.node != "-" for s in exc.states)  # "-": the checks stopped it before any node
             out.print(hosts_table(exc.states, f"cluster {inventory}" + ("" if started else ": nothing started")))
@@ -91,7 +96,7 @@ def register(app: typer.Typer) -> None:
 
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
-        """Stop the Ray nodes (and head) that `cluster up` started; nothing else."""
+        """Stop the Ray nodes (and head) that `cluster up` started, nothing else; remove the hosts' token."""
         inv = load_cluster_inventory(inventory)
         out = console()
         states = cluster_down(inv, log=out.print)

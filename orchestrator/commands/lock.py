@@ -5,8 +5,12 @@ is gone); it exits 0 when the lock is free and 1 when something holds it, like t
 `--status`. `hold -- CMD ...` runs any command under the lock, like `rocm_gpu_guard.sh --hold`:
 it exits with the command's code (128+N when a signal N killed it), 75 when `--max-wait` ran
 out, 127/126 when the command cannot be started, and 130/143 on SIGINT/SIGTERM after ending the
-command's whole process group. The command runs in a process group of its own, without the lock's
-descriptor, with `ROCM_GPU_GUARD_LOCK_HELD` set so guards and holds inside it nest.
+command's whole process tree. The command runs as a `workers.process_tree.ProcessTree` (its own
+process group, every descendant followed, also those that call `setsid`), with
+`ROCM_GPU_GUARD_LOCK_HELD` set so guards and holds inside it nest, and it inherits the lock's
+descriptor as under `flock(1)`: the lock stays taken until the last process of the command's tree
+is gone, also when this process is killed (on Linux the tree's keeper then ends the tree). What
+the command leaves running when it exits is ended too (SIGTERM, then SIGKILL after the grace).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -26,6 +29,7 @@ import typer
 
 from orchestrator.errors import InputError, LockTimeoutError
 from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError, LockStatus, lock_status
+from workers.process_tree import ProcessTree
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The node's lock (set by `cluster up`), then the shell guard's, so both tools find one lock.
@@ -74,18 +78,18 @@ def _take_terminal_back(fd: int | None) -> None:
         signal.signal(signal.SIGTTOU, previous)
 
 
-def _wait_child(child: subprocess.Popen[bytes], signals: list[int], grace: float) -> int:
-    """Wait for the command; after a forwarded signal give its group `grace` seconds, then SIGKILL."""
+def _wait_tree(tree: ProcessTree, signals: list[int], grace: float) -> int:
+    """Wait for the command; after a forwarded signal give its tree `grace` seconds, then end it."""
     deadline: float | None = None
     while True:
-        try:
-            return child.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            pass
+        code = tree.wait(0.1)
+        if code is not None:
+            return code
         if signals and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() > deadline:
-            _kill_group(child.pid, signal.SIGKILL)
+            tree.end()
+            return tree.wait(0) or -signal.SIGKILL
 
 
 def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
@@ -93,21 +97,22 @@ def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
 
     Args:
         argv: The command and its arguments.
-        lock: A lock not yet acquired; it is taken here and released when the command's group is gone.
-        grace: Seconds between forwarding SIGINT/SIGTERM/SIGHUP to the command's group and SIGKILL.
+        lock: A lock not yet acquired; it is taken here and released when the command's tree is gone.
+        grace: Seconds between forwarding SIGINT/SIGTERM/SIGHUP to the command's tree and SIGKILL
+            (and the grace a process the command left behind gets).
 
     Raises:
         LockTimeoutError: `max_wait` ran out (exit 75).
         InputError: The lock path cannot be used.
     """
     signals: list[int] = []
-    child: subprocess.Popen[bytes] | None = None
+    tree: ProcessTree | None = None
     waiting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         signals.append(signum)
-        if child is not None:
-            _kill_group(child.pid, signum)
+        if tree is not None:
+            tree.signal(signum)
         elif waiting:
             raise _Interrupted(signum)
 
@@ -124,25 +129,29 @@ def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
             return 128 + signals[0]
         if lock.nested:
             _say(f"GPU lock {lock.path} held by an outer holder (pid {os.environ.get('ROCM_GPU_GUARD_LOCK_HELD')})")
+        inherit = () if lock.nested else (lock.fileno(),)
+        started = ProcessTree(argv, env=lock.child_env(), pass_fds=inherit, session=False)
         try:
-            child = subprocess.Popen(argv, env=lock.child_env(), process_group=0)
+            tree = started.start()
         except FileNotFoundError:
             _say(f"lock hold: {argv[0]}: command not found")
             return 127
         except PermissionError:
             _say(f"lock hold: {argv[0]}: permission denied")
             return 126
-        if signals:  # arrived while the child was being started
-            _kill_group(child.pid, signals[0])
-        terminal = _give_terminal(child.pid)
+        if signals:  # arrived while the command was being started
+            tree.signal(signals[0])
+        terminal = _give_terminal(tree.pgid)
         try:
-            code = _wait_child(child, signals, grace)
+            code = _wait_tree(tree, signals, grace)
         finally:
             _take_terminal_back(terminal)
+            left = [p for p in tree.end(grace) if p != tree.pid]  # what the command left running
         if signals:
-            _kill_group(child.pid, signal.SIGKILL)  # whatever of its group is left
-            _say(f"caught {signal.Signals(signals[0]).name}; ended the command's process group")
+            _say(f"caught {signal.Signals(signals[0]).name}; ended the command's process tree")
             return 128 + signals[0]
+        if left:
+            _say(f"ended {len(left)} process(es) the command left running (pid {', '.join(map(str, left))})")
         return code if code >= 0 else 128 - code
     except _Interrupted as stop:  # only raised while waiting for the lock: no command was started
         _say(f"caught {signal.Signals(stop.signum).name} while waiting for GPU lock {lock.path}")

@@ -71,5 +71,7 @@ def register(app: typer.Typer) -> None:
         for f in files:
             if not f.is_file():
                 raise InputError("no such file", where=str(f))
+        for f in files:  # every fragment checked before any is stored: a bad one stores nothing
+            store.check_fragment(f)
         for f in files:
             print(store.import_fragment(f))

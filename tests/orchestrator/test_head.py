@@ -1,16 +1,18 @@
-"""The head's Ray token and the fast check that a head is up (no Ray started here)."""
+"""The head's Ray token and the fast check that a head is up and ours (no Ray started here)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from orchestrator.auth_token import enable_token_auth, ensure_token, rotate_token, token_path
 from orchestrator.errors import InfrastructureError
-from orchestrator.head import enable_token_auth, ensure_token, require_head, token_path
+from orchestrator.head import HEAD_PID, require_head, stop_head
 from orchestrator.specs import InventorySpec
 
 
@@ -52,4 +54,59 @@ def test_require_head_fails_fast_when_nothing_listens() -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         up = inv.model_copy(update={"head": inv.head.model_copy(update={"ray_port": listener.getsockname()[1]})})
-        require_head(up)  # something answers: no error
+        # Something answers, but it is this test, not the head `cluster up` started: no token goes to it.
+        with pytest.raises(InfrastructureError, match=rf"taken by pid {os.getpid()} \(.*\), not by the Ray head"):
+            require_head(up)
+
+
+def test_a_token_readable_by_others_is_replaced_and_never_used_to_connect(capsys: pytest.CaptureFixture[str]) -> None:
+    path = token_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("f" * 64)
+    path.chmod(0o644)  # as Ray's own `ray.init` makes it
+    with pytest.raises(InfrastructureError, match=r"readable by other users \(mode 0644\): treat the cluster's token"):
+        enable_token_auth()
+    assert ensure_token() == path
+    assert path.read_text() != "f" * 64 and len(path.read_text()) == 64  # a new token, not the exposed one
+    assert path.stat().st_mode & 0o777 == 0o600
+    err = capsys.readouterr().err
+    assert "readable by other users (mode 0644): treated as leaked and replaced" in err
+    assert path.read_text() not in err and "f" * 64 not in err  # never printed
+    before = path.read_text()
+    assert rotate_token() == path and path.read_text() != before and path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_token_that_is_a_symlink_or_not_ours_is_refused(tmp_path: Path) -> None:
+    path = token_path()
+    path.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("x" * 64)
+    elsewhere.chmod(0o600)
+    path.symlink_to(elsewhere)
+    with pytest.raises(InfrastructureError, match="is a symbolic link; refusing to use it"):
+        ensure_token()
+    assert elsewhere.read_text() == "x" * 64  # not followed, not replaced
+    path.unlink()
+    path.write_text("y" * 64)
+    path.chmod(0o600)
+    os.chown(path, 12345, 12345)
+    with pytest.raises(InfrastructureError, match="belongs to uid 12345"):
+        enable_token_auth()
+
+
+def test_a_stale_head_pid_file_never_kills_the_process_that_reused_the_pid(tmp_path: Path) -> None:
+    workdir = tmp_path / "head"
+    workdir.mkdir()
+    head = {"address": "127.0.0.1", "workdir": str(workdir)}
+    inv = InventorySpec.model_validate({"head": head, "hosts": [{"name": "a", "host": "h", "device": "x"}]})
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        (workdir / HEAD_PID).write_text(f"{bystander.pid}\n")  # the head died; its pid went to `sleep`
+        assert stop_head(inv) == "stale pid file"
+        time.sleep(0.2)
+        assert bystander.poll() is None  # left alone
+        assert not (workdir / HEAD_PID).exists()
+        assert stop_head(inv) == "not running"
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from workers.gpulock import GUARD_ENV, holder_path, lock_status
+from workers.processes import pid_alive
 
 
 @pytest.fixture
@@ -44,6 +45,14 @@ def start_hold(bin_: str, lock: str, *cmd: str, env: dict[str, str]) -> subproce
     return proc
 
 
+def wait_lines(path: Path, n: int) -> None:
+    """Wait until the command has written its `n` pids into `path`."""
+    deadline = time.monotonic() + 10
+    while not (path.exists() and len(path.read_text().split()) == n):
+        assert time.monotonic() < deadline, f"{path} never got {n} lines"
+        time.sleep(0.05)
+
+
 def wait_gone(pid: int) -> bool:
     deadline = time.monotonic() + 5
     while os.path.exists(f"/proc/{pid}"):
@@ -71,24 +80,15 @@ def test_status_free_held_stale(orchestrate_bin: str, lock: str, env: dict[str, 
 
 
 def test_hold_passes_the_exit_code_stdin_and_the_variable(orchestrate_bin: str, lock: str, env: dict[str, str]) -> None:
-    done = run(
-        orchestrate_bin,
-        "lock",
-        "hold",
-        "--lock",
-        lock,
-        "--",
-        "sh",
-        "-c",
-        f'cat; echo "held=${GUARD_ENV} parent=$PPID"; exit 3',
-        env=env,
-        input="piped\n",
-    )
-    assert done.returncode == 3, done.stderr
-    lines = done.stdout.splitlines()
+    hold = subprocess.Popen(
+        [orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", f'cat; echo "held=${GUARD_ENV}"; exit 3'],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    out, err = hold.communicate("piped\n", timeout=60)
+    assert hold.returncode == 3, err
+    lines = out.splitlines()
     assert lines[0] == "piped"
-    held, parent = (part.split("=")[1] for part in lines[1].split())
-    assert held == parent  # the variable names the holder, the command's parent
+    assert lines[1] == f"held={hold.pid}"  # the variable names the holder
     assert not lock_status(lock).busy and not os.path.exists(holder_path(lock))
     killed = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", "kill -9 $$", env=env)
     assert killed.returncode == 128 + 9
@@ -138,10 +138,7 @@ def test_signal_ends_the_command_group_and_frees_the_lock(
     # A command with a grandchild of its own: the whole group must go.
     script = f"sleep 30 & echo $! >> {pids}; echo $$ >> {pids}; wait; touch {marker}"
     holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
-    deadline = time.monotonic() + 10
-    while not (pids.exists() and len(pids.read_text().split()) == 2):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_lines(pids, 2)
     holder.send_signal(signum)
     _, err = holder.communicate(timeout=30)
     assert holder.returncode == code, err
@@ -196,3 +193,39 @@ def test_the_shell_guards_lock_variable_picks_the_lock(orchestrate_bin: str, loc
     assert "mode=hold" in done.stdout and f"cmd=cat {holder_path(lock)}" in done.stdout
     done = run(orchestrate_bin, "lock", "status", env={**env, "ORCHESTRATE_LOCK_PATH": lock + ".other"})
     assert done.stdout.strip() == f"free: {lock}.other"  # the node's own setting comes first
+
+
+def test_a_killed_holder_takes_the_command_tree_with_it_and_the_lock_outlasts_every_process(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    # A command whose helper left its session: killing the holder used to free the lock at once
+    # while the command ran on, reparented to init.
+    script = f"echo $$ >> {pids}; setsid sleep 60 & echo $! >> {pids}; sleep 60"
+    holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)
+    wait_lines(pids, 2)
+    command = [int(p) for p in pids.read_text().split()]
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{p}") for p in command):
+        assert time.monotonic() < deadline, "the command outlived its killed holder"
+        if not lock_status(lock).busy:
+            assert not any(os.path.exists(f"/proc/{p}") for p in command), "the lock was free while the command ran"
+        time.sleep(0.01)
+    while lock_status(lock).busy:
+        assert time.monotonic() < deadline, "the lock stayed taken after the command was gone"
+        time.sleep(0.05)
+
+
+def test_what_the_command_leaves_running_is_ended_before_the_lock_goes(
+    orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "daemon.pid"
+    script = f"setsid sh -c 'echo $$ > {pidfile}; exec sleep 60' & sleep 0.5; exit 5"
+    done = run(orchestrate_bin, "lock", "hold", "--lock", lock, "--", "sh", "-c", script, env=env)
+    assert done.returncode == 5, done.stderr
+    daemon = int(pidfile.read_text())
+    assert f"ended 1 process(es) the command left running (pid {daemon})" in done.stderr
+    assert not pid_alive(daemon)
+    assert not lock_status(lock).busy

@@ -6,6 +6,7 @@ import datetime as dt
 import hashlib
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 from workers.command import CommandCaseError, render, template_fields
 from workers.command_job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
+from workers.gpulock import GpuLock
+from workers.processes import pid_alive
 
 # The script prints its speed (from speed.txt, scaled by $SPEED_SCALE) as an engine-bench line,
 # appends its arm to a log so the test sees the order, and prints its generated text.
@@ -66,10 +69,11 @@ def make_job(repo: Path, tmp_path: Path, **options: Any) -> JobSpec:
         "timeout": 20,
         "cache_dir": str(tmp_path / "cache"),
     }
+    arms = options.pop("arms", ["native", "affine"])
     opts.update(options)
     return JobSpec(
         run_id="r1", sweep="nightly", job_key="k1", case="command", case_name="bench", params={"prompt_tokens": 512},
-        arms=["native", "affine"], arm_env={"affine": {"SPEED_SCALE": "0.5"}}, options=opts, device="cpu",
+        arms=arms, arm_env={"affine": {"SPEED_SCALE": "0.5"}}, options=opts, device="cpu",
         repetitions=2, warmup=1,
     )  # fmt: skip
 
@@ -208,3 +212,58 @@ def test_sweep_validation_checks_command_settings() -> None:
     ]:
         with pytest.raises(ValidationError, match=re.escape(message)):
             sweep(**case)
+
+
+def test_a_timeout_kills_the_whole_tree_even_a_setsid_descendant_holding_stdout(
+    bench_repo: Path, tmp_path: Path
+) -> None:
+    commit_speed(bench_repo, 100.0, "first")
+    pids = tmp_path / "pids"
+    # The benchmark daemonises a helper into its own session that keeps stdout open: killing the
+    # process group and reading the pipe to its end waited for the helper (12 s for a 2 s timeout).
+    run_cmd = f"setsid sleep 30 & echo $! >> {pids}; sleep 30"
+    start = time.monotonic()
+    status, rows = run(make_job(bench_repo, tmp_path, run=run_cmd, timeout=1, arms=["native"]))
+    assert status == "failed" and time.monotonic() - start < 10
+    assert all("timed out after 1 s" in r["error"] for r in rows if r["status"] == "failed")
+    for pid in map(int, pids.read_text().split()):
+        assert not pid_alive(pid), "a descendant outlived the job's timeout"
+
+
+def test_output_is_parsed_from_its_file_and_a_flood_is_stopped(
+    bench_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit_speed(bench_repo, 100.0, "first")
+    # 8 MB of log lines before the result line: parsed whole, from the stream's file.
+    noisy = "head -c 8000000 /dev/zero | tr '\\0' 'x' | fold -w 100; ./bench.sh {arm} {prompt_tokens}"
+    status, rows = run(make_job(bench_repo, tmp_path, run=noisy))
+    assert status == "ok", [r["error"] for r in rows if r["error"]]
+    assert {r["value"] for r in rows if r["metric"] == "decode_tok_s" and r["arm"] == "native"} == {100.0}
+    monkeypatch.setenv("ORCHESTRATE_MAX_OUTPUT_MB", "1")
+    start = time.monotonic()
+    status, rows = run(make_job(bench_repo, tmp_path, run="yes flood", timeout=60))
+    assert status == "failed" and time.monotonic() - start < 20
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert all("printed more than 1 MiB on stdout; stopped" in r["error"] for r in failed), failed[0]["error"]
+
+
+def test_the_benchmark_gets_no_ray_variables_but_its_arm_env(
+    bench_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit_speed(bench_repo, 100.0, "first")
+    token = tmp_path / "auth_token"
+    token.write_text("s3cret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    seen = tmp_path / "env.txt"
+    lock = GpuLock(str(tmp_path / "gpu.lock"), mode="job", cmd="env test").acquire()
+    try:
+        status, _ = run(make_job(bench_repo, tmp_path, run=f"env > {seen}; ./bench.sh {{arm}} {{prompt_tokens}}"))
+    finally:
+        lock.release()
+    assert status == "ok"
+    env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
+    assert not [k for k in env if k.startswith("RAY_")]
+    assert str(token) not in seen.read_text()
+    assert env["SPEED_SCALE"] == "0.5"  # the last arm written was affine's

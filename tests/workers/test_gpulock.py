@@ -207,3 +207,83 @@ def test_status_free_held_and_holder_file_lines(lock_path: str) -> None:
         assert f"pid={os.getpid()} mode=hold" in status.describe()
     assert lock_status(lock_path).state == "free"
     assert not os.path.exists(holder_path(lock_path))
+
+
+def _line_within(proc: subprocess.Popen[str], timeout: float) -> str | None:
+    """The next stdout line of `proc` if one comes within `timeout` seconds."""
+    import select
+
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else None
+
+
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_a_waiter_whose_lock_file_went_away_never_shares_the_lock(lock_path: str, tmp_path: Path, how: str) -> None:
+    first = start_holder(lock_path)
+    hold = [sys.executable, HELPER, "hold", lock_path, "60"]
+    waiter = subprocess.Popen(hold, stdout=subprocess.PIPE, text=True)  # blocks on the file as it was
+    procs = [first, waiter]
+    try:
+        time.sleep(0.5)
+        if how == "replaced":
+            fresh = tmp_path / "fresh.lock"
+            fresh.write_text("")
+            os.rename(fresh, lock_path)
+        else:
+            os.unlink(lock_path)
+        time.sleep(0.5)
+        newcomer = subprocess.Popen(hold, stdout=subprocess.PIPE, text=True)  # opens what the path names now
+        procs.append(newcomer)
+        time.sleep(0.5)
+        first.kill()
+        first.wait()
+        # The waiter then gets the flock of a file the path no longer names; taking that for the
+        # lock would let it run beside the newcomer. Exactly one of the two may hold it.
+        got = {p.pid: _line_within(p, 5) for p in (waiter, newcomer)}
+        holders = [pid for pid, line in got.items() if line]
+        assert len(holders) == 1, f"{len(holders)} processes held the GPU lock at once"
+        holder = next(p for p in (waiter, newcomer) if p.pid == holders[0])
+        other = newcomer if holder is waiter else waiter
+        assert got[holder.pid].startswith("held nested=False")  # type: ignore[union-attr]
+        holder.kill()
+        holder.wait()
+        line = _line_within(other, 10)
+        assert line is not None and line.startswith("held nested=False"), line  # then the other, on the same file
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_deleting_the_lock_file_while_held_does_not_let_a_second_holder_in(lock_path: str) -> None:
+    with GpuLock(lock_path, mode="job", cmd="holder") as lock:
+        os.unlink(lock_path)  # a cleaner, or a user, removes the file
+        time.sleep(0.8)  # the holder's guard notices and takes the new file
+        done = subprocess.run([sys.executable, HELPER, "once", lock_path, "0.5"], capture_output=True, text=True,
+                              timeout=30, env={k: v for k, v in os.environ.items() if k != GUARD_ENV})  # fmt: skip
+        assert done.returncode == 75, done.stdout  # without the guard: "held", a second holder
+        assert lock.intact
+    assert subprocess.run(["flock", "-n", lock_path, "true"]).returncode == 0  # both files let go
+
+
+def test_the_nesting_variable_counts_only_for_the_lock_its_ancestor_holds(lock_path: str, tmp_path: Path) -> None:
+    other = str(tmp_path / "other-gpu.lock")
+    holder = start_holder(other)  # a stranger holds the second GPU's lock
+    try:
+        with GpuLock(lock_path, mode="job", cmd="gpu0"):
+            # Our child names us, and we are its ancestor, but we hold gpu0's lock, not this one.
+            done = subprocess.run([sys.executable, HELPER, "once", other, "0.5"], capture_output=True, text=True,
+                                  timeout=30)  # fmt: skip
+            assert done.returncode == 75, done.stdout  # it waited for the stranger; it did not "nest"
+            mine = subprocess.run([sys.executable, HELPER, "once", lock_path, "5"], capture_output=True, text=True,
+                                  timeout=30)  # fmt: skip
+            assert mine.stdout.startswith("held nested=True"), mine.stdout
+        # An ancestor that holds no lock at all (a stale export) does not make a waiter nest either.
+        env = {**os.environ, GUARD_ENV: str(os.getpid())}
+        done = subprocess.run([sys.executable, HELPER, "once", other, "0.5"], capture_output=True, text=True,
+                              timeout=30, env=env)  # fmt: skip
+        assert done.returncode == 75, done.stdout
+    finally:
+        holder.kill()
+        holder.wait()
