@@ -355,6 +355,22 @@ def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[C
     return sorted(rows.values(), key=lambda r: (r.case_name, r.metric, r.arm, point_sort_key(r.point)))
 
 
+def over_peak(rows: list[CrossDeviceRow]) -> list[str]:
+    """A warning for every share of a device's measured peak above 100 %: the peak probe was too
+    low (taken on a busy machine, or with a weak copy), not the kernel faster than the device."""
+    out = []
+    for r in rows:
+        for device, cell in sorted(r.cells.items()):
+            if cell.fraction is not None and cell.fraction > 1.0:
+                where = " ".join([r.case_name, *(f"{k}={v}" for k, v in r.point), r.arm, r.metric])
+                out.append(
+                    f"warning: {device} {where} at {cell.fraction:.0%} of the device's measured peak "
+                    f"({cell.peak:.4g}): that peak is too low; probe it again with ORCHESTRATE_REPROBE_PEAKS=1 "
+                    "on that host"
+                )
+    return out
+
+
 # ------------------------------------------------------------------------------------ selection
 
 

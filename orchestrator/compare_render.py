@@ -31,7 +31,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.compare import CompareResult, CrossDeviceRow
+from orchestrator.compare import CompareResult, CrossDeviceRow, over_peak
 from orchestrator.stats import Comparison, Verdict
 
 FORMATS = ("table", "md", "csv", "json")
@@ -284,6 +284,7 @@ def render_text(
         if cross:
             parts.append("### across devices (fraction of each device's measured peak)\n")
             parts += _markdown(*cross_display(cross))
+            parts += ["", *over_peak(cross)]
         return "\n".join(parts) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 
@@ -333,7 +334,14 @@ def print_comparison(
         out.print(Text(line))
     if cross:
         out.print()
-        print_wide(out, cross_table(cross))
+        print_cross(out, cross)
+
+
+def print_cross(out: Console, cross: list[CrossDeviceRow]) -> None:
+    """The cross-device view on a console, then a warning for every share above 100 %."""
+    print_wide(out, cross_table(cross))
+    for line in over_peak(cross):
+        out.print(Text(line))
 
 
 def cross_display(rows: list[CrossDeviceRow]) -> tuple[list[str], list[list[str]]]:
@@ -371,6 +379,7 @@ def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
                     "median": _json_safe(cell.summary.median),
                     "peak": cell.peak,
                     "fraction_of_peak": cell.fraction,
+                    "over_peak": cell.fraction is not None and cell.fraction > 1.0,
                 }
             )
     return out
@@ -382,7 +391,7 @@ def render_cross_text(rows: list[CrossDeviceRow], fmt: str) -> str:
         return json.dumps(cross_records(rows), indent=1) + "\n"
     if fmt == "csv":
         return _csv(cross_records(rows))
-    return "\n".join(_markdown(*cross_display(rows))) + "\n"
+    return "\n".join([*_markdown(*cross_display(rows)), "", *over_peak(rows)]) + "\n"
 
 
 def cross_table(rows: list[CrossDeviceRow]) -> Table:

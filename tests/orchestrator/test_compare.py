@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from orchestrator.compare import compare_results, cross_device, select_results
-from orchestrator.compare_render import case_tables, print_comparison, render_text
+from orchestrator.compare import compare_results, cross_device, over_peak, select_results
+from orchestrator.compare_render import case_tables, print_comparison, render_cross_text, render_text
 from orchestrator.errors import InputError
 from orchestrator.stats import Verdict
 from orchestrator.store import ResultStore
@@ -154,6 +154,23 @@ def test_cross_device_puts_each_value_beside_its_own_peak() -> None:
     assert row.cells["cpu"].fraction == pytest.approx(0.25, rel=0.02)
     assert row.cells["h200"].fraction == pytest.approx(0.60, rel=0.02)
     assert row.cells["h200"].peak == 4000.0
+    assert over_peak([row]) == []
+
+
+def test_a_share_above_the_measured_peak_is_warned_about() -> None:
+    """A CPU probe taken on a busy machine read 3.5 GB/s: a kernel at 110 GB/s is not at 3140 %
+    of what the machine can do, the peak is wrong, and the view says so."""
+    rng = np.random.default_rng(6)
+    busy = job_table({"native": {"gb_per_s": noisy(rng, 110.0, 0.01, 5)}}, params={"tokens": 1}, peaks=(3.5, 0.05))
+    rows = cross_device(busy)
+    (warning,) = over_peak(rows)
+    assert (
+        warning.startswith("warning: cpu qmm tokens=1 native gb_per_s at 31")
+        and "% of the device's measured peak (3.5)" in warning
+    )
+    assert "ORCHESTRATE_REPROBE_PEAKS=1" in warning
+    assert warning in render_cross_text(rows, "md")
+    assert json.loads(render_cross_text(rows, "json"))[0]["over_peak"] is True
 
 
 def test_unknown_baseline_and_empty_data_are_input_errors(tmp_path: Path) -> None:
