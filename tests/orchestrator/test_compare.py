@@ -542,3 +542,29 @@ def test_cli_arms_without_the_sweeps_baseline(tmp_path: Path, orchestrate_bin: s
         capture_output=True, text=True, env=child_env(), timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "--arms fast: no clean rows of it" in bad.stderr
+
+
+def test_results_and_compare_agree_on_which_run_counts(tmp_path: Path, orchestrate_bin: str) -> None:
+    """A point measured again: `results`, like `compare`, shows the newest run (the older one's
+    samples are not pooled in); `--all-runs` pools both, and the title says which."""
+    root = tmp_path / "results"
+    old = job_table({"native": {"seconds": [1.0] * 5}, "affine": {"seconds": [1.0] * 5}}, params={"tokens": 1},
+                    run_id="run-old", started_at=dt.datetime(2026, 11, 1, tzinfo=dt.UTC))  # fmt: skip
+    new = job_table({"native": {"seconds": [2.0] * 5}, "affine": {"seconds": [1.0] * 5}}, params={"tokens": 1},
+                    run_id="run-new", started_at=dt.datetime(2026, 11, 2, tzinfo=dt.UTC))  # fmt: skip
+    store_rows(root, concat([old, new]))
+    env = child_env()
+
+    def cli(*args: str) -> str:
+        out = subprocess.run([orchestrate_bin, *args, "--results", str(root)], capture_output=True, text=True,
+                             env=env, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    newest = cli("results", "--baseline", "affine")
+    # native over affine in seconds: 2.0 (newest) -> 0.500x as fast; pooled, median 1.5 -> 0.667x
+    assert "each point's newest run" in newest and "0.500x" in newest and "0.667x" not in newest
+    pooled = cli("results", "--baseline", "affine", "--all-runs")
+    assert "every run pooled" in pooled and "0.667x" in pooled
+    compared = json.loads(cli("compare", "--format", "json", "--metric", "seconds"))
+    assert compared["rows"][0]["native.seconds.median"] == 2.0
