@@ -26,6 +26,7 @@ from orchestrator.commits import head_rows
 from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
 from orchestrator.fdr import benjamini_hochberg
 from orchestrator.plan import points as case_points
+from orchestrator.power import NORMAL, samples_to_clear
 from orchestrator.specs import Criterion, SweepSpec
 from orchestrator.stats import Comparison, Point, Ratio
 from orchestrator.store import ResultStore
@@ -115,7 +116,7 @@ def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, 
             outcomes.append((Outcome.FAIL, None))
         else:
             distance = abs(math.log(ratio.ratio / bound)) if ratio.ratio > 0 else math.nan
-            outcomes.append((Outcome.AMBIGUOUS, stats.samples_to_clear(distance, comparison.log_se, ratio.n)))
+            outcomes.append((Outcome.AMBIGUOUS, samples_to_clear(distance, comparison.log_se, ratio.n)))
     for wanted in (Outcome.FAIL, Outcome.AMBIGUOUS):
         for outcome, more in outcomes:
             if outcome is wanted:
@@ -130,7 +131,7 @@ def fail_p_value(comparison: Comparison, criterion: Criterion) -> float:
     if not (r > 0 and bound and math.isfinite(se)):
         return math.nan
     past = abs(math.log(r / bound))
-    return 0.0 if se <= 0 else stats.NORMAL.cdf(-past / se)
+    return 0.0 if se <= 0 else NORMAL.cdf(-past / se)
 
 
 def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> list[tuple[str, list[str], Point]]:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from orchestrator.stats import Comparison, Verdict, samples_to_settle
+from orchestrator.power import samples_to_settle
+from orchestrator.stats import Comparison, Verdict
 
 FDR_Q = 0.05
 
