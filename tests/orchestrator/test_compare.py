@@ -99,7 +99,7 @@ def test_the_first_seeds_table_is_rebuilt() -> None:
     assert re.fullmatch(r"2\.67x \[2\.6\d,2\.[67]\d\] FASTER", cells[7]), cells[7]
     assert cells[8:] == ["40.44 GB", "37.17 GB", "229.8s", "82.6s"]
     line_2048 = next(line for line in md.splitlines() if line.startswith("| cpu | 2048 |"))
-    assert "-8.8% [" in line_2048
+    assert re.search(r"-8\.[89]% \[", line_2048), line_2048  # the median per-pair ratio: the seed's -8.8 % within noise
     assert "] AMBIGUOUS" not in md and "(1)" not in md  # 9 samples at 0.05 % noise settle every gap
     # The memory verdict is still computed: CSV and JSON carry it.
     assert render_text(result, "json").count('"native/affine.peak_memory_bytes.verdict": "FASTER"') == 6
