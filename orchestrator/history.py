@@ -351,7 +351,8 @@ class Trend:
 
     @property
     def changes(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT)]
+        """Regressions, improvements and environment changes (each where it was flagged)."""
+        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT, ENVIRONMENT_CHANGE)]
 
 
 def trends(

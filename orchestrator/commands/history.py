@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         for t in items:
             first, last = t.points[0].median, t.points[-1].median
             flagged = ", ".join(
-                f"{f.verdict} {(f.commit or f.run_id)[:10]} x{f.ratio:.3f}" for f in t.changes
+                f"{f.verdict} {(f.since_commit or f.commit or f.run_id)[:10]} x{f.ratio:.3f}" for f in t.changes
             )  # fmt: skip
             grid.add_row(t.series.device, t.series.host, t.series.arm, t.series.params,
                          str(len(t.points)), f"{first:.4g}", f"{last:.4g}", f"{(last / first - 1):+.1%}",
