@@ -1,13 +1,20 @@
 """The `auto` arm: per shape, the fastest correct path, chosen from measurements on this host.
 
-`auto_path` takes the candidate paths a case built (qmm: native, dequant-gemm, custom; moe-gather:
-native-sorted, custom-sorted), checks each once against the case's float64 reference on fresh
-inputs (a path over its own tolerance, or one that raises, is never chosen), times the correct
-ones (`calls` calls per evaluation, the median of `repeats`, the device synchronised around), and
-returns an `ArmPath` that runs the fastest. Its `route` names the choice and the measured times,
-e.g. `auto:custom[cuda_kernel(gemv_nvfp4_stream)] custom=2.1e-05s native=6.5e-05s`, so every row of
-the arm says what it really ran. Choices are cached per key (case, shape, dtype, backend) for the
-life of the process; the calibration time is part of the arm's build time.
+A case builds its `auto` arm with `auto_path(key, candidates, make_inputs, reference)`: an
+`ArmPath` whose `auto` names the candidates (qmm: native, dequant-gemm, custom and, where it is a
+second kernel, custom-ksplit; moe-gather: native-sorted, custom-sorted). The job resolves it
+before anything is timed (`workers.measure`), by the measurement's own method
+(`kernels.timing`): each candidate is checked once against the case's float64 reference (a path
+over its own tolerance, or one that raises, is never chosen), warmed up with the job's arms, then
+timed with the job's one call count, the job's cache state (weights rotated or not), the job's
+rotated input sets and the candidates interleaved in ABBA order; the median of `AUTO_SAMPLES`
+samples per candidate decides. (The old choice, 8 calls, one input, candidates one after
+another and the Python graph inside the clock, picked the slower GEMV kernel on the H200.)
+
+The resolved arm's `route` names the choice and the evidence, e.g.
+`auto:custom[cuda_kernel(gemv_nvfp4_stream)] custom=2.1e-05s native=6.5e-05s (5 samples x 64
+calls, cold)`, so every row says what really ran. Used outside a job, the arm resolves itself on
+its first call with the default method and caches the choice per key for the life of the process.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from kernels import timing
 from kernels.checking import Reference as ReferenceValue
 from kernels.checking import relative_error
-from kernels.registry import ArmPath
+from kernels.registry import ArmPath, AutoSpec, bound_path
 
 Reference = Callable[..., ReferenceValue]
+AUTO_SAMPLES = 5  # ABBA samples per candidate; their median decides
+STANDALONE_INPUTS = 3  # input sets a calibration outside a job rotates over
 
 
 @dataclass(frozen=True)
@@ -33,36 +43,29 @@ class RouteChoice:
 
     Attributes:
         chosen: the candidate picked (the fastest correct one).
-        seconds: candidate -> measured seconds per call (correct candidates only).
+        seconds: candidate -> median seconds per call (correct candidates only).
         rejected: candidate -> why it was not eligible (over tolerance, or the exception).
+        calls: calls per sample the candidates were timed with.
+        samples: samples per candidate.
+        cache: the cache state they were timed in (`kernels.timing`).
     """
 
     chosen: str
     seconds: dict[str, float]
     rejected: dict[str, str] = field(default_factory=dict)
+    calls: int = 1
+    samples: int = AUTO_SAMPLES
+    cache: str = "cold"
 
     def describe(self, route: str) -> str:
         """The `route` string of the auto arm: the choice, what it runs, and the evidence."""
         times = " ".join(f"{name}={s:.3g}s" for name, s in sorted(self.seconds.items(), key=lambda kv: kv[1]))
         rejected = "".join(f" {name}:rejected" for name in sorted(self.rejected))
-        return f"auto:{self.chosen}[{route}] {times}{rejected}"
+        how = f" ({self.samples} samples x {self.calls} calls, {self.cache})"
+        return f"auto:{self.chosen}[{route}] {times}{rejected}{how}"
 
 
 _CHOICES: dict[Hashable, RouteChoice] = {}
-
-
-def _seconds_per_call(run: Callable[..., Any], inputs: tuple[Any, ...], calls: int, repeats: int) -> float:
-    import mlx.core as mx
-
-    mx.eval(run(*inputs))  # warm-up: compiles, allocates
-    samples = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval([run(*inputs) for _ in range(calls)])
-        mx.synchronize()
-        samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
 
 
 def _as_numpy(out: Any) -> np.ndarray:
@@ -71,40 +74,92 @@ def _as_numpy(out: Any) -> np.ndarray:
     return np.array(out.astype(mx.float32)).astype(np.float64)
 
 
-def calibrate(
-    candidates: dict[str, ArmPath],
-    inputs: tuple[Any, ...],
-    reference: Reference,
+def check_candidates(spec: AutoSpec, inputs: tuple[Any, ...]) -> tuple[dict[str, ArmPath], dict[str, str]]:
+    """The candidates that are correct on `inputs`, and why each other one is not.
+
+    Returns:
+        (name -> path of the correct ones, name -> why rejected).
+    """
+    correct: dict[str, ArmPath] = {}
+    rejected: dict[str, str] = {}
+    for name, path in spec.candidates.items():
+        try:
+            err = relative_error(_as_numpy(path.run(*inputs)), spec.reference(name, *inputs))
+        except Exception as exc:  # a path that cannot run here is simply not a candidate
+            rejected[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        if not err <= path.tolerance:
+            rejected[name] = f"rel_error {err:.3g} over tolerance {path.tolerance:.3g}"
+        else:
+            correct[name] = path
+    return correct, rejected
+
+
+def choose(
+    timers: dict[str, timing.ArmTimer],
+    pool: list[tuple[Any, ...]],
+    calls: int,
+    rejected: dict[str, str],
     *,
-    calls: int = 8,
-    repeats: int = 3,
+    samples: int = AUTO_SAMPLES,
 ) -> RouteChoice:
-    """Check and time every candidate on `inputs`; the fastest correct one wins.
+    """Time warmed-up candidates as the measurement does and pick the one with the lowest median.
 
     Args:
-        candidates: name -> path (each with its own tolerance).
-        inputs: one input set of the case (fresh random data).
-        reference: `reference(name, *inputs)` -> the float64 output that candidate must give.
-        calls: calls per timed evaluation.
-        repeats: timed evaluations per candidate (the median counts).
+        timers: candidate -> its timer (warmed up, weight copies made).
+        pool: the job's input sets (rotated per sample).
+        calls: the job's calls per sample.
+        rejected: candidates left out already, and why (carried into the choice).
+        samples: ABBA samples per candidate.
+
+    Raises:
+        ValueError: when no candidate is left.
+    """
+    if not timers:
+        raise ValueError(f"auto: no correct candidate ({'; '.join(f'{k}: {v}' for k, v in rejected.items())})")
+    times: dict[str, list[float]] = {name: [] for name in timers}
+    for _, name, sample in timing.interleaved(timers, pool, calls, samples):
+        times[name].append(sample.seconds)
+    seconds = {name: statistics.median(v) for name, v in times.items()}
+    cache = next(iter(timers.values())).cache
+    return RouteChoice(min(seconds, key=lambda n: seconds[n]), seconds, rejected, calls, samples, cache)
+
+
+def calibrate(
+    spec: AutoSpec,
+    pool: list[tuple[Any, ...]],
+    method: timing.Method | None = None,
+    *,
+    samples: int = AUTO_SAMPLES,
+) -> RouteChoice:
+    """Check, warm up and time every candidate on its own (outside a job): the fastest correct wins.
+
+    The call count is chosen over the candidates alone; inside a job, `workers.measure` uses the
+    job's count instead (the same rule over all of the job's arms).
 
     Raises:
         ValueError: when no candidate is correct.
     """
-    seconds: dict[str, float] = {}
-    rejected: dict[str, str] = {}
-    for name, path in candidates.items():
-        try:
-            err = relative_error(_as_numpy(path.run(*inputs)), reference(name, *inputs))
-            if not err <= path.tolerance:
-                rejected[name] = f"rel_error {err:.3g} over tolerance {path.tolerance:.3g}"
-                continue
-            seconds[name] = _seconds_per_call(path.run, inputs, calls, repeats)
-        except Exception as exc:  # a path that cannot run here is simply not a candidate
-            rejected[name] = f"{type(exc).__name__}: {exc}"
-    if not seconds:
-        raise ValueError(f"auto: no correct candidate ({'; '.join(f'{k}: {v}' for k, v in rejected.items())})")
-    return RouteChoice(min(seconds, key=lambda n: seconds[n]), seconds, rejected)
+    method = (method or timing.Method()).resolved()
+    correct, rejected = check_candidates(spec, pool[0])
+    timers = {name: timing.ArmTimer(path, method) for name, path in correct.items()}
+    estimates, errors = timing.warm_up(timers, pool, method)
+    rejected = {**rejected, **errors}
+    timers = {name: t for name, t in timers.items() if name not in errors}
+    return choose(timers, pool, timing.common_calls(estimates, method), rejected, samples=samples)
+
+
+def chosen_path(spec: AutoSpec, choice: RouteChoice, build_seconds: float) -> ArmPath:
+    """The auto arm once chosen: the winner's run and weights, its route naming the choice."""
+    chosen = spec.candidates[choice.chosen]
+    return ArmPath(
+        run=chosen.run,
+        tolerance=chosen.tolerance,
+        route=choice.describe(chosen.route),
+        build_seconds=sum(p.build_seconds for p in spec.candidates.values()) + build_seconds,
+        weights=chosen.weights,
+        rebind=chosen.rebind,
+    )
 
 
 def auto_path(
@@ -112,30 +167,40 @@ def auto_path(
     candidates: dict[str, ArmPath],
     make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
     reference: Reference,
-    rng: np.random.Generator,
 ) -> ArmPath:
-    """The `auto` arm for one shape: calibrate once per `key`, then run the chosen path.
+    """The `auto` arm for one shape, to be resolved by the job that times it (see the module docstring).
 
     Args:
         key: what identifies the shape and setting (case, parameters, dtype, backend).
         candidates: name -> path, as the case built them.
-        make_inputs: the case's input generator (calibration draws its own input set).
+        make_inputs: the case's input generator (a standalone calibration draws its own input sets).
         reference: `reference(name, *inputs)` -> float64 output.
-        rng: generator for the calibration inputs.
     """
-    t0 = time.perf_counter()
-    choice = _CHOICES.get(key)
-    if choice is None:
-        choice = calibrate(candidates, make_inputs(rng), reference)
-        _CHOICES[key] = choice
-    chosen = candidates[choice.chosen]
-    build = sum(p.build_seconds for p in candidates.values()) + time.perf_counter() - t0
+    spec = AutoSpec(key, candidates, reference, make_inputs)
+    resolved: list[ArmPath] = []
+
+    def run(*inputs: Any) -> Any:  # outside a job: resolve once (the choice cached per key)
+        if not resolved:
+            resolved.append(resolve_standalone(spec))
+        return resolved[0].run(*inputs)
+
     return ArmPath(
-        run=chosen.run,
-        tolerance=chosen.tolerance,
-        route=choice.describe(chosen.route),
-        build_seconds=build,
+        run=run,
+        tolerance=max(p.tolerance for p in candidates.values()),
+        route="auto(unresolved)",
+        auto=spec,
     )
+
+
+def resolve_standalone(spec: AutoSpec, method: timing.Method | None = None) -> ArmPath:
+    """An auto arm resolved outside a job: `calibrate` on its own input sets, cached per key."""
+    t0 = time.perf_counter()
+    choice = _CHOICES.get((spec.key, method))
+    if choice is None:
+        rng = np.random.default_rng(0xA070)
+        pool = [spec.make_inputs(rng) for _ in range(STANDALONE_INPUTS)]
+        choice = _CHOICES[(spec.key, method)] = calibrate(spec, pool, method)
+    return chosen_path(spec, choice, time.perf_counter() - t0)
 
 
 def forget_choices() -> None:
@@ -163,15 +228,16 @@ def qmm_custom_path(
     from kernels import gemv_nvfp4
     from kernels.nvfp4_linear import matmul_route, nvfp4_matmul
 
-    def run(x: Any) -> Any:
-        return nvfp4_matmul(x, wq, scales, kernel=kernel)
+    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
+        wq_, scales_ = w
+        return lambda x: nvfp4_matmul(x, wq_, scales_, kernel=kernel)
 
     route = matmul_route(m, n, k, dtype_name, kernel)
     dtype = getattr(mx, dtype_name)
     t0 = time.perf_counter()
-    mx.eval(run(mx.zeros((m, k), dtype=dtype)))
+    mx.eval(make((wq, scales))(mx.zeros((m, k), dtype=dtype)))
     build = time.perf_counter() - t0
-    return ArmPath(run=run, tolerance=gemv_nvfp4.TOLERANCE[dtype_name], route=route, build_seconds=build)
+    return bound_path(make, (wq, scales), tolerance=gemv_nvfp4.TOLERANCE[dtype_name], route=route, build_seconds=build)
 
 
 def qmm_auto_path(
@@ -190,20 +256,20 @@ def qmm_auto_path(
         make_inputs: the case's input generator.
         reference: the float64 reference of the weights every candidate holds (`reference(x)`).
     """
-    import mlx.core as mx
-
     from kernels import gemv_nvfp4
-    from kernels.qmm import tolerance
+    from kernels.qmm import dequant_gemm_run, native_run, tolerance
 
     m, n, k, dtype_name, backend = params
     candidates = {
-        "native": ArmPath(
-            run=lambda x: mx.quantized_matmul(x, wq, scales, transpose=True, mode="nvfp4"),
+        "native": bound_path(
+            native_run,
+            (wq, scales),
             tolerance=tolerance("native", dtype_name, k, backend),
             route="mx.quantized_matmul(nvfp4)",
         ),
-        "dequant-gemm": ArmPath(
-            run=lambda x: x @ mx.dequantize(wq, scales, mode="nvfp4", dtype=x.dtype).T,
+        "dequant-gemm": bound_path(
+            dequant_gemm_run,
+            (wq, scales),
             tolerance=tolerance("dequant-gemm", dtype_name, k, backend),
             route="mx.dequantize(nvfp4)+matmul",
         ),
@@ -217,7 +283,6 @@ def qmm_auto_path(
         candidates,
         make_inputs,
         lambda name, *inputs: reference(*inputs),
-        np.random.default_rng(0xA070),
     )
 
 
@@ -235,20 +300,28 @@ def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, s
 
     from kernels import gemv_nvfp4, moe_nvfp4
 
-    def run(x: Any, indices: Any) -> Any:
-        t, top_k = indices.shape
-        flat = indices.flatten()
-        order = mx.argsort(flat)
-        inverse = mx.argsort(order)
-        lhs = (order // top_k).astype(mx.uint32)
-        y = moe_nvfp4.moe_gather_nvfp4(x, wq, scales, global_scales, lhs, flat[order])
-        return y[inverse].reshape(t, top_k, -1)
+    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
+        wq_, scales_, *gs = w
 
+        def run(x: Any, indices: Any) -> Any:
+            t, top_k = indices.shape
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            lhs = (order // top_k).astype(mx.uint32)
+            y = moe_nvfp4.moe_gather_nvfp4(x, wq_, scales_, gs[0] if gs else None, lhs, flat[order])
+            return y[inverse].reshape(t, top_k, -1)
+
+        return run
+
+    weights = (wq, scales) if global_scales is None else (wq, scales, global_scales)
     tokens, top_k, hidden = shape
     t0 = time.perf_counter()
-    mx.eval(run(mx.zeros((tokens, hidden), dtype=getattr(mx, dtype_name)), mx.zeros((tokens, top_k), dtype=mx.uint32)))
-    return ArmPath(
-        run=run,
+    zeros = (mx.zeros((tokens, hidden), dtype=getattr(mx, dtype_name)), mx.zeros((tokens, top_k), dtype=mx.uint32))
+    mx.eval(make(weights)(*zeros))
+    return bound_path(
+        make,
+        weights,
         tolerance=gemv_nvfp4.TOLERANCE[dtype_name],
         route=moe_nvfp4.route(wq.shape[1], hidden) + ",sorted",
         build_seconds=time.perf_counter() - t0,
@@ -269,5 +342,4 @@ def moe_auto_path(
         {"native-sorted": native_sorted, "custom-sorted": custom_sorted},
         make_inputs,
         lambda name, *inputs: reference(*inputs),
-        np.random.default_rng(0xA070),
     )

@@ -21,6 +21,8 @@ the arms' arithmetic, including where the global scales enter.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -31,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import nvfp4, qmm
-from kernels.registry import ArmPath, Workload, check_point
+from kernels.registry import ArmPath, Workload, bound_path, check_point
 
 ARMS = ("fused", "op-at-a-time", "eager")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -69,6 +71,23 @@ class MlpWeights:
     gate: Projection
     up: Projection
     down: Projection
+
+    def arrays(self) -> tuple[mx.array, ...]:
+        """The MLX arrays every call reads: each projection's packed codes and scales."""
+        return tuple(a for p in (self.gate, self.up, self.down) for a in (p.packed, p.scales))
+
+    def over(self, arrays: tuple[mx.array, ...]) -> MlpWeights:
+        """The same weights held in other buffers (`arrays` in the order of `arrays()`)."""
+        gate, up, down = (
+            dataclasses.replace(p, packed=arrays[2 * i], scales=arrays[2 * i + 1])
+            for i, p in enumerate((self.gate, self.up, self.down))
+        )
+        return MlpWeights(gate, up, down)
+
+
+def _arm_over(arm: str, weights: MlpWeights, arrays: tuple[mx.array, ...]) -> Callable[[mx.array], mx.array]:
+    """`arm`'s block over `weights` held in `arrays` (a copy for a cold cache, or the originals)."""
+    return arm_function(arm, weights.over(arrays))
 
 
 def make_projection(w: np.ndarray, global_scale: float | None = None) -> Projection:
@@ -178,10 +197,11 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     mx.eval(weights.gate.packed, weights.up.packed, weights.down.packed)
     tol = tolerance(dtype_name, hidden, intermediate, qmm.mlx_backend())
     paths: dict[str, ArmPath] = {}
+    arrays = weights.arrays()
     for arm in arms:
         t0 = time.perf_counter()
-        fn = arm_function(arm, weights)
-        paths[arm] = ArmPath(run=fn, tolerance=tol, route=ROUTES[arm], build_seconds=time.perf_counter() - t0)
+        make = functools.partial(_arm_over, arm, weights)
+        paths[arm] = bound_path(make, arrays, tolerance=tol, route=ROUTES[arm], build_seconds=time.perf_counter() - t0)
 
     def make_inputs(gen: np.random.Generator) -> tuple[mx.array, ...]:
         return (mx.array(gen.standard_normal((tokens, hidden)).astype(np.float32)).astype(dtype),)

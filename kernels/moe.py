@@ -53,7 +53,7 @@ from kernels.qmm import (
     to_float64,
     tolerance,
 )
-from kernels.registry import ArmPath, Workload, check_point
+from kernels.registry import ArmPath, Workload, bound_path, check_point
 
 REFERENCE_WEIGHTS = 5e7  # weights of all experts dequantized for a subset reference, at most
 
@@ -205,13 +205,16 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     wscales = mx.array(ew.scales)
     gs = None if ew.global_scales is None else mx.array(ew.global_scales)
     mx.eval(wq, wscales, *([] if gs is None else [gs]))
-    native = nvfp4_projection(wq, wscales, gs, fused)
+    native_weights: tuple[mx.array, ...] = (wq, wscales) if gs is None else (wq, wscales, gs)
     native_route = "gather_qmm(nvfp4)" if gs is None else (ROUTE_FUSED if fused else ROUTE_POST_SCALE)
+
+    def native_projection(w: tuple[mx.array, ...]) -> Projection:
+        return nvfp4_projection(w[0], w[1], w[2] if len(w) > 2 else None, fused)
 
     def native_holds(expert: int) -> np.ndarray:  # one function, so the reference can share its product
         return ew.dequantized(expert, rows=cols)
 
-    affine: tuple[Projection, Callable[[int], np.ndarray]] | None = None
+    affine: tuple[tuple[mx.array, ...], Callable[[int], np.ndarray]] | None = None
     paths: dict[str, ArmPath] = {}
     weights: dict[str, Callable[[int], np.ndarray]] = {}
     unsupported: dict[str, str] = {}
@@ -228,18 +231,21 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             raise ValueError(f"moe-gather: unknown arm {arm!r}")
         runner = run_sorted if order == "sorted" else run_unsorted
         holds: Callable[[int], np.ndarray]
+        projection: Callable[[tuple[mx.array, ...]], Projection]
         if kind == "native":
-            project, holds, route_name = native, native_holds, native_route
+            projection, arrays, holds, route_name = native_projection, native_weights, native_holds, native_route
         else:
             if d % AFFINE_GROUP:
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs hidden divisible by {AFFINE_GROUP} (hidden={d})"
                 continue
             if affine is None:
                 affine = _affine_experts(ew, dtype, cols)
-            project, holds = affine
+            arrays, holds = affine
+            projection = _affine_projection_of
             route_name = f"gather_qmm(affine,g{AFFINE_GROUP},b{AFFINE_BITS})"
-        paths[arm] = ArmPath(
-            run=lambda x, idx, runner=runner, project=project: runner(project, x, idx),
+        paths[arm] = bound_path(
+            _arm_run(runner, projection),
+            arrays,
             tolerance=tolerance(kind, dtype_name, d, backend),
             route=f"{route_name},{order}",
         )
@@ -266,8 +272,9 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         return y
 
     if "auto-sorted" in arms:  # the faster correct of native-sorted and custom-sorted, measured here
-        native_sorted = ArmPath(
-            run=lambda x, idx: run_sorted(native, x, idx),
+        native_sorted = bound_path(
+            _arm_run(run_sorted, native_projection),
+            native_weights,
             tolerance=tolerance("native", dtype_name, d, backend),
             route=f"{native_route},sorted",
         )
@@ -292,11 +299,29 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     )
 
 
+def _arm_run(
+    runner: Callable[[Projection, mx.array, mx.array], mx.array],
+    projection: Callable[[tuple[mx.array, ...]], Projection],
+) -> Callable[[tuple[mx.array, ...]], Callable[[mx.array, mx.array], mx.array]]:
+    """An arm's run factory: `runner` (sorted or unsorted) over the projection of given weights."""
+
+    def make(w: tuple[mx.array, ...]) -> Callable[[mx.array, mx.array], mx.array]:
+        project = projection(w)
+        return lambda x, idx: runner(project, x, idx)
+
+    return make
+
+
+def _affine_projection_of(w: tuple[mx.array, ...]) -> Projection:
+    return affine_projection(*w)
+
+
 def _affine_experts(
     ew: ExpertWeights, dtype: mx.Dtype, cols: np.ndarray | None
-) -> tuple[Projection, Callable[[int], np.ndarray]]:
-    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64;
-    the float64 weights each expert then holds (its `cols` rows, when given) for the reference."""
+) -> tuple[tuple[mx.array, ...], Callable[[int], np.ndarray]]:
+    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64:
+    the (codes, scales, biases) arrays, and the float64 weights each expert then holds (its `cols`
+    rows, when given) for the reference."""
     experts = ew.codes.shape[0]
     values = np.empty(ew.codes.shape, dtype=np.float32)
 
@@ -314,7 +339,7 @@ def _affine_experts(
             return affine_weights(aq[i], ascales[i], abiases[i])
         return affine_weights(aq[i][at], ascales[i][at], abiases[i][at])
 
-    return affine_projection(aq, ascales, abiases), holds
+    return (aq, ascales, abiases), holds
 
 
 def expected_experts_touched(experts: int, top_k: int, tokens: int) -> float:

@@ -49,7 +49,7 @@ import numpy.typing as npt
 
 from kernels import checking, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
-from kernels.registry import ArmPath, Workload, check_point
+from kernels.registry import ArmPath, Workload, bound_path, check_point
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 BLOCK_ROWS = 1024  # rows per block of weight draws (fixed: the draws depend on it, not on the host)
@@ -218,6 +218,35 @@ def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], 
     return arrays, time.perf_counter() - t0
 
 
+Run = Callable[[mx.array], mx.array]
+
+
+def native_run(w: tuple[mx.array, ...]) -> Run:
+    """`mx.quantized_matmul(nvfp4)` over packed codes and E4M3 scales `w`."""
+    wq, scales = w
+    return lambda x: mx.quantized_matmul(x, wq, scales, transpose=True, mode="nvfp4")
+
+
+def dequant_gemm_run(w: tuple[mx.array, ...]) -> Run:
+    """`mx.dequantize(nvfp4)` to x's dtype, then one matmul, both inside the call."""
+    wq, scales = w
+    return lambda x: x @ mx.dequantize(wq, scales, mode="nvfp4", dtype=x.dtype).T
+
+
+def affine_run(w: tuple[mx.array, ...]) -> Run:
+    """`mx.quantized_matmul(affine, g64, 4 bits)` over (codes, scales, biases) `w`."""
+    aq, scales, biases = w
+    return lambda x: mx.quantized_matmul(
+        x, aq, scales, biases, transpose=True, group_size=AFFINE_GROUP, bits=AFFINE_BITS, mode="affine"
+    )
+
+
+def dense_run(w: tuple[mx.array, ...]) -> Run:
+    """One matmul with the dense weights `w`."""
+    (wd,) = w
+    return lambda x: x @ wd.T
+
+
 def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
     """Build the `qmm` workload at one parameter point.
 
@@ -263,16 +292,18 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     unsupported: dict[str, str] = {}
     for arm in arms:
         if arm == "native":
-            paths[arm] = ArmPath(
-                run=lambda x: mx.quantized_matmul(x, wq, wscales, transpose=True, mode="nvfp4"),
+            paths[arm] = bound_path(
+                native_run,
+                (wq, wscales),
                 tolerance=tolerance("native", dtype_name, k, backend),
                 route="mx.quantized_matmul(nvfp4)",
                 build_seconds=native_build,
             )
             weights[arm] = w_nvfp4
         elif arm == "dequant-gemm":
-            paths[arm] = ArmPath(
-                run=lambda x: x @ mx.dequantize(wq, wscales, mode="nvfp4", dtype=x.dtype).T,
+            paths[arm] = bound_path(
+                dequant_gemm_run,
+                (wq, wscales),
                 tolerance=tolerance("dequant-gemm", dtype_name, k, backend),
                 route="mx.dequantize(nvfp4)+matmul",
                 build_seconds=native_build,
@@ -282,13 +313,13 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             if k % AFFINE_GROUP:
                 unsupported[arm] = f"affine group {AFFINE_GROUP} needs k divisible by {AFFINE_GROUP} (k={k})"
                 continue
-            (aq, ascales, abiases), seconds = _timed_build(
+            affine, seconds = _timed_build(
                 lambda: tuple(mx.quantize(dense_weights(), group_size=AFFINE_GROUP, bits=AFFINE_BITS))
             )
-            paths[arm] = ArmPath(
-                run=lambda x, aq=aq, s=ascales, b=abiases: mx.quantized_matmul(
-                    x, aq, s, b, transpose=True, group_size=AFFINE_GROUP, bits=AFFINE_BITS, mode="affine"
-                ),
+            aq, ascales, abiases = affine
+            paths[arm] = bound_path(
+                affine_run,
+                affine,
                 tolerance=tolerance("affine", dtype_name, k, backend),
                 route=f"mx.quantized_matmul(affine,g{AFFINE_GROUP},b{AFFINE_BITS})",
                 build_seconds=seconds,
@@ -297,8 +328,9 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             weights[arm] = affine_weights(aq[at], ascales[at], abiases[at])
         elif arm == "dense":
             (wd,), seconds = _timed_build(lambda: (dense_weights(),))
-            paths[arm] = ArmPath(
-                run=lambda x, wd=wd: x @ wd.T,
+            paths[arm] = bound_path(
+                dense_run,
+                (wd,),
                 tolerance=tolerance("dense", dtype_name, k, backend),
                 route="matmul(dense)",
                 build_seconds=seconds,

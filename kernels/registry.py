@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -204,12 +204,51 @@ def load_case(name: str) -> ModuleType:
 
 @dataclass
 class ArmPath:
-    """One arm ready to time: `run(*inputs)` returns the output (lazy MLX array)."""
+    """One arm ready to time: `run(*inputs)` returns the output (lazy MLX array).
+
+    `weights` are the arrays every call reads besides its inputs (the arm's own, counted in its
+    peak memory), and `rebind(copies)` makes the same `run` over other copies of them, so the
+    measurement can rotate weights past the last-level cache (`kernels.timing`). An arm that
+    declares none is timed with its weights as they are (its rows say `cache=unrotated`).
+    `auto` marks an arm that is chosen among candidates by measurement (`kernels.dispatch`).
+    """
 
     run: Callable[..., Any]
     tolerance: float  # largest relative error against the NumPy reference this path may show
     route: str  # what the arm really runs, e.g. "mx.quantized_matmul(nvfp4)"
     build_seconds: float = 0.0
+    weights: tuple[Any, ...] = ()
+    rebind: Callable[[tuple[Any, ...]], Callable[..., Any]] | None = None
+    auto: AutoSpec | None = None
+
+
+def bound_path(
+    make: Callable[[tuple[Any, ...]], Callable[..., Any]],
+    weights: tuple[Any, ...],
+    *,
+    tolerance: float,
+    route: str,
+    build_seconds: float = 0.0,
+) -> ArmPath:
+    """An arm whose `run` is `make(weights)`: rotatable over weight copies, its weights declared."""
+    return ArmPath(make(weights), tolerance, route, build_seconds, weights=weights, rebind=make)
+
+
+@dataclass(frozen=True)
+class AutoSpec:
+    """What an `auto` arm chooses among: candidate paths, checked and timed by the job's method.
+
+    Attributes:
+        key: identifies the shape and setting (case, parameters, dtype, backend).
+        candidates: name -> path, as the case built them.
+        reference: `reference(name, *inputs)` -> the float64 output that candidate must give.
+        make_inputs: the case's input generator (for a choice made outside a job).
+    """
+
+    key: Hashable
+    candidates: dict[str, ArmPath]
+    reference: Callable[..., Reference]
+    make_inputs: Callable[[Any], tuple[Any, ...]]
 
 
 @dataclass

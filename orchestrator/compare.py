@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 from orchestrator import stats
 from orchestrator.commits import COMMIT_SIDE, base_side, head_rows, match_side, with_commit_sides
 from orchestrator.errors import InputError
+from orchestrator.fdr import FdrControl, control_fdr
 from orchestrator.specs import SweepSpec, builtin_sweeps, load_sweep
 from orchestrator.stats import Comparison, Point, Summary
 from orchestrator.store import ResultStore
@@ -72,6 +73,8 @@ class CompareResult:
     case_baselines: dict[str, str] = field(default_factory=dict)
     threshold: float = stats.THRESHOLD
     left_out: list[str] = field(default_factory=list)  # points without a clean sample, and why
+    fdr: FdrControl | None = None  # how false discoveries were controlled across the table
+    heavy_tails: list[str] = field(default_factory=list)  # groups with outliers (hyperfine's warning)
 
     def metrics_of(self, case: str) -> list[str]:
         """The metrics a case measures (any side, any point), in `metrics` order."""
@@ -200,8 +203,10 @@ def compare_results(
     rows = _only(_only(rows, "arm", arms, "--arms"), "metric", metrics, "--metric")
     chosen = table if not arms else table.filter(pc.is_in(table["arm"], value_set=pa.array(list(arms), pa.string())))
     left_out = left_out_points(chosen, stats.clean_rows(chosen))
-    cols = {c: rows[c].to_pylist() for c in {"case_name", "params", "metric", "value", side_col, *row_dims}}
-    samples: dict[tuple[str, Point, tuple[str, ...], str, str], list[float]] = {}
+    wanted = {"case_name", "params", "metric", "value", "run_id", "job_key", "sample", side_col, *row_dims}
+    cols = {c: rows[c].to_pylist() for c in wanted}
+    # Each sample with its pairing key: arms of one job share run, job and sample index (ABBA pairs).
+    samples: dict[tuple[str, Point, tuple[str, ...], str, str], list[tuple[float, tuple[str, str, int]]]] = {}
     sides_seen: list[str] = []
     for i in range(rows.num_rows):
         side = str(cols[side_col][i])
@@ -214,7 +219,12 @@ def compare_results(
             cols["metric"][i],
             side,
         )
-        samples.setdefault(key, []).append(float(cols["value"][i]))
+        pair = (
+            str(cols["run_id"][i]),
+            str(cols["job_key"][i]),
+            int(cols["sample"][i] if cols["sample"][i] is not None else -1),
+        )
+        samples.setdefault(key, []).append((float(cols["value"][i]), pair))
     sides = sides_seen if by != "arm" else list(arms) if arms else sorted(sides_seen)
     base = default_baseline(sides, baseline)
     if baseline is not None and baseline not in sides:
@@ -235,30 +245,57 @@ def compare_results(
     metric_list = [m for m in order if m in metrics_seen]
 
     by_row: dict[tuple[str, Point, tuple[str, ...]], CompareRow] = {}
-    for (case_name, point, dims, metric, side), values in samples.items():
+    comparisons: dict[tuple[tuple[str, Point, tuple[str, ...]], str, str], Comparison] = {}
+    for (case_name, point, dims, metric, side), entries in samples.items():
         rkey = (case_name, point, dims)
         row = by_row.get(rkey)
         if row is None:
             row = by_row[rkey] = CompareRow(case_name, point, dict(zip(row_dims, dims, strict=True)))
-        row.values[(metric, side)] = stats.summarize(
-            values, seed=stats.seed_for(rkey, metric, side), resamples=resamples
-        )
+        values = [v for v, _ in entries]
+        # one seed per group of samples (not per metric): seconds and tok/s of the same samples agree
+        row.values[(metric, side)] = stats.summarize(values, seed=stats.seed_for(rkey, side), resamples=resamples)
         cbase = case_base[case_name]
-        if side != cbase and (case_name, point, dims, metric, cbase) in samples:
-            row.comparisons[(metric, side)] = stats.compare_samples(
+        against = samples.get((case_name, point, dims, metric, cbase))
+        if side != cbase and against is not None:
+            comparisons[(rkey, metric, side)] = stats.compare_samples(
                 values,
-                samples[(case_name, point, dims, metric, cbase)],
+                [v for v, _ in against],
                 metric=metric,
                 threshold=threshold,
-                seed=stats.seed_for(rkey, metric, side, cbase),
+                seed=stats.seed_for(rkey, side, cbase),
                 resamples=resamples,
+                a_keys=[k for _, k in entries],
+                b_keys=[k for _, k in against],
             )
+    controlled, fdr_control = control_fdr(comparisons, lambda key: (key[0], key[2]))
+    for (rkey, metric, side), c in controlled.items():
+        by_row[rkey].comparisons[(metric, side)] = c
     ordered = sorted(by_row.values(), key=lambda r: (r.case_name, tuple(r.dims.values()), point_sort_key(r.point)))
     varying = {
         case: varying_params(r.point for r in ordered if r.case_name == case)
         for case in dict.fromkeys(r.case_name for r in ordered)
     }
-    return CompareResult(by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out)
+    return CompareResult(
+        by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out,
+        fdr=fdr_control, heavy_tails=heavy_tails(ordered, varying),
+    )  # fmt: skip
+
+
+def heavy_tails(rows: list[CompareRow], varying: dict[str, list[str]]) -> list[str]:
+    """One warning per group of samples with outliers (as hyperfine warns): `qmm cpu tokens=1
+    native: 2 of 10 samples more than 2x from the median (seconds, prefill_tok_s)`."""
+    found: dict[tuple[str, str, int, int], list[str]] = {}
+    for row in rows:
+        shown = varying.get(row.case_name) or []
+        where = " ".join([row.case_name, *row.dims.values(), *(f"{k}={v}" for k, v in row.point if k in shown)])
+        for (metric, side), s in row.values.items():
+            if s.heavy_tailed:
+                found.setdefault((where, side, s.outliers, s.n), []).append(metric)
+    return [
+        f"{where} {side}: {k} of {n} samples far from the rest ({', '.join(metrics)}); its median stands, "
+        "but re-run on a quiet machine to trust the spread"
+        for (where, side, k, n), metrics in found.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------- cross-device
@@ -316,6 +353,22 @@ def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[C
         row = rows.setdefault(rkey, CrossDeviceRow(key.case_name, key.point, key.arm, key.metric, {}))
         row.cells[key.device] = DeviceCell(summary, peak, fraction)
     return sorted(rows.values(), key=lambda r: (r.case_name, r.metric, r.arm, point_sort_key(r.point)))
+
+
+def over_peak(rows: list[CrossDeviceRow]) -> list[str]:
+    """A warning for every share of a device's measured peak above 100 %: the peak probe was too
+    low (taken on a busy machine, or with a weak copy), not the kernel faster than the device."""
+    out = []
+    for r in rows:
+        for device, cell in sorted(r.cells.items()):
+            if cell.fraction is not None and cell.fraction > 1.0:
+                where = " ".join([r.case_name, *(f"{k}={v}" for k, v in r.point), r.arm, r.metric])
+                out.append(
+                    f"warning: {device} {where} at {cell.fraction:.0%} of the device's measured peak "
+                    f"({cell.peak:.4g}): that peak is too low; probe it again with ORCHESTRATE_REPROBE_PEAKS=1 "
+                    "on that host"
+                )
+    return out
 
 
 # ------------------------------------------------------------------------------------ selection

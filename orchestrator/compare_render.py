@@ -31,7 +31,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.compare import CompareResult, CrossDeviceRow
+from orchestrator.compare import CompareResult, CrossDeviceRow, over_peak
 from orchestrator.stats import Comparison, Verdict
 
 FORMATS = ("table", "md", "csv", "json")
@@ -107,10 +107,14 @@ def format_comparison(metric: str, c: Comparison, *, hint: bool = True) -> str:
     r = c.ratio
     if not math.isfinite(r.ratio):
         return "-"
-    if ratio_label(metric)[1]:
-        text = f"{(r.ratio - 1) * 100:+.1f}% [{(r.ci_low - 1) * 100:+.1f},{(r.ci_high - 1) * 100:+.1f}]"
+    gap = ratio_label(metric)[1]
+    text = f"{(r.ratio - 1) * 100:+.1f}%" if gap else f"{r.ratio:.2f}x"
+    if c.verdict is Verdict.TOO_FEW:
+        return f"{text} ({c.note})"
+    if gap:
+        text += f" [{(r.ci_low - 1) * 100:+.1f},{(r.ci_high - 1) * 100:+.1f}]"
     else:
-        text = f"{r.ratio:.2f}x [{r.ci_low:.2f},{r.ci_high:.2f}]"
+        text += f" [{r.ci_low:.2f},{r.ci_high:.2f}]"
     text += f" {verdict_label(c.verdict, metric)}"
     if hint and c.verdict is Verdict.AMBIGUOUS and c.more_samples:
         text += f" (~{c.more_samples} more samples)"
@@ -200,9 +204,13 @@ def legend(result: CompareResult) -> list[str]:
     """What the cells mean, and which points have no clean sample: printed once under the tables."""
     lines = [
         "Values are medians of clean samples. gap: the arm's median over the baseline's, minus 1; speedup and "
-        "ratio: the same as a factor; [95 % bootstrap interval]; verdicts at a "
-        f"{result.threshold:.0%} threshold (AMBIGUOUS: the interval straddles it)."
+        "ratio: the same as a factor; [95 % bootstrap interval, over ABBA pairs where the sides share a job]; "
+        f"FASTER/SLOWER: the whole interval past a {result.threshold:.0%} band around 1, SAME: inside it, "
+        "AMBIGUOUS: across its edge; TOO FEW: under 5 samples per side."
     ]
+    if result.fdr is not None and result.fdr.hypotheses:
+        lines.append(result.fdr.describe())
+    lines += [f"Heavy tails: {w}." for w in result.heavy_tails]
     if result.left_out:
         lines.append(f"Left out, no clean sample: {'; '.join(result.left_out)}.")
     return lines
@@ -233,6 +241,7 @@ def records(result: CompareResult) -> list[dict[str, Any]]:
             rec.update({f"{p}.ratio": c.ratio.ratio, f"{p}.ci_low": c.ratio.ci_low})
             rec.update({f"{p}.ci_high": c.ratio.ci_high, f"{p}.verdict": c.verdict.value})
             rec[f"{p}.more_samples"] = c.more_samples
+            rec.update({f"{p}.paired": c.ratio.paired, f"{p}.p_value": c.p_value, f"{p}.note": c.note})
         out.append(rec)
     return out
 
@@ -256,6 +265,8 @@ def render_text(
     if fmt == "json":
         recs = [{k: _json_safe(v) for k, v in r.items()} for r in records(result)]
         doc: dict[str, Any] = {"by": result.by, "baseline": result.baseline, "rows": recs, "left_out": result.left_out}
+        doc["fdr"] = result.fdr.describe() if result.fdr is not None else None
+        doc["heavy_tails"] = result.heavy_tails
         if cross:
             doc["cross_device"] = cross_records(cross)
         return json.dumps(doc, indent=1)
@@ -273,6 +284,7 @@ def render_text(
         if cross:
             parts.append("### across devices (fraction of each device's measured peak)\n")
             parts += _markdown(*cross_display(cross))
+            parts += ["", *over_peak(cross)]
         return "\n".join(parts) + "\n"
     raise ValueError(f"unknown format {fmt!r}")
 
@@ -322,7 +334,14 @@ def print_comparison(
         out.print(Text(line))
     if cross:
         out.print()
-        print_wide(out, cross_table(cross))
+        print_cross(out, cross)
+
+
+def print_cross(out: Console, cross: list[CrossDeviceRow]) -> None:
+    """The cross-device view on a console, then a warning for every share above 100 %."""
+    print_wide(out, cross_table(cross))
+    for line in over_peak(cross):
+        out.print(Text(line))
 
 
 def cross_display(rows: list[CrossDeviceRow]) -> tuple[list[str], list[list[str]]]:
@@ -360,6 +379,7 @@ def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
                     "median": _json_safe(cell.summary.median),
                     "peak": cell.peak,
                     "fraction_of_peak": cell.fraction,
+                    "over_peak": cell.fraction is not None and cell.fraction > 1.0,
                 }
             )
     return out
@@ -371,7 +391,7 @@ def render_cross_text(rows: list[CrossDeviceRow], fmt: str) -> str:
         return json.dumps(cross_records(rows), indent=1) + "\n"
     if fmt == "csv":
         return _csv(cross_records(rows))
-    return "\n".join(_markdown(*cross_display(rows))) + "\n"
+    return "\n".join([*_markdown(*cross_display(rows)), "", *over_peak(rows)]) + "\n"
 
 
 def cross_table(rows: list[CrossDeviceRow]) -> Table:

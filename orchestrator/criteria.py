@@ -14,6 +14,7 @@ none fails but one is ambiguous.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,9 +24,11 @@ import pyarrow as pa
 from orchestrator import stats
 from orchestrator.commits import head_rows
 from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
+from orchestrator.fdr import benjamini_hochberg
 from orchestrator.plan import points as case_points
+from orchestrator.power import NORMAL, samples_to_clear
 from orchestrator.specs import Criterion, SweepSpec
-from orchestrator.stats import Point, Ratio
+from orchestrator.stats import Comparison, Point, Ratio
 from orchestrator.store import ResultStore
 from orchestrator.where import Condition, parse_where
 
@@ -49,6 +52,7 @@ class PointResult:
     ratio: Ratio
     outcome: Outcome
     more_samples: int | None = None
+    note: str | None = None  # why there is no verdict (too few samples, multiplicity)
 
 
 @dataclass(frozen=True)
@@ -89,33 +93,45 @@ class CriterionVerdict:
 Verdict = CriterionVerdict
 
 
-def judge_ratio(ratio: Ratio, criterion: Criterion) -> tuple[Outcome, int | None]:
-    """PASS, FAIL or AMBIGUOUS for one ratio against the criterion's bounds."""
+def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, int | None, str | None]:
+    """PASS, FAIL or AMBIGUOUS for one comparison against the criterion's bounds, with the samples
+    per arm that would settle an AMBIGUOUS one (a power calculation, `stats.samples_to_clear`)
+    and why there is no verdict where there is none (`n=3: too few to judge`)."""
+    if comparison.verdict is stats.Verdict.TOO_FEW:
+        return Outcome.AMBIGUOUS, comparison.more_samples, comparison.note
+    ratio = comparison.ratio
     lo, hi = ratio.ci_low, ratio.ci_high
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        return Outcome.AMBIGUOUS, None
+        return Outcome.AMBIGUOUS, None, None
     outcomes: list[tuple[Outcome, int | None]] = []
-    if criterion.min_ratio is not None:
-        m = criterion.min_ratio
-        if lo >= m:
+    for bound, passes, fails in (
+        (criterion.min_ratio, lo >= (criterion.min_ratio or 0), hi < (criterion.min_ratio or 0)),
+        (criterion.max_ratio, hi <= (criterion.max_ratio or 0), lo > (criterion.max_ratio or 0)),
+    ):
+        if bound is None:
+            continue
+        if passes:
             outcomes.append((Outcome.PASS, None))
-        elif hi < m:
+        elif fails:
             outcomes.append((Outcome.FAIL, None))
         else:
-            outcomes.append((Outcome.AMBIGUOUS, stats.more_samples_needed(ratio, m)))
-    if criterion.max_ratio is not None:
-        m = criterion.max_ratio
-        if hi <= m:
-            outcomes.append((Outcome.PASS, None))
-        elif lo > m:
-            outcomes.append((Outcome.FAIL, None))
-        else:
-            outcomes.append((Outcome.AMBIGUOUS, stats.more_samples_needed(ratio, m)))
+            distance = abs(math.log(ratio.ratio / bound)) if ratio.ratio > 0 else math.nan
+            outcomes.append((Outcome.AMBIGUOUS, samples_to_clear(distance, comparison.log_se, ratio.n)))
     for wanted in (Outcome.FAIL, Outcome.AMBIGUOUS):
         for outcome, more in outcomes:
             if outcome is wanted:
-                return outcome, more
-    return Outcome.PASS, None
+                return outcome, more, None
+    return Outcome.PASS, None, None
+
+
+def fail_p_value(comparison: Comparison, criterion: Criterion) -> float:
+    """One-sided p-value of "the bound holds" at a failing point (normal tail at the bootstrap's se)."""
+    r, se = comparison.ratio.ratio, comparison.log_se
+    bound = criterion.min_ratio if criterion.min_ratio is not None else criterion.max_ratio
+    if not (r > 0 and bound and math.isfinite(se)):
+        return math.nan
+    past = abs(math.log(r / bound))
+    return 0.0 if se <= 0 else NORMAL.cdf(-past / se)
 
 
 def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> list[tuple[str, list[str], Point]]:
@@ -192,7 +208,7 @@ def evaluate_criterion(
     if baseline is None:
         raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
     expected = expected_points(sweep, criterion, baseline)
-    groups = stats.sample_groups(table)
+    groups = stats.keyed_sample_groups(table)
     seen_devices = sorted(set(table["device"].to_pylist())) if table.num_rows else []
     # Every row (clean or not) of each (device, case, point): to tell a missing point from one
     # that does not measure this metric (decode_tok_s only exists at tokens=1).
@@ -202,6 +218,7 @@ def evaluate_criterion(
         key = (str(row["device"]), str(row["case_name"]), stats.point_of(row["params"]))
         by_point.setdefault(key, []).append(row)
     verdict = CriterionVerdict(criterion, baseline, Outcome.PASS, shown=_varying_axes(sweep))
+    comparisons: list[Comparison] = []
     for case_name, devices, point in expected:
         for device in devices or seen_devices or ["(any device)"]:
             rows_here = by_point.get((device, case_name, point), [])
@@ -209,15 +226,20 @@ def evaluate_criterion(
             key_b = stats.GroupKey(device, case_name, point, baseline, criterion.metric)
             a, b = groups.get(key_a), groups.get(key_b)
             if a and b:
-                ratio = stats.ratio_of_medians(a, b, seed=stats.seed_for(key_a, baseline), resamples=resamples)
-                outcome, more = judge_ratio(ratio, criterion)
-                verdict.points.append(PointResult(device, case_name, point, ratio, outcome, more))
+                c = stats.compare_samples(
+                    a[0], b[0], metric=criterion.metric, seed=stats.seed_for(device, case_name, point, criterion.arm,
+                    baseline), resamples=resamples, a_keys=a[1], b_keys=b[1],
+                )  # fmt: skip
+                outcome, more, note = judge_ratio(c, criterion)
+                verdict.points.append(PointResult(device, case_name, point, c.ratio, outcome, more, note))
+                comparisons.append(c)
                 continue
             measured_elsewhere = rows_here and all(r["status"] == "ok" and not r["contended"] for r in rows_here)
             if measured_elsewhere and not any(r["metric"] == criterion.metric for r in rows_here):
                 continue  # the point ran cleanly and simply does not measure this metric
             reason = _why_missing(rows_here, criterion.arm, baseline, criterion.metric) if rows_here else "not run"
             verdict.missing.append(MissingPoint(device, case_name, point, reason))
+    _control_failures(verdict, comparisons)
     verdict.outcome = overall({p.outcome for p in verdict.points}, bool(verdict.missing) or not verdict.points)
     return verdict
 
@@ -230,6 +252,22 @@ def overall(outcomes: set[Outcome], incomplete: bool) -> Outcome:
     if Outcome.AMBIGUOUS in outcomes or incomplete:
         return Outcome.AMBIGUOUS
     return Outcome.PASS
+
+
+def _control_failures(verdict: CriterionVerdict, comparisons: list[Comparison]) -> None:
+    """A criterion FAILs on any one of its points, so each point is one more chance of a false
+    FAIL: a failing point counts only where Benjamini-Hochberg at q = 5 % over the criterion's
+    points rejects "the bound holds there"; the others become AMBIGUOUS."""
+    failing = [i for i, p in enumerate(verdict.points) if p.outcome is Outcome.FAIL]
+    if not failing:
+        return
+    p_values = [fail_p_value(comparisons[i], verdict.criterion) for i in range(len(verdict.points))]
+    tested = [i for i, p in enumerate(p_values) if not math.isnan(p)]
+    rejected = dict(zip(tested, benjamini_hochberg([p_values[i] for i in tested]), strict=True))
+    for i in failing:
+        if not rejected.get(i, True):
+            note = f"p={p_values[i]:.2g}: not significant over the criterion's {len(tested)} points"
+            verdict.points[i] = dataclasses.replace(verdict.points[i], outcome=Outcome.AMBIGUOUS, note=note)
 
 
 def validate_criteria(sweep: SweepSpec) -> None:
@@ -301,6 +339,7 @@ def describe(v: CriterionVerdict) -> list[str]:
             continue
         r = p.ratio
         note = f" (about {p.more_samples} more samples per arm would settle it)" if p.more_samples else ""
+        note = f" ({p.note})" + note if p.note else note
         lines.append(
             f"    {p.outcome.value:<9} {v.label(p.device, p.case_name, p.point)}: "
             f"{r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}], n={r.n_a}/{r.n_b}{note}"

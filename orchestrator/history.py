@@ -1,24 +1,26 @@
-"""Regressions found in the history: each run compared with earlier runs on the same host fingerprint.
+"""Regressions found in the history: each run compared with the earlier runs of the same series.
 
-A *series* is one (device, host fingerprint, case, arm, parameter point, metric); its points are
-the runs that measured it, in time order, each with its clean samples (status ok, not contended,
-finite). Only runs with the same `fingerprint_id` are compared: a number from another machine, OS
-or driver is another series, never a baseline.
+A *series* is one (device, host, case, arm, parameter point, metric); its points are the runs
+that measured it, in time order, each with its clean samples (status ok, not contended, finite)
+and the host environment it ran in (GPU driver, OS release, MLX version, BLAS, threads, ...:
+the host fingerprint's fields). Each night is judged against the series' current level by
+`orchestrator.changepoints` (its docstring gives the rule, and the false-alarm and detection
+rates measured by simulation):
 
-The test is sequential and tolerant of noise. Each run is compared with the last `window` runs
-*since the series' last change point*, on the bootstrap interval of the ratio of medians
-(`orchestrator.stats.ratio_of_medians`), oriented so that > 1 is better:
+* regression / improvement: one night far past the level, or 2-3 nights together past it, by
+  more than the night-to-night noise allows (a t test on the noise of the last `window` nights,
+  so a noisy series needs a bigger step) and by more than `threshold` (5 %). The finding names
+  the run and commit where the change began (`since_run`, `since_commit`); the new level is the
+  baseline from then on, so a step is flagged once, and one bad night that returns is flagged
+  at most once (not as a regression and then an improvement);
+* environment: the host's environment changed at this run ("driver 580 -> 590: ratio 0.93
+  [0.91, 0.95]"). The change is reported as such, with its ratio to the old level, never blamed
+  on the run's commit, and the series goes on from a new level instead of starting over;
+* steady, or no-history while there are too few nights to know the noise (7).
 
-* regression: the whole interval lies below 1 and the point ratio is below `1 - t`;
-* improvement: the whole interval lies above 1 and the point ratio is above `1 + t`;
-* unclear: the point ratio is past `1 ± t` but the interval holds 1 (more repetitions settle it);
-* steady: anything else.
-
-`t` is the larger of `threshold` (default 5 %) and three times the run-to-run noise of the
-baseline (the robust spread of its per-run medians), so a series that wanders by 4 % from night to
-night needs a bigger step to be flagged. A regression or improvement is a change point: later
-runs are compared with the new level only, so a step is flagged once, at the run (and commit)
-where it happened, and not again on every later night.
+Why not an interval of the ratio of medians against a few earlier runs: that interval only knows
+the noise within a night, while nights differ by more (clocks, heat, neighbours); over 30 stable
+nights with 2-3 % night-to-night noise, 46-94 % of series raised an alarm that way.
 """
 
 from __future__ import annotations
@@ -34,21 +36,33 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.stats import higher_is_better, ratio_of_medians, seed_for
+from orchestrator import changepoints
+from orchestrator.stats import higher_is_better
 
-WINDOW = 5
-THRESHOLD = 0.05
-NOISE_FACTOR = 3.0
+WINDOW = changepoints.WINDOW
+THRESHOLD = changepoints.THRESHOLD
 # Not judged: build times (a cache hit repeats the first build's time), token counts, and a command's
 # wall time (process start-up and loading; the benchmark's own numbers are what it parses). Their
 # trends still show in `orchestrate history CASE --metric wall_seconds`.
 IGNORED_METRICS = frozenset({"build_seconds", "wall_seconds", "lock_wait_s", "prompt_tokens", "generated_tokens"})
+# The host environment a run measured in (row columns -> how a change is named).
+ENVIRONMENT = {
+    "gpu_driver": "driver",
+    "os": "os",
+    "mlx_version": "mlx",
+    "mlx_device": "mlx device",
+    "blas": "blas",
+    "threads": "threads",
+    "gpu": "gpu",
+    "cpu": "cpu",
+    "memory_bytes": "memory",
+}
 
 REGRESSION = "regression"
 IMPROVEMENT = "improvement"
-UNCLEAR = "unclear"
 STEADY = "steady"
 NO_HISTORY = "no-history"
+ENVIRONMENT_CHANGE = "environment"
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class SeriesKey:
     """What one series measures, and where."""
 
     device: str
-    fingerprint_id: str
+    host: str
     case_name: str
     arm: str
     params: str  # `k=v k=v`, sorted
@@ -69,21 +83,30 @@ class SeriesKey:
 
 @dataclass
 class RunPoint:
-    """One run's samples of one series."""
+    """One run's samples of one series, and the environment it ran in."""
 
     run_id: str
     started_at: dt.datetime
     commit: str | None
     values: list[float] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
         return float(np.median(self.values)) if self.values else math.nan
 
+    def log_error(self) -> float:
+        """The standard error of the log median within the run (robust: 1.25 x 1.4826 MAD / sqrt n)."""
+        x = np.asarray([v for v in self.values if v > 0], dtype=np.float64)
+        if len(x) < 2:
+            return 0.0
+        logs = np.log(x)
+        return float(1.2533 * 1.4826 * np.median(np.abs(logs - np.median(logs))) / math.sqrt(len(x)))
+
 
 @dataclass(frozen=True)
 class Finding:
-    """The verdict on one run of one series against its baseline."""
+    """The verdict on one run of one series against its level."""
 
     series: SeriesKey
     run_id: str
@@ -92,11 +115,23 @@ class Finding:
     verdict: str
     median: float
     baseline_median: float = math.nan
-    ratio: float = math.nan  # median / baseline median, raw (not oriented)
+    ratio: float = math.nan  # against the level, raw (not oriented): the run's (or the change's nights') median
     ci_low: float = math.nan
     ci_high: float = math.nan
-    tolerance: float = math.nan  # the threshold that applied (threshold or noise-based)
+    tolerance: float = math.nan  # the smallest relative change that would have been flagged here
     baseline_runs: tuple[str, ...] = ()
+    since_run: str | None = None  # where the change began (regression, improvement)
+    since_commit: str | None = None
+    environment: str | None = None  # `driver 580 -> 590` (environment changes)
+
+    def describe(self) -> str:
+        """`driver 580 -> 590: ratio 0.93 [0.91, 0.95]`, `regression since run R (commit C): ...`."""
+        what = f"ratio {_fmt(self.ratio, 3)} [{_fmt(self.ci_low, 3)}, {_fmt(self.ci_high, 3)}]"
+        if self.verdict == ENVIRONMENT_CHANGE:
+            return f"{self.environment}: {what}"
+        if self.verdict in (REGRESSION, IMPROVEMENT):
+            return f"{self.verdict} since run {self.since_run} (commit {(self.since_commit or '-')[:12]}): {what}"
+        return f"{self.verdict}: {what}"
 
 
 def _params_key(entries: Any) -> str:
@@ -118,88 +153,97 @@ def series_of(
         mask = pc.and_(mask, pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))
     if metric is not None:
         mask = pc.and_(mask, pc.equal(table["metric"], metric))
-    cols = ["device", "fingerprint_id", "case_name", "arm", "params", "metric", "unit", "run_id", "started_at",
-            "commit", "value"]  # fmt: skip
+    cols = ["device", "hostname", "case_name", "arm", "params", "metric", "unit", "run_id", "started_at",
+            "commit", "value", *ENVIRONMENT]  # fmt: skip
     points: dict[SeriesKey, dict[str, RunPoint]] = defaultdict(dict)
     for row in table.filter(mask).select(cols).to_pylist():
         value = row["value"]
         if (metric is None and row["metric"] in IGNORED_METRICS) or value is None or not math.isfinite(value):
             continue
-        key = SeriesKey(row["device"], row["fingerprint_id"] or "", row["case_name"], row["arm"],
+        key = SeriesKey(row["device"], row["hostname"] or "", row["case_name"], row["arm"],
                         _params_key(row["params"]), row["metric"], row["unit"] or "")  # fmt: skip
         point = points[key].get(row["run_id"])
         if point is None:
-            point = points[key][row["run_id"]] = RunPoint(row["run_id"], row["started_at"], row["commit"])
+            env = {name: "" if row[name] is None else str(row[name]) for name in ENVIRONMENT}
+            point = points[key][row["run_id"]] = RunPoint(row["run_id"], row["started_at"], row["commit"], [], env)
         point.started_at = min(point.started_at, row["started_at"])
         point.values.append(float(value))
-    ordered = sorted(points, key=lambda k: k.label())
+    ordered = sorted(points, key=lambda k: (k.label(), k.host))
     return {k: sorted(points[k].values(), key=lambda p: (p.started_at, p.run_id)) for k in ordered}
 
 
-def _noise(baseline: list[RunPoint]) -> float:
-    """Run-to-run noise: the robust relative spread (1.4826 MAD / median) of per-run medians."""
-    meds = np.array([p.median for p in baseline])
-    if len(meds) < 2:
-        return 0.0
-    centre = float(np.median(meds))
-    if centre == 0:
-        return 0.0
-    return float(1.4826 * np.median(np.abs(meds - centre)) / abs(centre))
-
-
-def judge(key: SeriesKey, current: RunPoint, baseline: list[RunPoint], *, threshold: float = THRESHOLD) -> Finding:
-    """The verdict on `current` against `baseline` runs (see the module's docstring)."""
-    if not baseline:
-        return Finding(key, current.run_id, current.commit, current.started_at, NO_HISTORY, current.median)
-    pooled = [v for p in baseline for v in p.values]
-    r = ratio_of_medians(current.values, pooled, seed=seed_for(key, current.run_id))
-    tol = max(threshold, NOISE_FACTOR * _noise(baseline))
-    higher = higher_is_better(key.metric)
-    # oriented: > 1 is better
-    point, lo, hi = (r.ratio, r.ci_low, r.ci_high) if higher else (1 / r.ratio, 1 / r.ci_high, 1 / r.ci_low)
-    if not (math.isfinite(point) and math.isfinite(lo) and math.isfinite(hi)):
-        verdict = UNCLEAR
-    elif hi < 1 and point < 1 - tol:
-        verdict = REGRESSION
-    elif lo > 1 and point > 1 + tol:
-        verdict = IMPROVEMENT
-    elif point < 1 - tol or point > 1 + tol:
-        verdict = UNCLEAR
-    else:
-        verdict = STEADY
-    return Finding(
-        key,
-        current.run_id,
-        current.commit,
-        current.started_at,
-        verdict,
-        current.median,
-        baseline_median=float(np.median(pooled)),
-        ratio=r.ratio,
-        ci_low=r.ci_low,
-        ci_high=r.ci_high,
-        tolerance=tol,
-        baseline_runs=tuple(p.run_id for p in baseline),
-    )
+def environment_change(before: dict[str, str], after: dict[str, str]) -> str | None:
+    """`driver 580.65 -> 590.12; mlx 0.32.4 -> 0.33.0`, or None when nothing changed."""
+    parts = [
+        f"{label} {before.get(name) or '-'} -> {after.get(name) or '-'}"
+        for name, label in ENVIRONMENT.items()
+        if before.get(name, "") != after.get(name, "")
+    ]
+    return "; ".join(parts) or None
 
 
 def detect(
     key: SeriesKey, points: list[RunPoint], *, window: int = WINDOW, threshold: float = THRESHOLD
 ) -> list[Finding]:
-    """Judge every run of a series in order; a regression or improvement starts a new level.
+    """Judge every run of a series in order (see the module docstring).
 
     Returns:
-        One finding per run (the first is `no-history`).
+        One finding per run (the first ones are `no-history`).
     """
-    findings: list[Finding] = []
-    level_start = 0
-    for i, point in enumerate(points):
-        baseline = points[max(level_start, i - window) : i]
-        finding = judge(key, point, baseline, threshold=threshold)
-        findings.append(finding)
-        if finding.verdict in (REGRESSION, IMPROVEMENT):
-            level_start = i
-    return findings
+    medians = [p.median for p in points]
+    keep = [i for i, m in enumerate(medians) if m > 0 and math.isfinite(m)]
+    higher = higher_is_better(key.metric)
+    sign = 1.0 if higher else -1.0
+    y = [sign * math.log(medians[i]) for i in keep]
+    se = [points[i].log_error() for i in keep]
+    changes = [j for j in range(1, len(keep)) if environment_change(points[keep[j - 1]].environment,
+                                                                    points[keep[j]].environment)]  # fmt: skip
+    calls = changepoints.judge_series(y, se, set(changes), window=window, threshold=threshold)
+    out: dict[int, Finding] = {}
+    for j, call in enumerate(calls):
+        i = keep[j]
+        out[i] = _finding(key, points, keep, j, call, sign)
+    return [out.get(i) or Finding(key, p.run_id, p.commit, p.started_at, NO_HISTORY, p.median)
+            for i, p in enumerate(points)]  # fmt: skip
+
+
+def _finding(
+    key: SeriesKey, points: list[RunPoint], keep: list[int], j: int, call: changepoints.Call, sign: float
+) -> Finding:
+    """One night's call as a finding, in the metric's own orientation."""
+    point = points[keep[j]]
+    base = [points[keep[b]] for b in call.baseline]
+    verdict = {changepoints.NO_HISTORY: NO_HISTORY, changepoints.STEADY: STEADY,
+               changepoints.ENVIRONMENT: ENVIRONMENT_CHANGE}.get(call.kind)  # fmt: skip
+    if verdict is None:
+        verdict = REGRESSION if call.shift < 0 else IMPROVEMENT
+    ends = sorted(math.exp(sign * v) for v in (call.lo, call.hi)) if math.isfinite(call.lo) else [math.nan, math.nan]
+    since = points[keep[call.since]]
+    level = float(np.exp(np.mean([math.log(p.median) for p in base]))) if base else math.nan
+    return Finding(
+        key,
+        point.run_id,
+        point.commit,
+        point.started_at,
+        verdict,
+        point.median,
+        baseline_median=level,
+        ratio=math.exp(sign * call.shift) if math.isfinite(call.shift) else math.nan,
+        ci_low=ends[0],
+        ci_high=ends[1],
+        tolerance=math.expm1(call.tolerance) if math.isfinite(call.tolerance) else math.nan,
+        baseline_runs=tuple(p.run_id for p in base),
+        since_run=since.run_id if verdict in (REGRESSION, IMPROVEMENT) else None,
+        since_commit=since.commit if verdict in (REGRESSION, IMPROVEMENT) else None,
+        environment=environment_change(points[keep[j - 1]].environment, point.environment)
+        if verdict == ENVIRONMENT_CHANGE
+        else None,
+    )
+
+
+def judge(key: SeriesKey, current: RunPoint, baseline: list[RunPoint], *, threshold: float = THRESHOLD) -> Finding:
+    """The verdict on `current` after `baseline` runs of the same level (the last of `detect`)."""
+    return detect(key, [*baseline, current], threshold=threshold)[-1]
 
 
 def findings_for_run(
@@ -208,11 +252,13 @@ def findings_for_run(
     """The verdicts on one run: every series it measured, against that series' own history.
 
     Args:
-        table: the sweep's stored rows (all runs; only the same fingerprint's are compared).
+        table: the sweep's stored rows (all runs; each host's series are its own).
         run_id: the run to judge (usually the one that just finished).
     """
     out = []
     for key, points in series_of(table).items():
+        if not any(p.run_id == run_id for p in points):
+            continue
         for finding in detect(key, points, window=window, threshold=threshold):
             if finding.run_id == run_id:
                 out.append(finding)
@@ -237,29 +283,35 @@ def regressions(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if f.verdict == REGRESSION]
 
 
-def _fmt(v: float) -> str:
-    return "-" if not math.isfinite(v) else f"{v:.4g}"
+def _fmt(v: float, digits: int = 4) -> str:
+    return "-" if not math.isfinite(v) else f"{v:.{digits}g}"
 
 
 def report_markdown(sweep: str, run_id: str, findings: list[Finding]) -> str:
-    """A Markdown report of one run's verdicts, regressions first."""
-    order = {REGRESSION: 0, UNCLEAR: 1, IMPROVEMENT: 2, STEADY: 3, NO_HISTORY: 4}
+    """A Markdown report of one run's verdicts, regressions first, environment changes named."""
+    order = {REGRESSION: 0, ENVIRONMENT_CHANGE: 1, IMPROVEMENT: 2, STEADY: 3, NO_HISTORY: 4}
     counts = {v: sum(1 for f in findings if f.verdict == v) for v in order}
     lines = [
         f"# Regression check: sweep {sweep}, run {run_id}",
         "",
         ", ".join(f"{n} {v}" for v, n in counts.items() if n) or "no measured series",
         "",
-        "| verdict | device | case | arm | params | metric | commit | median | baseline | ratio [95% CI] | tol |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verdict | device | host | case | arm | params | metric | since (commit) | median | level | ratio [95% CI] "
+        "| tol | what changed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in sorted(findings, key=lambda f: (order[f.verdict], f.series.label())):
         s = f.series
         ci = f"{_fmt(f.ratio)} [{_fmt(f.ci_low)}, {_fmt(f.ci_high)}]"
         tol = "-" if not math.isfinite(f.tolerance) else f"{f.tolerance:.1%}"
-        cells = [f.verdict, s.device, s.case_name, s.arm, s.params, s.metric, (f.commit or "-")[:12]]
-        cells += [_fmt(f.median), _fmt(f.baseline_median), ci, tol]
+        since = f"{f.since_run} ({(f.since_commit or '-')[:12]})" if f.since_run else (f.commit or "-")[:12]
+        cells = [f.verdict, s.device, s.host, s.case_name, s.arm, s.params, s.metric, since]
+        cells += [_fmt(f.median), _fmt(f.baseline_median), ci, tol, f.environment or ""]
         lines.append("| " + " | ".join(cells) + " |")
+    changed = [f for f in findings if f.verdict == ENVIRONMENT_CHANGE]
+    if changed:
+        lines += ["", "Environment changes (not blamed on a commit; each series goes on from a new level):", ""]
+        lines += [f"- {f.series.label()}: {f.describe()}" for f in changed]
     return "\n".join(lines) + "\n"
 
 
@@ -299,13 +351,14 @@ class Trend:
 
     @property
     def changes(self) -> list[Finding]:
-        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT)]
+        """Regressions, improvements and environment changes (each where it was flagged)."""
+        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT, ENVIRONMENT_CHANGE)]
 
 
 def trends(
     table: pa.Table, case: str, metric: str, *, window: int = WINDOW, threshold: float = THRESHOLD
 ) -> list[Trend]:
-    """Every series of one case and metric, per device and host fingerprint, with its change points."""
+    """Every series of one case and metric, per device and host, with its change points."""
     return [
         Trend(key, pts, detect(key, pts, window=window, threshold=threshold))
         for key, pts in series_of(table, case=case, metric=metric).items()
@@ -321,12 +374,12 @@ def plot_trends(items: list[Trend], path: str | Path, title: str) -> Path:
     fig = Figure(figsize=(9, 2.8 * max(len(devices), 1) + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(max(len(devices), 1), 1, squeeze=False)[:, 0]
-    fingerprints = {t.series.fingerprint_id for t in items}
+    hosts = {t.series.host for t in items}
     for ax, device in zip(axes, devices, strict=False):
         for t in (t for t in items if t.series.device == device):
             label = " ".join(x for x in (t.series.arm, t.series.params) if x)
-            if len(fingerprints) > 1:
-                label += f" [{t.series.fingerprint_id[:8]}]"
+            if len(hosts) > 1:
+                label += f" [{t.series.host}]"
             ax.plot([p.started_at for p in t.points], [p.median for p in t.points], marker="o", ms=3, label=label)
             bad = [f for f in t.findings if f.verdict == REGRESSION]
             if bad:

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from kernels import registry
 from orchestrator.errors import InputError
 from orchestrator.specs import CaseEntry, HostSpec, InventorySpec, SweepSpec
 from orchestrator.sweepcheck import check_size, job_count
@@ -175,6 +176,8 @@ def expand(
         options = {f: getattr(case, f) for f in OPTION_FIELDS if getattr(case, f) is not None}
         if case.repo is not None:
             options = _pin_refs(case, options)
+        if registry.CASES[case.case].kind == "kernel":  # the cache state is part of what a job measures
+            options["cache"] = case.cache or sweep.cache
         reps = case.repetitions or sweep.repetitions
         warmup = case.warmup if case.warmup is not None else sweep.warmup
         for kind in case_kinds:

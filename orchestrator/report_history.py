@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from markupsafe import Markup
 
 from orchestrator.compare_render import metric_label
-from orchestrator.history import IMPROVEMENT, REGRESSION, Finding, Trend, default_metric, trends
+from orchestrator.history import ENVIRONMENT_CHANGE, IMPROVEMENT, REGRESSION, Finding, Trend, default_metric, trends
 from orchestrator.report_plots import HistoryLine, HistoryPanel, history_chart
 from orchestrator.report_style import ArmStyles
 from orchestrator.report_tables import Cell, TableView
@@ -53,14 +53,6 @@ def _metrics(table: pa.Table, case: str) -> list[str]:
     return chosen or ([fallback] if fallback else [])
 
 
-def _hostnames(table: pa.Table) -> dict[str, str]:
-    names: dict[str, str] = {}
-    for fid, host in zip(table["fingerprint_id"].to_pylist(), table["hostname"].to_pylist(), strict=True):
-        if fid and host:
-            names.setdefault(fid, host)
-    return names
-
-
 def history_view(table: pa.Table, styles: ArmStyles, uid: Callable[[], str], *, anchor: str) -> HistoryView | None:
     """The history section (its hosts' anchors start with `anchor`), or None when no series has two runs yet."""
     if table.num_rows == 0:
@@ -70,16 +62,16 @@ def history_view(table: pa.Table, styles: ArmStyles, uid: Callable[[], str], *, 
         for metric in _metrics(table, case):
             for t in trends(table, case, metric):
                 if len(t.points) >= 2:
-                    by_host.setdefault((t.series.device, t.series.fingerprint_id), {}).setdefault(case, []).append(t)
+                    by_host.setdefault((t.series.device, t.series.host), {}).setdefault(case, []).append(t)
     if not by_host:
         return None
-    names = _hostnames(table)
     hosts: list[HostHistory] = []
     flagged_rows: list[list[Cell]] = []
     runs: set[str] = set()
     series = 0
-    for (device, fid), cases in sorted(by_host.items()):
-        title = f"{device} on {names.get(fid, 'an unnamed host')} ({fid[:10]})"
+    for (device, host_name), cases in sorted(by_host.items()):
+        # a series is one host's, across its environment changes (driver, OS, MLX: marked in it)
+        title = f"{device} on {host_name or 'an unnamed host'}"
         host = HostHistory(f"{anchor}-{len(hosts)}", title, device)
         for case, items in cases.items():
             series += len(items)
@@ -112,7 +104,7 @@ def _flagged_row(host: str, case: str, t: Trend, f: Finding, styles: ArmStyles) 
         Cell(t.series.params),
         Cell(metric_label(t.series.metric)),
         Cell(f.verdict, f"verdict {cls}"),
-        Cell(f.run_id),
-        Cell((f.commit or "-")[:12]),
+        Cell(f.since_run or f.run_id),  # where the change began (the environment's: the run it changed in)
+        Cell((f.since_commit or f.commit or "-")[:12] if f.verdict != ENVIRONMENT_CHANGE else f.environment or "-"),
         Cell(f"{f.ratio:.3f} [{f.ci_low:.3f}, {f.ci_high:.3f}]", "num"),
     ]

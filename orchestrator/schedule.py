@@ -43,7 +43,7 @@ from orchestrator.errors import (
     InputError,
     OrchestratorError,
 )
-from orchestrator.history import Finding, findings_for_run, regressions, report_markdown, unjudged
+from orchestrator.history import THRESHOLD, WINDOW, Finding, findings_for_run, regressions, report_markdown, unjudged
 
 TAG = "# orchestrate:"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # matched whole: no '/', no '..', no newline
@@ -69,8 +69,8 @@ class Schedule:
     results: str  # absolute path of the results root
     at: str  # as the user wrote it
     cron: str  # five cron fields
-    window: int = 5
-    threshold: float = 0.05
+    window: int = WINDOW  # nights that estimate the night-to-night noise (orchestrator.history)
+    threshold: float = THRESHOLD
     workdir: str = ""  # where `schedule add` ran: relative paths in the sweep (a command case's repo) start here
 
 

@@ -76,6 +76,8 @@ class CaseEntry(Strict):
     devices: list[str] | None = None
     repetitions: int | None = Field(default=None, ge=1)
     warmup: int | None = Field(default=None, ge=0)
+    # kernel cases: weights rotated past the last-level cache ("cold", the default) or reused ("hot")
+    cache: Literal["cold", "hot"] | None = None
     # command cases (external benchmarks built at a commit)
     repo: str | None = None
     ref: str | None = None
@@ -155,6 +157,8 @@ class CaseEntry(Strict):
         for key in spec.required:
             if key not in self.params:
                 raise ValueError(f"params.{key}: required by case {self.case!r}")
+        if self.cache is not None and spec.kind != "kernel":
+            raise ValueError(f"cache: only kernel cases time with a chosen cache state, not {self.case!r}")
         if spec.kind == "command":
             settings = {f: getattr(self, f) for f in COMMAND_FIELDS}
             check_case_settings(settings, set(self.params))
@@ -257,6 +261,7 @@ class SweepSpec(Strict):
     devices: list[str] = Field(default_factory=list)
     repetitions: int = Field(default=10, ge=1)
     warmup: int = Field(default=3, ge=0)
+    cache: Literal["cold", "hot"] = "cold"  # kernel cases' default cache state (a case may set its own)
     baseline: str | None = None
     seed: int = 0
     command: CommandDefaults | None = None

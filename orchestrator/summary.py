@@ -1,8 +1,9 @@
 """`orchestrate results`: per device, case, parameters and arm, the median, the spread, the
 sample count and the arm's speed relative to the sweep's baseline arm.
 
-Only clean samples count: status ok and not contended. (`orchestrate compare` adds confidence
-intervals and verdicts; this is the quick look.)
+Only clean samples count: status ok and not contended; like `orchestrate compare`, the command
+passes each point's newest run only unless asked to pool them (`--all-runs`). (`orchestrate
+compare` adds confidence intervals and verdicts; this is the quick look.)
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ file's metadata (`orchestrate.schema_version`); a change to the columns bumps `S
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -103,6 +104,17 @@ class HostFingerprint(BaseModel):
     blas: str | None = None
     threads: int
     fingerprint_id: str
+
+    def with_id(self) -> HostFingerprint:
+        """This fingerprint with `fingerprint_id` hashed from everything a number depends on
+        besides the code: host name, OS release, hardware, GPU and driver, backend, MLX version
+        (a new driver, kernel, OS or MLX, another machine: another fingerprint; peaks are probed
+        again and the history reports the change as such)."""
+        stable = "|".join(
+            [self.hostname, self.os, self.machine, self.cpu, str(self.memory_bytes), self.gpu or "",
+             self.gpu_driver or "", self.backend, self.mlx_version]
+        )  # fmt: skip
+        return self.model_copy(update={"fingerprint_id": hashlib.sha256(stable.encode()).hexdigest()[:16]})
 
     @classmethod
     def unknown(cls, backend: str) -> HostFingerprint:

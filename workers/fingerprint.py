@@ -1,14 +1,15 @@
 """The host fingerprint: what every number was measured on.
 
-Stated plainly in every row: OS, CPU or chip model, memory, GPU name and driver where known, the
-MLX version, MLX's default device and the backend it really runs on, the BLAS that MLX's CPU
-backend ships with, and the thread count the job ran with.
+Stated plainly in every row: the host name, the OS (kernel release and distribution), CPU or chip
+model, memory, GPU name and driver where known, the MLX version, MLX's default device and the
+backend it really runs on, the BLAS that MLX's CPU backend ships with, and the thread count the
+job ran with. `fingerprint_id` hashes the host name, OS release, hardware, GPU driver, backend
+and MLX version: any of them changing is a new fingerprint.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import platform
 import re
@@ -94,6 +95,18 @@ def _blas() -> str | None:
     return None
 
 
+def _os_release() -> str:
+    """`Linux 6.8.0-45-generic (Ubuntu 24.04.1 LTS)`, `Darwin 24.1.0 (macOS 15.1)`: kernel and distribution."""
+    text = f"{platform.system()} {platform.release()}"
+    if platform.system() == "Darwin" and platform.mac_ver()[0]:
+        return f"{text} (macOS {platform.mac_ver()[0]})"
+    try:
+        pretty = platform.freedesktop_os_release().get("PRETTY_NAME")
+    except OSError:
+        pretty = None
+    return f"{text} ({pretty})" if pretty else text
+
+
 def detect_backend() -> str:
     """The backend MLX really runs on here: cuda, metal or cpu."""
     import mlx.core as mx
@@ -135,10 +148,11 @@ def static_fingerprint(backend: str, *, mlx_version: str | None = None, mlx_devi
         gpu, driver = None, None
     version = mlx_version or _mlx_version()
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-    stable = "|".join([platform.system(), platform.machine(), cpu, str(memory), gpu or "", backend, version])
+    hostname = socket.gethostname()
+    os_release = _os_release()
     return HostFingerprint(
-        hostname=socket.gethostname(),
-        os=f"{platform.system()} {platform.release()}",
+        hostname=hostname,
+        os=os_release,
         machine=platform.machine(),
         cpu=cpu,
         cpu_count=os.cpu_count() or 1,
@@ -150,8 +164,8 @@ def static_fingerprint(backend: str, *, mlx_version: str | None = None, mlx_devi
         backend=backend,
         blas=_blas() if backend == "cpu" else None,
         threads=threads,
-        fingerprint_id=hashlib.sha256(stable.encode()).hexdigest()[:16],
-    )
+        fingerprint_id="",
+    ).with_id()
 
 
 def host_fingerprint() -> HostFingerprint:
@@ -165,10 +179,7 @@ def host_fingerprint() -> HostFingerprint:
     if backend == "metal":
         info = mx.metal.device_info()
         gpu = str(info.get("device_name") or info.get("architecture") or "Apple GPU")
-        stable = "|".join(
-            [platform.system(), platform.machine(), fp.cpu, str(fp.memory_bytes), gpu, backend, fp.mlx_version]
-        )
-        fp = fp.model_copy(update={"gpu": gpu, "fingerprint_id": hashlib.sha256(stable.encode()).hexdigest()[:16]})
+        fp = fp.model_copy(update={"gpu": gpu}).with_id()
     return fp
 
 

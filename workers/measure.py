@@ -1,42 +1,50 @@
 """The measurement loop for kernel cases.
 
-Method (see DESIGN.md, "Measurement method"):
+Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of each step):
 
+* every input set and every arm's weights are materialised first (MLX builds lazily; a lazy
+  input would otherwise be computed inside the first timed sample);
 * correctness first: every arm's output on fresh random inputs is compared with the case's NumPy
   reference; the relative error is a recorded metric, and an arm over its tolerance is failed,
   however fast it is (its timing rows carry status `failed`, so no comparison ever uses them);
-* warm-up calls, then `repetitions` samples per arm, the arms interleaved in ABBA order (A B, B A,
-  A B, ...) so that drift and thermal state hit every arm alike;
-* a pool of input sets generated afresh per job and rotated per sample, so no sample reuses the
-  previous sample's inputs from cache;
-* the device synchronised before and after the timed region;
-* several calls per sample when one call is too short to time (calibrated during warm-up, the
-  count recorded), and one row per sample: `seconds`, and the derived tok/s, GB/s and TFLOP/s.
+* peak memory per arm as if only that arm's arrays were alive: the call's own allocations
+  (output and temporaries, above what was live before it) plus the weights the arm declares and
+  its inputs. MLX counts every live array, so a raw reading would include every other arm's
+  weights and the whole input pool, and would change when an arm is added to the job;
+* `auto` arms are chosen here, among their candidates, by this same method (`kernels.dispatch`);
+* a time-based warm-up of all arms together, then ONE call count per sample for every arm of the
+  job, then `repetitions` samples per arm, the arms interleaved in ABBA order (A B, B A, ...) so
+  drift and thermal state hit every arm alike, the input set rotating per sample and, with
+  `cache = "cold"` (the default), the weights rotating per call over copies larger than the
+  last-level cache;
+* a sample times `mx.eval` of its calls' graphs, built before the clock starts; the Python graph
+  cost per call is recorded as its own metric (`host_seconds`) at decode sizes.
+
+One row per sample: `seconds`, and the derived tok/s, GB/s and TFLOP/s. Each row's `extra` says
+how it was timed: `calls_per_sample`, `cache` (cold, warm, hot or unrotated: the state achieved),
+`cache_requested`, `weight_copies`, `weight_bytes` and `llc_bytes`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from kernels import dispatch, timing
 from kernels.checking import describe as describe_reference
 from kernels.checking import relative_error
-from kernels.registry import ArmPath, Workload
+from kernels.registry import ArmPath, AutoSpec, Workload
+from kernels.timing import abba_order
 from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobSpec, RowBuilder
 
 INPUT_POOL = 3  # input sets rotated across samples
-MIN_SAMPLE_SECONDS = 2e-3  # a sample shorter than this times several calls together
-MAX_CALLS_PER_SAMPLE = 64
+HOST_COST_TOKENS = 8  # decode sizes: record the Python graph cost per call (`host_seconds`)
 
-
-def abba_order(arms: Sequence[str], rep: int) -> list[str]:
-    """The arms in the order of repetition `rep`: forward on even, reversed on odd."""
-    return list(arms) if rep % 2 == 0 else list(reversed(arms))
+__all__ = ["INPUT_POOL", "abba_order", "measure_workload", "method_for", "relative_error"]
 
 
 def _to_numpy(out: Any) -> np.ndarray:
@@ -47,16 +55,21 @@ def _to_numpy(out: Any) -> np.ndarray:
     return np.asarray(out)
 
 
-def _timed(run: Callable[..., Any], inputs: tuple[Any, ...], calls: int) -> float:
-    """Seconds per call: `calls` calls evaluated together, the device synchronised around them."""
+def method_for(job: JobSpec) -> timing.Method:
+    """The timing method of a job: its cache choice (`options.cache`) and warm-up passes."""
+    cache = str(job.options.get("cache", "cold"))
+    return timing.Method(cache=cache, warmup_passes=max(1, job.warmup), warmup_seconds=timing.WARMUP_SECONDS).resolved()
+
+
+def _materialise(pool: list[tuple[Any, ...]], paths: dict[str, ArmPath]) -> None:
     import mlx.core as mx
 
-    mx.synchronize()
-    t0 = time.perf_counter()
-    outs = [run(*inputs) for _ in range(calls)]
-    mx.eval(outs)
-    mx.synchronize()
-    return (time.perf_counter() - t0) / calls
+    arrays = [a for inputs in pool for a in inputs]
+    for path in paths.values():
+        arrays.extend(path.weights)
+        if path.auto is not None:
+            arrays.extend(w for c in path.auto.candidates.values() for w in c.weights)
+    mx.eval(*arrays)
 
 
 def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np.random.Generator) -> str:
@@ -66,42 +79,69 @@ def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np
         if arm in workload.unsupported:
             rows.add(arm, "unsupported", None, "", status=STATUS_UNSUPPORTED, error=workload.unsupported[arm])
     arms = [a for a in job.arms if a in workload.arms]
+    method = method_for(job)
+    paths = {a: workload.arms[a] for a in arms}
     with phases.span("build"):
         pool = [workload.make_inputs(rng) for _ in range(INPUT_POOL)]
+        _materialise(pool, paths)
     failed: dict[str, str] = {}
+    autos: dict[str, tuple[AutoSpec, dict[str, ArmPath], dict[str, str]]] = {}
     with phases.span("reference"):
         for arm in arms:
-            path = workload.arms[arm]
-            err = _check_arm(arm, path, workload, pool[0], rows)
+            spec = paths[arm].auto
+            if spec is not None:
+                correct, rejected = dispatch.check_candidates(spec, pool[0])
+                autos[arm] = (spec, correct, rejected)
+                if not correct:
+                    why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+                    failed[arm] = f"auto: no correct candidate ({why})"
+                    rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
+                continue
+            err = _check_arm(arm, paths[arm], workload, pool[0], rows)
             if err:
                 failed[arm] = err
-                status = STATUS_FAILED
-    timed = [a for a in arms if a not in failed or failed[a].startswith("rel_error")]
-    calls = {a: 1 for a in timed}
-    broken: set[str] = set()
-    t_warm = time.perf_counter()
-    for w in range(job.warmup + 1):  # at least one warm-up call, used to calibrate calls/sample
-        for arm in abba_order(timed, w):
-            if arm in broken:
+    with phases.span("warmup"):
+        timers = {a: timing.ArmTimer(paths[a], method) for a in arms if a not in autos and _timeable(failed.get(a))}
+        for arm, (_, correct, _) in autos.items():
+            timers.update({f"{arm}/{name}": timing.ArmTimer(path, method) for name, path in correct.items()})
+        estimates, errors = timing.warm_up(timers, pool, method)
+        calls = timing.common_calls(estimates, method)
+        for name, error in errors.items():
+            arm, _, candidate = name.partition("/")
+            if candidate:
+                autos[arm][2][candidate] = error
+            else:
+                failed[arm] = error
+                rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+        for arm, (spec, correct, rejected) in autos.items():
+            if arm in failed:
                 continue
+            t0 = time.perf_counter()
+            candidates = {name: timers[f"{arm}/{name}"] for name in correct if f"{arm}/{name}" not in errors}
             try:
-                t = _timed(workload.arms[arm].run, pool[w % INPUT_POOL], 1)
-            except Exception as exc:  # a path that raises fails, the others go on
-                broken.add(arm)
-                failed[arm] = f"{type(exc).__name__}: {exc}"
-                rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=failed[arm])
-                status = STATUS_FAILED
+                choice = dispatch.choose(candidates, pool, calls, rejected)
+            except ValueError as exc:
+                failed[arm] = str(exc)
+                rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
                 continue
-            calls[arm] = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(MIN_SAMPLE_SECONDS / max(t, 1e-9))))
-    phases.current().add("warmup", time.perf_counter() - t_warm)
-    timed = [a for a in timed if a not in broken]
+            paths[arm] = dispatch.chosen_path(spec, choice, time.perf_counter() - t0)
+            timers[arm] = candidates[choice.chosen]
+            err = _check_arm(arm, paths[arm], workload, pool[0], rows)
+            if err:
+                failed[arm] = err
+    if any(a in failed for a in arms):
+        status = STATUS_FAILED
+    timed = {a: timers[a] for a in arms if a in timers and (a not in failed or _timeable(failed[a]))}
     with phases.span("timed"):
-        for rep in range(job.repetitions):
-            for arm in abba_order(timed, rep):
-                path = workload.arms[arm]
-                seconds = _timed(path.run, pool[rep % INPUT_POOL], calls[arm])
-                _sample_rows(rows, arm, rep, seconds, workload, path, failed.get(arm), calls[arm])
+        for rep, arm, sample in timing.interleaved(timed, pool, calls, job.repetitions):
+            extra = {"calls_per_sample": str(calls), "cache_requested": method.cache, **timed[arm].record()}
+            _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
     return status
+
+
+def _timeable(error: str | None) -> bool:
+    """Arms that ran but were wrong are still timed (their rows are failed); arms that raised are not."""
+    return error is None or error.startswith("rel_error")
 
 
 def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, ...], rows: RowBuilder) -> str | None:
@@ -110,11 +150,13 @@ def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, .
 
     try:
         mx.synchronize()
+        live = mx.get_active_memory()  # every arm's weights, the input pool, ...
         mx.reset_peak_memory()
         out = path.run(*inputs)
         mx.eval(out)
         mx.synchronize()
-        peak = mx.get_peak_memory()
+        own = sum(int(w.nbytes) for w in path.weights) + sum(int(x.nbytes) for x in inputs)
+        peak = own + max(0, mx.get_peak_memory() - live)
         got = _to_numpy(out)
     except Exception as exc:
         msg = f"{type(exc).__name__}: {exc}"
@@ -135,7 +177,8 @@ def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, .
         route=path.route,
         extra={"tolerance": repr(path.tolerance), "reference_subset": describe_reference(ref)},
     )
-    rows.add(arm, "peak_memory_bytes", float(peak), "bytes", status=st, error=err, route=path.route)
+    memory = {"peak_of": "this arm's weights and inputs + the call's own allocations"}
+    rows.add(arm, "peak_memory_bytes", float(peak), "bytes", status=st, error=err, route=path.route, extra=memory)
     rows.add(arm, "build_seconds", path.build_seconds, "seconds", status=st, error=err, route=path.route)
     return err
 
@@ -144,11 +187,11 @@ def _sample_rows(
     rows: RowBuilder,
     arm: str,
     rep: int,
-    seconds: float,
+    sample: timing.Sample,
     workload: Workload,
     path: ArmPath,
     error: str | None,
-    calls: int,
+    extra: dict[str, str],
 ) -> None:
     st = STATUS_FAILED if error else STATUS_OK
     common: dict[str, Any] = {
@@ -158,9 +201,12 @@ def _sample_rows(
         "route": path.route,
         "flops": workload.flops,
         "bytes_moved": workload.bytes_moved,
-        "extra": {"calls_per_sample": str(calls)},
+        "extra": extra,
     }
+    seconds = sample.seconds
     rows.add(arm, "seconds", seconds, "seconds", **common)
+    if 0 < workload.tokens <= HOST_COST_TOKENS:
+        rows.add(arm, "host_seconds", sample.host_seconds, "seconds", **common)
     if workload.tokens > 0:
         metric = "decode_tok_s" if workload.tokens == 1 else "prefill_tok_s"
         rows.add(arm, metric, workload.tokens / seconds, "tok/s", **common)

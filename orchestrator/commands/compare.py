@@ -16,9 +16,8 @@ from orchestrator.commands.run import results_root
 from orchestrator.compare import compare_results, cross_device, select_results
 from orchestrator.compare_render import (
     FORMATS,
-    cross_table,
     print_comparison,
-    print_wide,
+    print_cross,
     render_cross_text,
     render_text,
 )
@@ -63,7 +62,7 @@ def register(app: typer.Typer) -> None:
             if not cross:
                 raise InputError("no GB/s or TFLOP/s rows to put against device peaks")
             if fmt == "table":
-                print_wide(out, cross_table(cross))
+                print_cross(out, cross)
             else:
                 print(render_cross_text(cross, fmt), end="")
             return

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         sweep: str | None = typer.Option(None, "--sweep", "-s", help="only this sweep's results"),
         results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
         png: Path | None = typer.Option(None, "--png", help="where the plot goes (default history-CASE-METRIC.png)"),
-        window: int = typer.Option(WINDOW, "--window", min=1, help="runs in the regression baseline"),
+        window: int = typer.Option(WINDOW, "--window", min=2, help="nights that estimate the night-to-night noise"),
         threshold: float = typer.Option(THRESHOLD, "--threshold", min=0.0, help="smallest change that counts"),
     ) -> None:
         """Show how a case's metric moved across runs, per device and host, with regressions marked."""
@@ -41,9 +41,9 @@ def register(app: typer.Typer) -> None:
         for t in items:
             first, last = t.points[0].median, t.points[-1].median
             flagged = ", ".join(
-                f"{f.verdict} {(f.commit or f.run_id)[:10]} x{f.ratio:.3f}" for f in t.changes
+                f"{f.verdict} {(f.since_commit or f.commit or f.run_id)[:10]} x{f.ratio:.3f}" for f in t.changes
             )  # fmt: skip
-            grid.add_row(t.series.device, t.series.fingerprint_id[:10], t.series.arm, t.series.params,
+            grid.add_row(t.series.device, t.series.host, t.series.arm, t.series.params,
                          str(len(t.points)), f"{first:.4g}", f"{last:.4g}", f"{(last / first - 1):+.1%}",
                          sparkline([p.median for p in t.points]), flagged or "-")  # fmt: skip
         out.print(grid)

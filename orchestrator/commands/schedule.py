@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         inventory: Path | None = typer.Option(None, "--inventory", "-i", help="host inventory (default: this machine)"),
         at: str = typer.Option("02:00", "--at", help="HH:MM daily, or five cron fields"),
         results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
-        window: int = typer.Option(WINDOW, "--window", min=1, help="runs in the regression baseline"),
+        window: int = typer.Option(WINDOW, "--window", min=2, help="nights that estimate the night-to-night noise"),
         threshold: float = typer.Option(THRESHOLD, "--threshold", min=0.0, help="smallest change that counts"),
         backend: str = BACKEND,
         crontab_file: Path | None = CRONTAB_FILE,

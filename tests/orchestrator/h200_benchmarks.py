@@ -3,10 +3,11 @@
 The H200 worker's Parquet fragments are not in the repository (results/ is git-ignored and the
 machine is lent), so `docs/report.png` is made from what BENCHMARKS.md's section "H200: the
 seeds' sweeps through the worker" prints: per point and arm ONE value, the published median (the
-mlp table prints means), stored as a single sample. The report therefore shows no intervals
-and judges every criterion on n=1 points; the real rows, once imported, replace this (see
-`report_screenshot`). Each row says where it comes from: run `benchmarks-md-h200`, code version
-`transcribed from BENCHMARKS.md`.
+mlp table prints means), stored as a single sample. The report therefore shows no intervals,
+and its timing comparisons and criteria say `n=1: too few to judge` (peak memory, exact by
+construction, is judged); the real rows, once imported, replace this (see `report_screenshot`).
+Each row says where it comes from: run `benchmarks-md-h200`, code version `transcribed from
+BENCHMARKS.md`.
 
 Derived metrics are computed as the worker computes them from the same sample
 (`workers/measure.py`): seconds = tokens / tok/s (qmm decode: the published time per call), and

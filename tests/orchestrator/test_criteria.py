@@ -218,7 +218,7 @@ def test_builtin_sweep_carries_the_first_seeds_criteria() -> None:
 
 E2E_SWEEP = """
 name = "criteria-e2e"
-repetitions = 3
+repetitions = 5
 warmup = 1
 baseline = "affine"
 

@@ -64,7 +64,7 @@ def test_jobs_run_standalone_then_import_into_results(tmp_path: Path, orchestrat
     assert res.returncode == 0, res.stderr
     rows = int(re.search(r"^rows: (\d+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
     # per job: 2 arms x (3 samples x 4 per-sample metrics + rel_error, peak memory, build time)
-    assert rows == 2 * 2 * (3 * 4 + 3)
+    assert rows == 2 * 2 * (3 * 5 + 3)  # per sample: seconds, host_seconds (decode sizes), tok/s, GB/s, TFLOP/s
 
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")

@@ -144,7 +144,7 @@ def test_report_is_self_contained_and_states_the_answers_per_device_first() -> N
     assert "MISSING qmm tokens=4096: not run" in doc[h200:cpu]
     # Several devices: an overview of every criterion on every device, before the sections.
     overview = doc[doc.index('class="overview"') : h200]
-    assert re.search(r'<td class="verdict FAIL">FAIL \(worst 1\.1\d\d\)</td><td class="verdict FAIL">FAIL', overview)
+    assert re.search(r'<td class="verdict FAIL">FAIL \(worst 1\.[01]\d\d\)</td><td class="verdict FAIL">FAIL', overview)
     # The comparison: a row per point and arm, numbers right-aligned, verdict cells coloured.
     assert re.search(r'<td class="num FASTER">\+1[01]\.\d% \[\+\d+\.\d,\+\d+\.\d\] FASTER</td>', doc)
     assert re.search(r'<td class="num FASTER">1\.1\dx \[1\.\d\d,1\.\d\d\] FASTER</td>', doc)
@@ -273,17 +273,17 @@ def nightly_rows(*, runs: int, step_at: int | None) -> pa.Table:
 
 
 def test_history_charts_per_host_with_the_flagged_step_linked_from_the_report() -> None:
-    history = nightly_rows(runs=8, step_at=5)
-    latest = history.filter(pa.compute.equal(history["run_id"], "night7"))
+    history = nightly_rows(runs=12, step_at=9)  # the detector judges a series from its 8th night
+    latest = history.filter(pa.compute.equal(history["run_id"], "night11"))
     doc = report(latest, None, history=history)
     assert '<section id="sweep-rep-history">' in doc and 'href="#sweep-rep-history"' in doc
     assert 'href="#sweep-rep-history-0">This host\'s history' in doc
     trend = by_suptitle(charts(doc), "run medians over time")
-    assert trend.suptitle.startswith("cpu on cpu-host (fp-cpu)")
+    assert trend.suptitle.startswith("cpu on cpu-host")
     assert trend.panels[0].xlabel == "run start (UTC)" and trend.panels[0].ylabel == "decode throughput (tok/s)"
     assert "regression (flagged step)" in [e.label for e in trend.legend]
-    flagged = re.findall(r'<td class="verdict SLOWER">regression</td><td class="">(night\d)</td>', doc)
-    assert flagged == ["night5"]  # flagged once, where the step happened; affine never
+    flagged = re.findall(r'<td class="verdict SLOWER">regression</td><td class="">(night\d+)</td>', doc)
+    assert flagged == ["night9"]  # flagged once, where the step happened; affine never
     # One run: no history yet, no section, no link.
     quiet = report(latest, None)
     assert "sweep-rep-history" not in quiet and "run medians over time" not in quiet
@@ -303,17 +303,18 @@ def test_the_h200_numbers_of_benchmarks_md_come_out_as_published() -> None:
     doc = build_report(table, spec=the_spec, resamples=RESAMPLES)
     h200 = doc[doc.index('id="device-h200"') :]
     # BENCHMARKS.md: native prefill -23.3 % at 4096 tokens, -21.2 % at 16384; native decode 1.05x
-    # slower in time (74.7 vs 71.0 us); native peak higher (615 MB vs 526 MB).
-    assert "-23.3% [-23.3,-23.3] SLOWER" in h200 and "-21.2% [-21.2,-21.2] SLOWER" in h200
+    # slower in time (74.7 vs 71.0 us); native peak higher (615 MB vs 526 MB). One published median
+    # per point is one sample: shown, but too few to judge (peak memory is exact: judged).
+    assert "-23.3% (n=1: too few to judge)" in h200 and "-21.2% (n=1: too few to judge)" in h200
     assert "0.767 [0.767, 0.767] at qmm tokens=4096" in h200
-    assert "0.95x [0.95,0.95] SLOWER" in h200 and "615.00 MB" in h200 and "526.00 MB" in h200
+    assert "0.95x (n=1: too few to judge)" in h200 and "615.00 MB" in h200 and "526.00 MB" in h200
     found = re.findall(r'<td class="verdict (\w+)">\w+</td><td class="">([^<]+)', h200)[:6]
     assert dict((name, v) for v, name in found) == {
-        "whole model: native prefill within 3 % of affine on long prompts": "FAIL",
-        "whole model: native decode at least 2x affine": "FAIL",
+        "whole model: native prefill within 3 % of affine on long prompts": "AMBIGUOUS",
+        "whole model: native decode at least 2x affine": "AMBIGUOUS",
         "whole model: native loads faster than affine": "AMBIGUOUS",  # 8192 and 16384 were not run
-        "native prefill within 3 % of affine on long prompts": "FAIL",
-        "native decode at least 2x affine": "FAIL",
+        "native prefill within 3 % of affine on long prompts": "AMBIGUOUS",
+        "native decode at least 2x affine": "AMBIGUOUS",
         "native peak memory below affine": "FAIL",
     }
 

@@ -154,16 +154,16 @@ def test_ratio_criteria_judge_head_alone_in_a_commit_comparison() -> None:
     criterion = {"name": "faster", "case": "greedy", "metric": "decode_tok_s", "arm": "default", "min_ratio": 1.5}
     spec = SweepSpec.model_validate({"name": "s", "baseline": "opt-out", "cases": [case], "criteria": [criterion]})
     spec_job = JobSpec(run_id="r1", sweep="s", job_key="k", case="command", case_name="greedy", params={},
-                       arms=["opt-out", "default"], device="cpu", repetitions=4, warmup=0)  # fmt: skip
+                       arms=["opt-out", "default"], device="cpu", repetitions=5, warmup=0)  # fmt: skip
     rows = RowBuilder(spec_job, fingerprint("cpu"), JobContext(started_at=dt.datetime(2026, 12, 1, tzinfo=dt.UTC)))
     for index, (ref, commit) in enumerate([BASE, HEAD]):
         extra = {"ref": ref, "ref_index": str(index), "refs": "2"}
-        for i in range(4):
+        for i in range(5):  # fewer than 5 samples per arm are too few to judge
             rows.add("opt-out", "decode_tok_s", 100.0 + i, "tok/s", sample=i, extra=extra, commit=commit)
             speed = (100.0 if index == 0 else 200.0) + i  # BASE: no gain; HEAD: 2x
             rows.add("default", "decode_tok_s", speed, "tok/s", sample=i, extra=extra, commit=commit)
     (v,) = evaluate_criteria(concat([rows.table("ok")]), spec)
-    assert v.outcome is Outcome.PASS and v.points[0].ratio.n_a == 4  # HEAD's 4 samples, not BASE's too
+    assert v.outcome is Outcome.PASS and v.points[0].ratio.n_a == 5  # HEAD's 5 samples, not BASE's too
 
 
 def test_the_html_report_shows_same_output_verdicts() -> None:

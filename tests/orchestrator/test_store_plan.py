@@ -52,6 +52,21 @@ def test_expand_every_kind_and_stable_keys() -> None:
     assert d[0].job_key != a[0].job_key
 
 
+def test_the_cache_state_is_a_choice_of_the_sweep_and_part_of_the_job() -> None:
+    """`cache = "cold" | "hot"` (top level, or per case): in every kernel job's options and key."""
+    cold = expand(_sweep(), INV, ["cpu"], run_id="r1", version="v1", digest="d1")
+    hot = expand(_sweep(cache="hot"), INV, ["cpu"], run_id="r1", version="v1", digest="d1")
+    assert {j.options["cache"] for j in cold} == {"cold"} and {j.options["cache"] for j in hot} == {"hot"}
+    assert cold[0].job_key != hot[0].job_key  # another cache state is another measurement
+    case = {"case": "qmm", "arms": ["native"], "params": {"tokens": 1, "n": 32, "k": 64}, "cache": "hot"}
+    mixed = expand(_sweep(cases=[case]), INV, ["cpu"], run_id="r1", version="v1", digest="d1")
+    assert mixed[0].options["cache"] == "hot"
+    with pytest.raises(ValueError, match="cache"):
+        _sweep(cache="tepid")
+    with pytest.raises(ValueError, match="only kernel cases"):
+        _sweep(cases=[{"case": "model", "arms": ["native"], "params": {"prompt_tokens": 8}, "cache": "hot"}])
+
+
 def test_job_key_ignores_dict_order() -> None:
     assert job_key({"a": 1, "b": [1, 2]}) == job_key({"b": [1, 2], "a": 1})
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import mlx.core as mx
 import pytest
 
@@ -45,3 +47,40 @@ def test_local_inventory_resolves_auto_to_this_machine() -> None:
         InventorySpec.model_validate(
             {"hosts": [{"name": "r", "host": "r.lab.example", "device": "x", "backend": "auto"}]}
         )
+
+
+def test_driver_os_release_hostname_and_mlx_are_in_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new GPU driver, kernel, host or MLX is another fingerprint (peaks are probed again, the
+    history reports the change), not the same one silently."""
+    from workers import fingerprint as fpmod
+
+    facts = fpmod._static_facts()
+
+    def on_h200(driver: str = "580.65.06") -> None:
+        monkeypatch.setattr(fpmod, "detect_backend", lambda: "cuda")
+        monkeypatch.setattr(fpmod, "_static_facts", lambda: (facts[0], facts[1], "NVIDIA H200", driver))
+
+    on_h200()
+    base = host_fingerprint()
+    assert (base.gpu, base.gpu_driver) == ("NVIDIA H200", "580.65.06")
+    assert base.os.startswith(f"{platform.system()} {platform.release()}")
+    assert host_fingerprint().fingerprint_id == base.fingerprint_id  # nothing else moves it
+    on_h200("590.12")
+    changed = {"driver": host_fingerprint()}
+    on_h200()
+    monkeypatch.setattr(fpmod.platform, "release", lambda: "9.9.9-test")
+    changed["kernel"] = host_fingerprint()
+    monkeypatch.undo()
+    on_h200()
+    monkeypatch.setattr(fpmod.socket, "gethostname", lambda: "another-host")
+    changed["host"] = host_fingerprint()
+    monkeypatch.undo()
+    on_h200()
+    monkeypatch.setattr(mx, "__version__", "0.99.0", raising=False)
+    changed["mlx"] = host_fingerprint()
+    for what, fp in changed.items():
+        assert fp.fingerprint_id != base.fingerprint_id, what
+        assert fp.gpu_driver is not None  # each differs from the base in that one field only
+    assert len({fp.fingerprint_id for fp in changed.values()}) == 4
+    assert changed["kernel"].os.startswith(f"{platform.system()} 9.9.9-test")
+    assert changed["host"].hostname == "another-host" and changed["mlx"].mlx_version == "0.99.0"
