@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from orchestrator.collect import collect_spooled
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
 from orchestrator.errors import InfrastructureError
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
     @app.command("collect")
     def collect(
         inventory: Path = typer.Option(..., "--inventory", "-i", help="host inventory TOML"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
     ) -> None:
         """Copy each host's spooled fragments that are missing from the results store into it."""
         inv = load_inventory(inventory)

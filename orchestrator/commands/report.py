@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from orchestrator import stats
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.compare import select_results
 from orchestrator.console import console
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
         run: str | None = typer.Option(None, "--run", help="only this run id"),
         threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
         all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results_dir: Path = results_option(),
     ) -> None:
         """Per device the criteria and main comparison first, then tables and charts; peak shares, history, hosts."""
         from orchestrator.report import build_report, write_report  # matplotlib: only when reporting

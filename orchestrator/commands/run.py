@@ -17,12 +17,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from orchestrator.console import console, summary_table
+from orchestrator.commands.options import results_option
+from orchestrator.console import console
 from orchestrator.criteria import judge_stored, validate_criteria
 from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
-from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.specs import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
-from orchestrator.summary import left_out, summarize
+from orchestrator.summary import render_run_end
 from orchestrator.sweep import JobOutcome, RunSummary, run_sweep
 from orchestrator.timing import run_account
 from workers.contract import JobSpec
@@ -104,8 +105,10 @@ class ProgressView:
         return "slowest: " + "; ".join(f"{job_label(o.job)} {o.seconds:.1f} s" for o in top) if top else ""
 
 
-def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None, view: ProgressView) -> None:
-    """Print what ran, where the time went and the comparison table of the sweep's stored results."""
+def report_summary(
+    summary: RunSummary, store: ResultStore, sweep: SweepSpec, view: ProgressView, results: Path | None = None
+) -> None:
+    """Print what ran and where the time went, then the sweep's comparison and the next commands."""
     out = console()
     if summary.ran == 0 and not summary.interrupted:
         out.print(
@@ -133,14 +136,7 @@ def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None
                 "run the same command again to measure them again.",
                 markup=False,
             )
-    table = store.read(sweep=summary.sweep)
-    lines = summarize(table, baseline=baseline)
-    out.print(summary_table(lines, baseline, f"sweep {summary.sweep}: {table.num_rows} rows"))
-    note = left_out(table)
-    if note:
-        out.print(note, markup=False)
-    for path, reason in store.broken:
-        out.print(f"warning: skipped broken fragment {path}: {reason}", markup=False)
+    render_run_end(store, sweep, out, results=results)
 
 
 def register(app: typer.Typer) -> None:
@@ -150,7 +146,7 @@ def register(app: typer.Typer) -> None:
             None, "--inventory", "-i", help="host inventory TOML (default: this machine)"
         ),
         sweep: str = typer.Option("smoke", "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
         force: bool = typer.Option(False, "--force", help="run jobs again even when complete in the store"),
         job_timeout: float | None = typer.Option(None, "--job-timeout", help="seconds before a job is failed"),
     ) -> None:
@@ -181,7 +177,7 @@ def register(app: typer.Typer) -> None:
                 flush=True,
             )
             raise typer.Exit(128 + summary.interrupted)  # as a shell reports a process ended by that signal
-        report_summary(summary, store, spec.baseline, view)
+        report_summary(summary, store, spec, view, results)
         verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
         if verdicts:
             print(verdicts, flush=True)
