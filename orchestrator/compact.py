@@ -24,7 +24,6 @@ import ctypes
 import datetime as dt
 import errno
 import fcntl
-import json
 import os
 import shutil
 import stat
@@ -39,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from orchestrator.errors import InputError
-from orchestrator.store import COMPACT_PREFIX, ResultStore, compact_index
+from orchestrator.store import COMPACT_PREFIX, ResultStore, compact_index, packed_index
 from workers.contract import (
     META_JOBS,
     META_RUN_ID,
@@ -50,6 +49,7 @@ from workers.contract import (
     restored_table,
     stored_table,
 )
+from workers.spool import parse_fragment_name
 
 ROW_GROUP_ROWS = 64 * 1024
 SORT_KEYS = [("case_name", "ascending"), ("run_id", "ascending"), ("job_key", "ascending")]
@@ -129,6 +129,9 @@ def clear_leftovers(store: ResultStore) -> int:
 def _job_entry(name: str, meta: dict[bytes, bytes], num_rows: int) -> dict[str, str]:
     entry = {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"orchestrate.") and k not in FILE_KEYS}
     entry = {k.removeprefix("orchestrate."): v for k, v in entry.items()}
+    parsed = parse_fragment_name(name)
+    if "run_id" not in entry and parsed is not None:  # version 1 did not write it: the name says it
+        entry["run_id"] = parsed[0]
     return {"file": name, **entry, "num_rows": str(num_rows)}
 
 
@@ -176,7 +179,7 @@ def compact_partition(
     table = table.take(pc.sort_indices(table, sort_keys=SORT_KEYS))  # stable: a job's rows keep their order
     body = stored_table(table.replace_schema_metadata(None), sweep=sweep, device=device, date=date, run_id="")
     meta = {k: v for k, v in (body.schema.metadata or {}).items() if k != META_RUN_ID}  # many runs: see the index
-    meta[META_JOBS] = json.dumps(index, sort_keys=True).encode()
+    meta[META_JOBS] = packed_index(index)
     body = body.replace_schema_metadata(meta)
 
     work = store.side / "work" / uuid.uuid4().hex

@@ -97,12 +97,14 @@ def _refresh(store: ResultStore, sweep: str) -> pa.Table:
     stats = _stats(store, sweep)
     path = index_path(store, sweep)
     old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
-    current = [
-        stats.get(f) == (s, m)
-        for f, s, m in zip(*(old[c].to_pylist() for c in ("file", "size", "mtime_ns")), strict=True)
+    per_file = old.group_by("file").aggregate([("size", "max"), ("mtime_ns", "max")])
+    same = [
+        f
+        for f, s, m in zip(*(per_file[c].to_pylist() for c in ("file", "size_max", "mtime_ns_max")), strict=True)
+        if stats.get(f) == (s, m)
     ]
-    kept = old.filter(pa.array(current, pa.bool_())) if old.num_rows else old
-    have = set(kept["file"].to_pylist())
+    kept = old.filter(pc.is_in(old["file"], pa.array(same, pa.string()))) if old.num_rows else old
+    have = set(same)
     fresh = sorted(f for f in stats if f not in have)
     if not fresh and kept.num_rows == old.num_rows:
         return kept

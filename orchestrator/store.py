@@ -16,6 +16,7 @@ partition (`orchestrator.compact`). Resume reads footers (job key, status), neve
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import fcntl
@@ -23,6 +24,7 @@ import json
 import os
 import tempfile
 import uuid
+import zlib
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +98,35 @@ def _dirs(parent: Path, key: str) -> list[tuple[str, Path]]:
 
 
 def compact_index(meta: dict[bytes, bytes]) -> list[dict[str, str]]:
-    """The jobs a compacted file holds: one dict of footer facts per job (`file`, `job_key`, ...)."""
+    """The jobs a compacted file holds: one dict of footer facts per job (`file`, `job_key`, ...).
+
+    Stored as zlib-compressed JSON (`zlib:` + base64), without what every job of the file shares
+    (its partition) or what its name says (`file`): footers stay small for every reader.
+    """
     raw = meta.get(META_JOBS)
     if not raw:
         return []
-    jobs = json.loads(raw)
-    return [{str(k): str(v) for k, v in job.items()} for job in jobs]
+    if raw.startswith(b"zlib:"):
+        raw = zlib.decompress(base64.b64decode(raw[5:]))
+    jobs = [{str(k): str(v) for k, v in job.items()} for job in json.loads(raw)]
+    for job in jobs:
+        if "file" not in job and job.get("run_id") and job.get("job_key"):
+            job["file"] = fragment_name(job["run_id"], job["job_key"])
+    return jobs
+
+
+def packed_index(jobs: list[dict[str, str]]) -> bytes:
+    """`compact_index`'s stored form of a list of per-job facts."""
+    slim = [
+        {
+            k: v
+            for k, v in job.items()
+            if k not in ("sweep", "device", "date")
+            and not (k == "file" and v == fragment_name(job.get("run_id", ""), job.get("job_key", "")))
+        }
+        for job in jobs
+    ]
+    return b"zlib:" + base64.b64encode(zlib.compress(json.dumps(slim, sort_keys=True).encode(), 9))
 
 
 class JobIndex(Set[str]):

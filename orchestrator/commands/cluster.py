@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from orchestrator.cluster import ClusterCheckError, HostState, cluster_down, cluster_logs, cluster_status, cluster_up
 from orchestrator.console import console
 from orchestrator.specs import load_inventory
+
+if TYPE_CHECKING:  # SSH (paramiko) is imported only by the commands that use it: every other start stays quick
+    from orchestrator.cluster import HostState
 
 INVENTORY = typer.Option(..., "--inventory", "-i", help="host inventory TOML with a [head] address")
 
@@ -58,6 +61,8 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
+        from orchestrator.cluster import ClusterCheckError, cluster_up
+
         inv = load_inventory(inventory)
         out = console()
         try:
@@ -71,6 +76,8 @@ def register(app: typer.Typer) -> None:
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
         """Stop the Ray nodes (and head) that `cluster up` started; nothing else."""
+        from orchestrator.cluster import cluster_down
+
         inv = load_inventory(inventory)
         out = console()
         states = cluster_down(inv, log=out.print)
@@ -79,6 +86,8 @@ def register(app: typer.Typer) -> None:
     @cluster.command("status")
     def status(inventory: Path = INVENTORY) -> None:
         """Per host: reachable, versions, Ray node alive, lock holder, last job."""
+        from orchestrator.cluster import cluster_status
+
         inv = load_inventory(inventory)
         out = console()
         out.print(hosts_table(cluster_status(inv), f"cluster {inventory}"))
@@ -89,6 +98,8 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
     ) -> None:
         """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
+        from orchestrator.cluster import cluster_logs
+
         inv = load_inventory(inventory)
         states = cluster_logs(inv, out)
         console().print(hosts_table(states, f"cluster {inventory}: logs in {out}"))

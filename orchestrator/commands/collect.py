@@ -6,7 +6,6 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.collect import collect_spooled
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
@@ -22,6 +21,8 @@ def register(app: typer.Typer) -> None:
         results: Path = results_option(),
     ) -> None:
         """Copy each host's spooled fragments that are missing from the results store into it."""
+        from orchestrator.collect import collect_spooled  # SSH: imported only when collecting
+
         inv = load_inventory(inventory)
         store = ResultStore(results_root(results))
         out = console()

@@ -222,6 +222,9 @@ def test_an_older_schema_is_read_and_migrated_by_compact(tmp_path: Path) -> None
     assert pq.read_metadata(merged).metadata[META_SCHEMA_VERSION] == b"2"
     assert read_rows(store, sweep="nightly").num_rows == 8
     assert len(pd.read_parquet(store.root)) == 8  # pandas reads the migrated store
+    # The merged file's index still names both jobs' fragments (resume, collect and import use them).
+    assert store.compacted_names(merged.parent) == {old.name, f"part-20261130T020000Z-aaaa-{key(0)}.parquet"}
+    assert pq.read_metadata(merged).metadata[b"orchestrate.jobs"].startswith(b"zlib:")
 
 
 def test_a_newer_schema_is_refused_with_a_message(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -263,4 +266,5 @@ def test_resume_knows_complete_jobs_from_names_and_footers_compacted_or_not(tmp_
     frags = {f.path.name: f for f in store.fragments()}
     assert frags[f"part-20261130T020000Z-aaaa-{key(1)}.parquet"].job_status == "failed"
     assert frags[f"part-20261130T030000Z-bbbb-{key(1)}.parquet"].num_rows == 6
+    assert frags[f"part-20261130T020000Z-aaaa-{key(1)}.parquet"].meta[b"orchestrate.job_status"] == b"failed"
     assert store.run_ids("nightly") == {"20261130T020000Z-aaaa", "20261130T030000Z-bbbb"}
