@@ -27,6 +27,7 @@ from orchestrator.compare import compare_results, default_baseline, point_sort_k
 from orchestrator.compare_render import print_comparison, typed
 from orchestrator.console import console, grid, warn_broken
 from orchestrator.errors import InputError
+from orchestrator.output import markdown
 from orchestrator.samples import clean_in_duckdb
 from orchestrator.specs import SweepSpec
 from orchestrator.stats import Point
@@ -137,6 +138,20 @@ def results_table(lines: list[ArmSummary], title: str, *, compact: bool = False)
 
     `compact` leaves out the spread and the count (for a narrow terminal).
     """
+    return grid(*results_cells(lines, title, compact=compact))
+
+
+def results_markdown(lines: list[ArmSummary], title: str) -> str:
+    """The same table in Markdown, under its title."""
+    head, heads, rows, numeric = results_cells(lines, title)
+    plain = [[c.plain if isinstance(c, Text) else c for c in r] for r in rows]
+    return f"### {head}\n\n{markdown(heads, plain, numeric)}\n"
+
+
+def results_cells(
+    lines: list[ArmSummary], title: str, *, compact: bool = False
+) -> tuple[str, list[str], list[list[str | Text]], list[bool]]:
+    """Title, headers, cells and right-alignment of the results table."""
     varying = {case: varying_params(s.point for s in lines if s.case == case) for case in {s.case for s in lines}}
     fixed = [name for name in ("device", "backend", "case") if len({getattr(s, name) for s in lines}) == 1]
     shared = [f"{lines[0].device}" if "device" in fixed else "", lines[0].case if "case" in fixed else ""]
@@ -158,7 +173,7 @@ def results_table(lines: list[ArmSummary], title: str, *, compact: bool = False)
         heads, rows = [heads[i] for i in keep], [[r[i] for i in keep] for r in rows]
     numeric = [h in ("median", "IQR", "n", "vs baseline") for h in heads]
     where = " ".join(x for x in shared if x)
-    return grid(f"{title}{f' ({where})' if where else ''}", heads, rows, numeric)
+    return f"{title}{f' ({where})' if where else ''}", heads, rows, numeric
 
 
 SUMMARY_SCHEMA = pa.schema(

@@ -14,7 +14,7 @@ from orchestrator.errors import InputError
 from orchestrator.output import Format, destination, write_table
 from orchestrator.query import run_query, stored_runs
 from orchestrator.store import ResultStore
-from orchestrator.summary import left_out, results_table, summarize, summary_records
+from orchestrator.summary import left_out, results_markdown, results_table, summarize, summary_records
 
 
 def register(app: typer.Typer) -> None:
@@ -39,11 +39,13 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"no results stored{what}", where=str(store.root))
         lines = summarize(table, baseline=baseline or (spec.baseline if spec else None))
         note = left_out(table)
+        newest = "" if run or all_runs else ", each point's newest run"
+        title = f"sweep {name}: {table.num_rows} rows{newest}"
         with destination(output) as stream:
-            if fmt is Format.table:
+            if fmt is Format.md:
+                stream.write(results_markdown(lines, title))
+            elif fmt is Format.table:
                 out = console(stream)
-                newest = "" if run or all_runs else ", each point's newest run"
-                title = f"sweep {name}: {table.num_rows} rows{newest}"
                 layouts = [results_table(lines, title), results_table(lines, title, compact=True)]
                 if output is None:
                     out.print(fit(out, layouts))

@@ -138,6 +138,10 @@ def test_results_is_a_compact_table_with_units_and_machine_formats(store_root: P
         csv.DictReader(io.StringIO(orchestrate(orchestrate_bin, "results", "-r", str(store_root), "-f", "csv").stdout))
     )
     assert len(rows) == 6 and rows[0]["device"] == "cpu"
+    md = orchestrate(orchestrate_bin, "results", "-r", str(store_root), "-f", "md").stdout
+    assert md.startswith("### sweep nightly: 24 rows") and re.search(
+        r"\| tokens=2 +\| native +\| time +\| +2\.000 s \|", md
+    )
 
 
 def test_runs_lists_the_stored_runs(store_root: Path, orchestrate_bin: str, tmp_path: Path) -> None:
