@@ -1,13 +1,19 @@
 """`orchestrate`: a thin shell over the library. Each verb lives in `orchestrator/commands/`.
 
 Errors of the `OrchestratorError` family are caught here, once, and printed as one line with the
-exit code the error carries. Anything else is a bug and keeps its traceback.
+exit code the error carries. Anything else is a bug and keeps its traceback. `-h` and `--help`
+work everywhere, a bare `orchestrate` prints the help, `--version` says which build this is, help
+text is printed as written (no markup: `[head]` stays `[head]`), and a mistyped choice gets a
+suggestion.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import re
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
@@ -16,9 +22,11 @@ from orchestrator.errors import OrchestratorError
 app = typer.Typer(
     name="orchestrate",
     help="Run NVFP4 kernel sweeps across hosts and turn them into trustworthy comparisons.",
-    no_args_is_help=False,
+    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 # One module per verb; each exposes `register(app)`.
@@ -35,10 +43,50 @@ COMMAND_MODULES = [
     "orchestrator.commands.collect",
     "orchestrator.commands.plan",
     "orchestrator.commands.phases",
+    "orchestrator.commands.compact",
 ]
+
+
+def version_text() -> str:
+    """`orchestrate 0.1.0 (commit abc123...)`."""
+    from orchestrator.plan import code_version
+
+    try:
+        number = version("orchestrate")
+    except PackageNotFoundError:
+        number = "unknown"
+    return f"orchestrate {number} (commit {code_version()})"
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and commit, and exit"
+    ),
+) -> None:
+    """Run NVFP4 kernel sweeps across hosts and turn them into trustworthy comparisons."""
+
 
 for _name in COMMAND_MODULES:
     importlib.import_module(_name).register(app)
+
+CHOICE_ERROR = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")
+
+
+def with_suggestion(message: str) -> str:
+    """A bad-choice message with the closest choice suggested: `... is not one of ... (did you mean 'table'?)`."""
+    m = CHOICE_ERROR.search(message)
+    if not m:
+        return message
+    choices = re.findall(r"'([^']*)'", m.group("choices"))
+    close = difflib.get_close_matches(m.group("value").lower(), choices, n=1, cutoff=0.5)
+    return message.replace("Value error, ", "") + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def main() -> None:
@@ -62,8 +110,10 @@ def main() -> None:
         # typer 0.29 vendors click (typer._click): its usage errors are TyperExceptions with show()
         show = getattr(exc, "show", None)
         if isinstance(exc, click.ClickException | typer.TyperException) and callable(show):
+            if isinstance(getattr(exc, "message", None), str):
+                setattr(exc, "message", with_suggestion(exc.message))  # noqa: B010 (click declares it Final)
             show()
-            sys.exit(2)
+            sys.exit(getattr(exc, "exit_code", 2) or 2)
         raise
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -1,14 +1,19 @@
-"""The seeds' comparison table for any sweep: per point and device, each arm beside the baseline.
+"""The comparison of any sweep: per point and device, each arm (or run, commit, device) against a baseline.
 
 `compare_results(table, by="arm", baseline="affine")` answers: one row per case, parameter point
 and device (or arm, when devices are compared); for each metric the sides' medians with their
 bootstrap intervals and, for every side but the baseline, the ratio of medians to the baseline
 with its interval and verdict. `by` can also be `run`, `commit` or `device`, to compare two runs,
 two commits (an external benchmark's, `ref@commit`, BASE first, from `--ref BASE --ref HEAD`; for
-kernel cases this checkout's code version) or two machines on the same points.
+kernel cases this checkout's code version) or two machines on the same points. Every view but
+`commit` sees a commit comparison's HEAD alone (`orchestrator.commits.head_rows`).
 
 `arms` and `metrics` narrow the comparison to the named arms (in that order, the baseline first)
 and metrics; which of the computed metrics a table shows by default is `compare_render`'s choice.
+The rows are grouped in DuckDB (`orchestrator.samples`): each side's samples come ordered by run,
+job and sample, with their job keys and runs, so that samples of one job pair up (ABBA pairs);
+Benjamini-Hochberg across the table keeps the false FASTER/SLOWER verdicts in check
+(`orchestrator.fdr`).
 
 `cross_device(table)` is the fair view across machines: achieved bandwidth and FLOP rate beside
 their fraction of each device's own measured peak (`peak_copy_gb_s`, `peak_tflop_s`, stamped on
@@ -17,17 +22,19 @@ the rows by the worker from `workers.peaks`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from orchestrator import stats
 from orchestrator.commits import COMMIT_SIDE, base_side, head_rows, match_side, with_commit_sides
+from orchestrator.dataset import read_rows
 from orchestrator.errors import InputError
 from orchestrator.fdr import FdrControl, control_fdr
+from orchestrator.samples import SampleSet, grouped_samples
 from orchestrator.specs import SweepSpec, builtin_sweeps, load_sweep
 from orchestrator.stats import Comparison, Point, Summary
 from orchestrator.store import ResultStore
@@ -57,6 +64,7 @@ class CompareRow:
     dims: dict[str, str]
     values: dict[tuple[str, str], Summary] = field(default_factory=dict)  # (metric, side)
     comparisons: dict[tuple[str, str], Comparison] = field(default_factory=dict)
+    samples: dict[tuple[str, str], SampleSet] = field(default_factory=dict)  # the samples behind `values`
 
 
 @dataclass
@@ -73,6 +81,8 @@ class CompareResult:
     case_baselines: dict[str, str] = field(default_factory=dict)
     threshold: float = stats.THRESHOLD
     left_out: list[str] = field(default_factory=list)  # points without a clean sample, and why
+    units: dict[str, str] = field(default_factory=dict)  # metric -> the unit its rows give
+    sweep: str | None = None
     fdr: FdrControl | None = None  # how false discoveries were controlled across the table
     heavy_tails: list[str] = field(default_factory=list)  # groups with outliers (hyperfine's warning)
 
@@ -121,10 +131,14 @@ def varying_params(points: Iterable[Point]) -> list[str]:
 
 
 def default_baseline(sides: list[str], preferred: str | None) -> str:
-    """The sweep's baseline when present, else `affine`, else the first side."""
-    for candidate in (preferred, "affine"):
-        if candidate and candidate in sides:
+    """A case's baseline among its sides: the preferred one (the sweep's), else its variant
+    (`affine` -> `affine-sorted`), else `affine` or its variant, else the first side."""
+    for candidate in dict.fromkeys(c for c in (preferred, "affine") if c):
+        if candidate in sides:
             return candidate
+        variants = [s for s in sides if s.startswith(f"{candidate}-")]
+        if variants:
+            return variants[0]
     return sides[0]
 
 
@@ -139,22 +153,30 @@ def _only(rows: pa.Table, column: str, wanted: Sequence[str] | None, option: str
     return rows.filter(pc.is_in(rows[column], value_set=pa.array(list(wanted), pa.string())))
 
 
+LEFT_OUT_SQL = """
+SELECT case_name, device, params, list_distinct(list(CASE WHEN status <> 'ok' THEN status
+    WHEN coalesce(contended, false) THEN 'contended' ELSE 'no finite value' END)) AS why
+FROM chosen c WHERE NOT EXISTS (SELECT 1 FROM clean k
+    WHERE k.case_name = c.case_name AND k.device = c.device AND k.params = c.params)
+GROUP BY ALL
+"""
+
+
 def left_out_points(table: pa.Table, clean: pa.Table) -> list[str]:
     """The (case, device, point)s of `table` with no clean sample, each with why: `qmm cpu tokens=1: contended`."""
-    have = {
+    cols = ["case_name", "device", "params", "status", "contended"]
+    con = duckdb.connect()
+    con.register("chosen", table.select(cols))
+    con.register("clean", clean.select(cols))
+    why = {(c, d, stats.point_of(p)): reasons for c, d, p, reasons in con.sql(LEFT_OUT_SQL).fetchall()}
+    points = {
         (c, d, stats.point_of(p))
-        for c, d, p in zip(*(clean[k].to_pylist() for k in ("case_name", "device", "params")), strict=True)
+        for c, d, p in con.sql("SELECT DISTINCT case_name, device, params FROM chosen").fetchall()
     }
-    why: dict[tuple[str, str, Point], set[str]] = {}
-    cols = [table[k].to_pylist() for k in ("case_name", "device", "params", "status", "contended")]
-    for case_name, device, params, status, contended in zip(*cols, strict=True):
-        key = (case_name, device, stats.point_of(params))
-        if key not in have:
-            reason = str(status) if status != "ok" else "contended" if contended else "no finite value"
-            why.setdefault(key, set()).add(reason)
+    con.close()
     out = []
     for case_name, device, point in sorted(why, key=lambda k: (k[0], k[1], point_sort_key(k[2]))):
-        shown = varying_params(k[2] for k in [*have, *why] if k[0] == case_name)
+        shown = varying_params(k[2] for k in points if k[0] == case_name)
         where = " ".join(f"{k}={v}" for k, v in point if k in shown)
         out.append(f"{case_name} {device} {where}: {', '.join(sorted(why[(case_name, device, point)]))}")
     return out
@@ -169,6 +191,8 @@ def compare_results(
     resamples: int = stats.RESAMPLES,
     arms: Sequence[str] | None = None,
     metrics: Sequence[str] | None = None,
+    order: Sequence[str] | None = None,
+    sides: Sequence[str] | None = None,
 ) -> CompareResult:
     """Build the comparison table from stored rows.
 
@@ -180,6 +204,8 @@ def compare_results(
         resamples: bootstrap resamples.
         arms: only these arms (None: all); with `by="arm"` they are the sides, in this order.
         metrics: only these metrics, in this order (None: every metric, in `METRIC_ORDER`).
+        order: the preferred order of the sides (a sweep's arms); others follow as first measured.
+        sides: only these sides (values of the `by` dimension; None: all).
 
     Returns:
         The comparison, one row per case, point and remaining dimension.
@@ -195,37 +221,30 @@ def compare_results(
     table = with_commit_sides(table) if by == "commit" else head_rows(table)
     if by == "commit":
         baseline = base_side(table) if baseline is None else match_side(table, baseline)
+        sides = [match_side(table, s) for s in sides] if sides else sides
     side_col = SIDE_COLUMNS[by]
     row_dims = [d for d in ("device", "arm") if d != side_col]
     rows = stats.clean_rows(table)
     if rows.num_rows == 0:
         raise InputError("no clean result rows to compare (status ok, not contended)")
     rows = _only(_only(rows, "arm", arms, "--arms"), "metric", metrics, "--metric")
+    rows = _only(rows, side_col, sides, f"--by {by}: side")
     chosen = table if not arms else table.filter(pc.is_in(table["arm"], value_set=pa.array(list(arms), pa.string())))
     left_out = left_out_points(chosen, stats.clean_rows(chosen))
-    wanted = {"case_name", "params", "metric", "value", "run_id", "job_key", "sample", side_col, *row_dims}
-    cols = {c: rows[c].to_pylist() for c in wanted}
-    # Each sample with its pairing key: arms of one job share run, job and sample index (ABBA pairs).
-    samples: dict[tuple[str, Point, tuple[str, ...], str, str], list[tuple[float, tuple[str, str, int]]]] = {}
+    groups = grouped_samples(rows, ["case_name", "params", *row_dims, "metric", side_col])
+    samples: dict[tuple[str, Point, tuple[str, ...], str, str], SampleSet] = {}
+    units: dict[str, str] = {}
     sides_seen: list[str] = []
-    for i in range(rows.num_rows):
-        side = str(cols[side_col][i])
+    for (case_name, point, *dim_values, metric, side), group in groups:
+        side = str(side)
         if side not in sides_seen:
             sides_seen.append(side)
-        key = (
-            cols["case_name"][i],
-            stats.point_of(cols["params"][i]),
-            tuple(str(cols[d][i]) for d in row_dims),
-            cols["metric"][i],
-            side,
-        )
-        pair = (
-            str(cols["run_id"][i]),
-            str(cols["job_key"][i]),
-            int(cols["sample"][i] if cols["sample"][i] is not None else -1),
-        )
-        samples.setdefault(key, []).append((float(cols["value"][i]), pair))
-    sides = sides_seen if by != "arm" else list(arms) if arms else sorted(sides_seen)
+        samples[(case_name, point, tuple(str(d) for d in dim_values), metric, side)] = group
+        units.setdefault(metric, group.unit)
+    rank = {s: i for i, s in enumerate(order or [])}
+    sides_seen.sort(key=lambda s: rank.get(s, len(rank)))  # stable: unranked sides stay as first measured
+    sides = list(arms) if by == "arm" and arms else sides_seen
+    sides = [s for s in sides if s in sides_seen]
     base = default_baseline(sides, baseline)
     if baseline is not None and baseline not in sides:
         raise InputError(f"baseline {baseline!r} has no clean rows (sides: {', '.join(sides)})")
@@ -246,26 +265,26 @@ def compare_results(
 
     by_row: dict[tuple[str, Point, tuple[str, ...]], CompareRow] = {}
     comparisons: dict[tuple[tuple[str, Point, tuple[str, ...]], str, str], Comparison] = {}
-    for (case_name, point, dims, metric, side), entries in samples.items():
+    for (case_name, point, dims, metric, side), group in samples.items():
         rkey = (case_name, point, dims)
         row = by_row.get(rkey)
         if row is None:
             row = by_row[rkey] = CompareRow(case_name, point, dict(zip(row_dims, dims, strict=True)))
-        values = [v for v, _ in entries]
+        row.samples[(metric, side)] = group
         # one seed per group of samples (not per metric): seconds and tok/s of the same samples agree
-        row.values[(metric, side)] = stats.summarize(values, seed=stats.seed_for(rkey, side), resamples=resamples)
+        row.values[(metric, side)] = stats.summarize(group.values, seed=stats.seed_for(rkey, side), resamples=resamples)
         cbase = case_base[case_name]
         against = samples.get((case_name, point, dims, metric, cbase))
         if side != cbase and against is not None:
             comparisons[(rkey, metric, side)] = stats.compare_samples(
-                values,
-                [v for v, _ in against],
+                group.values,
+                against.values,
                 metric=metric,
                 threshold=threshold,
                 seed=stats.seed_for(rkey, side, cbase),
                 resamples=resamples,
-                a_keys=[k for _, k in entries],
-                b_keys=[k for _, k in against],
+                a_keys=group.pair_keys(),
+                b_keys=against.pair_keys(),
             )
     controlled, fdr_control = control_fdr(comparisons, lambda key: (key[0], key[2]))
     for (rkey, metric, side), c in controlled.items():
@@ -275,15 +294,16 @@ def compare_results(
         case: varying_params(r.point for r in ordered if r.case_name == case)
         for case in dict.fromkeys(r.case_name for r in ordered)
     }
+    sweeps = pc.unique(table["sweep"]).to_pylist() if table.num_rows else []
     return CompareResult(
-        by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out,
-        fdr=fdr_control, heavy_tails=heavy_tails(ordered, varying),
+        by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out, units,
+        sweeps[0] if len(sweeps) == 1 else None, fdr=fdr_control, heavy_tails=heavy_tails(ordered, varying),
     )  # fmt: skip
 
 
 def heavy_tails(rows: list[CompareRow], varying: dict[str, list[str]]) -> list[str]:
     """One warning per group of samples with outliers (as hyperfine warns): `qmm cpu tokens=1
-    native: 2 of 10 samples more than 2x from the median (seconds, prefill_tok_s)`."""
+    native: 2 of 10 samples far from the rest (seconds, prefill_tok_s)`."""
     found: dict[tuple[str, str, int, int], list[str]] = {}
     for row in rows:
         shown = varying.get(row.case_name) or []
@@ -305,16 +325,14 @@ PEAK_COLUMNS = {"gb_per_s": "peak_copy_gb_s", "tflop_per_s": "peak_tflop_s"}
 
 def device_peaks(table: pa.Table) -> dict[str, dict[str, float]]:
     """Each device's measured peaks (`peak_copy_gb_s`, `peak_tflop_s`) from its rows."""
+    con = duckdb.connect()
+    con.register("peaks", table.select(["device", *PEAK_COLUMNS.values()]))
     out: dict[str, dict[str, float]] = {}
-    devices = table["device"].to_pylist()
     for col in PEAK_COLUMNS.values():
-        values = table[col].to_pylist()
-        per: dict[str, list[float]] = {}
-        for dev, v in zip(devices, values, strict=True):
-            if v is not None and math.isfinite(v) and v > 0:
-                per.setdefault(dev, []).append(v)
-        for dev, vals in per.items():
-            out.setdefault(dev, {})[col] = max(vals)
+        sql = f"SELECT device, max({col}) FROM peaks WHERE isfinite({col}) AND {col} > 0 GROUP BY device"
+        for device, peak in con.sql(sql).fetchall():
+            out.setdefault(device, {})[col] = float(peak)
+    con.close()
     return out
 
 
@@ -340,18 +358,20 @@ class CrossDeviceRow:
 
 def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[CrossDeviceRow]:
     """Bandwidth and FLOP rate per device beside their fraction of that device's measured peak."""
+    table = head_rows(table)  # a commit comparison's HEAD, as every view but `--by commit`
     peaks = device_peaks(table)
-    groups = stats.sample_groups(table)
     rows: dict[tuple[str, Point, str, str], CrossDeviceRow] = {}
-    for key, values in groups.items():
-        if key.metric not in PEAK_COLUMNS:
+    for (device, case_name, point, arm, metric), group in grouped_samples(
+        table, ["device", "case_name", "params", "arm", "metric"]
+    ):
+        if metric not in PEAK_COLUMNS:
             continue
-        summary = stats.summarize(values, seed=stats.seed_for(key), resamples=resamples)
-        peak = peaks.get(key.device, {}).get(PEAK_COLUMNS[key.metric])
+        key = stats.GroupKey(device, case_name, point, arm, metric)
+        summary = stats.summarize(group.values, seed=stats.seed_for(key), resamples=resamples)
+        peak = peaks.get(device, {}).get(PEAK_COLUMNS[metric])
         fraction = summary.median / peak if peak else None
-        rkey = (key.case_name, key.point, key.arm, key.metric)
-        row = rows.setdefault(rkey, CrossDeviceRow(key.case_name, key.point, key.arm, key.metric, {}))
-        row.cells[key.device] = DeviceCell(summary, peak, fraction)
+        row = rows.setdefault((case_name, point, arm, metric), CrossDeviceRow(case_name, point, arm, metric, {}))
+        row.cells[device] = DeviceCell(summary, peak, fraction)
     return sorted(rows.values(), key=lambda r: (r.case_name, r.metric, r.arm, point_sort_key(r.point)))
 
 
@@ -379,35 +399,138 @@ def stored_sweeps(table: pa.Table) -> list[str]:
     return sorted(set(table["sweep"].to_pylist())) if table.num_rows else []
 
 
-def select_results(
-    store: ResultStore, sweep: str | None, run: str | None, *, all_runs: bool = False
-) -> tuple[pa.Table, SweepSpec | None]:
-    """The rows a command works on, and the sweep's spec when it can be found.
-
-    Args:
-        store: the result store.
-        sweep: a stored sweep's name, a built-in sweep or a sweep file; None: the only stored sweep.
-        run: only this run id.
-        all_runs: pool every run's samples instead of keeping the newest run of each point.
+def resolve_sweep(store: ResultStore, sweep: str | None) -> tuple[str | None, SweepSpec | None]:
+    """The stored name of a sweep given by name, built-in name or file, and its spec when there is one.
 
     Raises:
-        InputError: nothing is stored, or several sweeps are and none was named.
+        InputError: a sweep file is bad, or no sweep is named and several are stored.
     """
     spec: SweepSpec | None = None
     name = sweep
     if sweep is not None and (sweep in builtin_sweeps() or sweep.endswith(".toml") or "/" in sweep):
         spec = load_sweep(sweep)
         name = spec.name
-    table = store.read(sweep=name, run=run)
+    if name is None:
+        names = store.sweep_names()
+        if len(names) > 1:
+            raise InputError(f"results of several sweeps are stored ({', '.join(names)}); choose one with --sweep")
+        name = names[0] if names else None
+    if spec is None and name in builtin_sweeps():
+        spec = load_sweep(name)
+    return name, spec
+
+
+def select_results(
+    store: ResultStore,
+    sweep: str | None,
+    run: str | None,
+    *,
+    all_runs: bool = False,
+    runs: Sequence[str] | None = None,
+) -> tuple[pa.Table, SweepSpec | None]:
+    """The rows a command works on (selected in DuckDB), and the sweep's spec when it can be found.
+
+    Args:
+        store: the result store.
+        sweep: a stored sweep's name, a built-in sweep or a sweep file; None: the only stored sweep.
+        run: only this run id.
+        all_runs: pool every run's samples instead of keeping the newest run of each point.
+        runs: only these run ids (every one must have rows).
+
+    Raises:
+        InputError: nothing is stored, several sweeps are and none was named, or a run has no rows.
+    """
+    name, spec = resolve_sweep(store, sweep)
+    wanted = [run] if run else list(dict.fromkeys(runs)) if runs else None
+    table = read_rows(store, sweep=name, runs=wanted, newest=wanted is None and not all_runs)
     if table.num_rows == 0:
         what = f" for sweep {name!r}" if name else ""
-        what += f" and run {run!r}" if run else ""
+        what += f" and run {', '.join(wanted)}" if wanted else ""
         raise InputError(f"no results stored{what}", where=str(store.root))
-    names = stored_sweeps(table)
-    if name is None and len(names) > 1:
-        raise InputError(f"results of several sweeps are stored ({', '.join(names)}); choose one with --sweep")
-    if spec is None and names[0] in builtin_sweeps():
-        spec = load_sweep(names[0])
-    if run is None and not all_runs:
-        table = stats.latest_runs(table)
+    missing = sorted(set(wanted or []) - set(pc.unique(table["run_id"]).to_pylist()))
+    if missing:
+        raise InputError(f"run {', '.join(missing)}: no rows of sweep {name!r} (`orchestrate runs` lists them)")
     return table, spec
+
+
+def resolve_side(name: str, available: Sequence[str], what: str) -> str:
+    """A side named exactly, or by a unique prefix (a short commit or run id).
+
+    Raises:
+        InputError: no side, or several, start with `name`.
+    """
+    if name in available:
+        return name
+    matches = [a for a in available if a.startswith(name)]
+    if len(matches) == 1:
+        return matches[0]
+    listing = ", ".join(sorted(available)[:12]) + (" ..." if len(available) > 12 else "")
+    if matches:
+        raise InputError(f"{what} {name!r} is ambiguous: {', '.join(sorted(matches))}")
+    raise InputError(f"{what} {name!r}: none stored (there are: {listing})")
+
+
+def compare_stored(
+    store: ResultStore,
+    *,
+    sweep: str | None = None,
+    run: str | None = None,
+    by: str = "arm",
+    baseline: str | None = None,
+    contenders: Sequence[str] | None = None,
+    arms: Sequence[str] | None = None,
+    metrics: Sequence[str] | None = None,
+    threshold: float = stats.THRESHOLD,
+    all_runs: bool = False,
+) -> tuple[CompareResult, pa.Table, SweepSpec | None]:
+    """`orchestrate compare`: select the rows (only the named runs when comparing runs) and compare them.
+
+    Args:
+        store: the result store.
+        sweep: see `select_results`.
+        run: only this run (not with `by="run"`).
+        by: what is compared: `arm`, `run`, `commit` or `device`.
+        baseline: the side the others are compared with (a run or commit may be a unique prefix).
+        contenders: only these sides against the baseline (None: every other side).
+        arms, metrics, threshold: see `compare_results`.
+        all_runs: pool every run's samples (implied by `by` run or commit).
+
+    Returns:
+        The comparison, the rows it was made of, and the sweep's spec when known.
+
+    Raises:
+        InputError: bad names, no rows, or only one side: nothing to compare.
+    """
+    named = [n for n in (baseline, *(contenders or [])) if n]
+    runs = None
+    if by == "run" and named:
+        stored = sorted(store.run_ids(resolve_sweep(store, sweep)[0]))
+        runs = [resolve_side(n, stored, "run") for n in named]
+    table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"), runs=runs)
+    sided = with_commit_sides(table) if by == "commit" else table
+    column = SIDE_COLUMNS.get(by, by)
+    available = pc.unique(sided[column]).to_pylist() if column in sided.column_names else []
+
+    def side_named(name: str) -> str:  # a commit side also by its ref (`main`) or a commit prefix
+        return resolve_side(match_side(sided, name) if by == "commit" else name, available, by)
+
+    if by in ("commit", "device", "run") and named:
+        baseline = side_named(baseline) if baseline else None
+        contenders = [side_named(c) for c in contenders or []]
+    preferred = baseline or (spec.baseline if spec is not None and by == "arm" else None)
+    if baseline is None and arms and preferred not in arms:
+        preferred = None  # the sweep's baseline is left out: `affine` or the first of --arms
+    sides = [*([preferred] if preferred and contenders else []), *(contenders or [])] or None
+    order = [a for case in spec.cases for a in case.arm_names()] if spec is not None and by == "arm" else None
+    result = compare_results(
+        table, by=by, baseline=preferred, threshold=threshold, arms=arms, metrics=metrics, order=order, sides=sides
+    )
+    if len(result.sides) < 2:
+        only = result.sides[0] if result.sides else "none"
+        hint = {
+            "run": "; run the sweep again, or list the runs with `orchestrate runs`",
+            "commit": "; the rows were all measured at one commit",
+            "device": "; the rows were all measured on one device kind",
+        }.get(by, "; `orchestrate results` shows the numbers")
+        raise InputError(f"only one {by} in the selected rows ({only}): nothing to compare{hint}")
+    return result, table, spec

@@ -1,63 +1,58 @@
-"""Rendering of a `CompareResult`: a terminal table, Markdown, CSV or JSON.
+"""A comparison as text: terminal tables that fit, Markdown, and tidy CSV/JSON records.
 
-The table and Markdown read like the first seed's table: one row per case, point and device;
-per metric each arm's median, then for each compared arm its ratio to the baseline -- the prefill
-gap in % (`-3.0% [-3.1,-2.9] SLOWER`), the decode speedup as a factor (`2.67x [2.60,2.74] FASTER`)
--- with the 95 % interval and verdict; "about N more samples" of an AMBIGUOUS verdict goes to a
-numbered footnote under the table, so every cell stays short. By default a case shows what the
-seeds report and it measures: prefill and decode tok/s, peak memory, load time (a kernel case
-measuring none of them shows its first metric, its time); `metrics` picks others.
+On a terminal each case is one table, in the first layout that fits the width (`$COLUMNS`):
 
-CSV and JSON carry every number flat: medians, intervals, CVs, counts, ratios, verdicts, the
-samples an AMBIGUOUS verdict needs.
+1. points as rows, each side's value beside the others and the gap to the baseline (the layout
+   of the users' own tables: prompt length, affine prefill, native prefill, gap, ...), with the
+   gaps' 95 % intervals; then the same without the intervals;
+2. sides as rows (one line per point and arm, as llama-bench prints one line per test), with
+   the intervals, then without; then with fewer metrics.
 
-A table is never folded to fit: when stdout is not a terminal (or the terminal is narrower than
-the table), the console is widened to the table's natural width, so each row stays one line.
+`--wide` prints layout 1 with everything, whatever its width; Markdown is that layout too.
+Verdicts are coloured on a terminal; `only_changed` hides what is SAME (as asv's `--only-changed`).
+
+CSV and JSON are tidy records with one fixed schema (`RECORD_SCHEMA`, documented in
+`docs/results.md`): one record per case, point, device, arm, side and metric, with the median,
+its interval, the ratio to the case's own baseline with its interval and verdict, the unit, the
+run and the commit; numbers typed, missing values null.
 """
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
-from rich import box
-from rich.console import Console
-from rich.measure import Measurement
+import pyarrow as pa
+import pyarrow.compute as pc
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.compare import CompareResult, CrossDeviceRow, over_peak
+from orchestrator.compare import CompareResult, CompareRow, CrossDeviceRow, over_peak, varying_params
+from orchestrator.console import fit, grid, print_fitted, print_wide, verdict_text
+from orchestrator.output import Format, markdown, write_records
 from orchestrator.stats import Comparison, Verdict
+from orchestrator.units import format_value as format_in_unit
+from orchestrator.units import header_unit, metric_label, unit_of
+from workers.contract import TYPED_PARAMS
 
-FORMATS = ("table", "md", "csv", "json")
-# What the seeds' table reports, in its order; a case shows those of them it measures.
+FORMATS = tuple(f.value for f in Format)
+# The metrics a table shows by default (the users' tables), where a case measures them.
 DEFAULT_METRICS = ("prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "load_seconds")
-# Shown per arm without a ratio column, as in the seeds' table: one sample per job (memory, load
-# and build time) or an accuracy check (rel_error) -- CSV and JSON still carry their ratios.
+# Shown per side without a ratio column: one sample per job (memory, load and build time) or an
+# accuracy check (rel_error) -- CSV and JSON still carry their ratios.
 VALUE_ONLY = frozenset({"peak_memory_bytes", "load_seconds", "build_seconds", "rel_error"})
-# The ratio column of a metric: its label, and whether it reads as a gap in % or a factor.
+# The ratio column of a metric: its label, and whether it reads as a gap in % (else a factor).
 RATIO_LABELS = {"prefill_tok_s": ("prefill gap", True), "decode_tok_s": ("decode speedup", False)}
-METRIC_LABELS = {
-    "prefill_tok_s": "prefill tok/s",
-    "decode_tok_s": "decode tok/s",
-    "peak_memory_bytes": "peak",
-    "load_seconds": "load",
-    "build_seconds": "build",
-    "seconds": "time",
-    "gb_per_s": "GB/s",
-    "tflop_per_s": "TFLOP/s",
-    "rel_error": "rel err",
-}
 
 
-def metric_label(metric: str) -> str:
-    """A short column label for a metric."""
-    return METRIC_LABELS.get(metric, metric)
+def format_value(metric: str, value: float | None) -> str:
+    """A metric's value in its unit (see `orchestrator.units.format_value`, the one formatter)."""
+    return format_in_unit(value, unit_of(metric))
 
 
 def ratio_label(metric: str) -> tuple[str, bool]:
@@ -65,44 +60,18 @@ def ratio_label(metric: str) -> tuple[str, bool]:
     return RATIO_LABELS.get(metric, (f"{metric_label(metric)} ratio", False))
 
 
-def _digits(value: float, n: int) -> str:
-    """`n` significant digits with their trailing zeros (`8.00 ms` beside `7.75 ms`), no dangling point."""
-    return f"{value:#.{n}g}".rstrip(".")
-
-
-def format_value(metric: str, value: float) -> str:
-    """A metric's value in the seeds' units: tok/s with 2 decimals, GB, s/ms/us, else 4 significant digits."""
-    if value is None or not math.isfinite(value):
-        return "-"
-    if metric.endswith("_bytes"):
-        for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-            if abs(value) >= scale:
-                return f"{value / scale:.2f} {unit}"
-        return f"{value:.0f} B"
-    if metric == "load_seconds" or metric.endswith("_seconds"):
-        return f"{value:.1f}s"
-    if metric == "seconds":
-        if value >= 1:
-            return f"{_digits(value, 3)} s"
-        return f"{_digits(value * 1e3, 3)} ms" if value >= 1e-3 else f"{_digits(value * 1e6, 3)} us"
-    if metric == "rel_error":
-        return f"{value:.1e}"
-    if abs(value) >= 100 or metric.endswith("_tok_s"):
-        return f"{value:.2f}"
-    return _digits(value, 4)
-
-
 def verdict_label(verdict: Verdict, metric: str) -> str:
-    """FASTER/SLOWER for times and rates; LOWER/HIGHER (better/worse) for memory and errors."""
+    """FASTER/SLOWER for times and rates; LOWER/HIGHER for memory and errors (lower is better there)."""
     if metric.endswith("_bytes") or metric == "rel_error":
         return {Verdict.FASTER: "LOWER", Verdict.SLOWER: "HIGHER"}.get(verdict, verdict.value)
     return verdict.value
 
 
-def format_comparison(metric: str, c: Comparison, *, hint: bool = True) -> str:
-    """`-3.0% [-3.1,-2.9] SLOWER` (a gap), or `2.67x [2.60,2.74] FASTER` (a factor).
+def format_comparison(metric: str, c: Comparison, *, interval: bool = True, hint: bool = True) -> str:
+    """`-3.0% [-3.1,-2.9] SLOWER` (a gap) or `2.67x [2.60,2.74] FASTER` (a factor); `interval=False` drops the [..].
 
-    `hint` appends an AMBIGUOUS verdict's `(~N more samples)`; tables put it in a footnote instead.
+    Too few samples to judge: the ratio and why, `0.95x (n=1: too few to judge)`. `hint` appends
+    an AMBIGUOUS verdict's `(~N more samples)`; tables put it in a footnote instead.
     """
     r = c.ratio
     if not math.isfinite(r.ratio):
@@ -111,9 +80,9 @@ def format_comparison(metric: str, c: Comparison, *, hint: bool = True) -> str:
     text = f"{(r.ratio - 1) * 100:+.1f}%" if gap else f"{r.ratio:.2f}x"
     if c.verdict is Verdict.TOO_FEW:
         return f"{text} ({c.note})"
-    if gap:
+    if interval and gap:
         text += f" [{(r.ci_low - 1) * 100:+.1f},{(r.ci_high - 1) * 100:+.1f}]"
-    else:
+    elif interval:
         text += f" [{r.ci_low:.2f},{r.ci_high:.2f}]"
     text += f" {verdict_label(c.verdict, metric)}"
     if hint and c.verdict is Verdict.AMBIGUOUS and c.more_samples:
@@ -121,27 +90,46 @@ def format_comparison(metric: str, c: Comparison, *, hint: bool = True) -> str:
     return text
 
 
+def comparison_cell(metric: str, c: Comparison | None, *, interval: bool, note: str = "") -> Text:
+    """A ratio cell with its verdict coloured."""
+    if c is None:
+        return Text("-")
+    text = format_comparison(metric, c, interval=interval, hint=False) + note
+    return verdict_text(verdict_label(c.verdict, metric), text)
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+
 @dataclass
 class CaseTable:
-    """One case's table as text cells: headers as (side, label), rows, footnotes."""
+    """One case's table as cells: headers as (top, bottom) lines, rows, footnotes."""
 
     case: str
     title: str
     heads: list[tuple[str, str]]
-    rows: list[list[str]]
+    rows: list[list[Text]]
     notes: list[str] = field(default_factory=list)
     numeric: list[bool] = field(default_factory=list)  # per column: right-justified
+    interval: bool = True  # the ratio cells show their intervals
 
     def header(self, i: int, sep: str = " ") -> str:
-        """Column `i`'s header, its side and label joined by `sep` (a newline in a terminal)."""
+        """Column `i`'s header, its two lines joined by `sep` (a newline in a terminal)."""
         return sep.join(part for part in self.heads[i] if part)
+
+    def plain_rows(self) -> list[list[str]]:
+        """The cells as plain text."""
+        return [[c.plain for c in row] for row in self.rows]
+
+    def rich(self) -> Table:
+        """The table for a console: two-line headers, cells never wrapped."""
+        return grid(self.title, [self.header(i, "\n") for i in range(len(self.heads))], self.rows, self.numeric)
 
 
 def shown_metrics(result: CompareResult, case: str, metrics: Sequence[str] | None = None) -> list[str]:
-    """The metrics a case's table shows: `metrics` (all computed when None) that the case measures.
+    """The metrics a case's table shows: `metrics` (None: `DEFAULT_METRICS`) that the case measures.
 
-    With `metrics` None the seeds' `DEFAULT_METRICS`; a case measuring none of them shows its
-    first metric (a kernel case's time).
+    A case measuring none of the defaults shows its first metric (a kernel case's time).
     """
     have = result.metrics_of(case)
     if metrics is not None:
@@ -149,65 +137,203 @@ def shown_metrics(result: CompareResult, case: str, metrics: Sequence[str] | Non
     return [m for m in DEFAULT_METRICS if m in have] or have[:1]
 
 
-def case_tables(
-    result: CompareResult, metrics: Sequence[str] | None = None, *, footnotes: bool = True
-) -> list[CaseTable]:
-    """Per case: headers, cells and footnotes of the seeds' layout.
+def _changed(row: CompareRow, metrics: Sequence[str], sides: Sequence[str]) -> bool:
+    """Whether any shown comparison of `sides` at this row is not SAME (a missing one counts as changed)."""
+    return any(
+        (c := row.comparisons.get((m, s))) is None or c.verdict is not Verdict.SAME
+        for m in metrics
+        if m not in VALUE_ONLY
+        for s in sides
+    )
 
-    Args:
-        result: the comparison.
-        metrics: the metrics to show, where a case measures them (None: `DEFAULT_METRICS`).
-        footnotes: put an AMBIGUOUS verdict's sample estimate in a numbered footnote (else inline).
-    """
-    out = []
-    for case in result.varying:
+
+def _title(result: CompareResult, case: str, rows: list[CompareRow], shown_dims: list[str]) -> str:
+    """`qmm on cpu, baseline affine; n=256 k=512 dtype=float32` (what every row of the case shares)."""
+    where = " ".join(v for d, v in (rows[0].dims.items() if rows else []) if d not in shown_dims)
+    fixed = [kv for kv in (rows[0].point if rows else ()) if kv[0] not in result.varying.get(case, [])]
+    head = f"{case}{f' on {where}' if where else ''}, baseline {result.baseline_of(case)}"
+    return head + (f"; {' '.join(f'{k}={v}' for k, v in fixed)}" if fixed else "")
+
+
+def _varying_dims(rows: list[CompareRow]) -> list[str]:
+    dims = list(rows[0].dims) if rows else []
+    return [d for d in dims if len({r.dims[d] for r in rows}) > 1]
+
+
+def _header_label(result: CompareResult, metric: str) -> str:
+    unit = header_unit(unit_of(metric, result.units.get(metric)))
+    label = metric_label(metric)
+    return label if not unit or unit in label else f"{label} ({unit})"
+
+
+def _value(result: CompareResult, row: CompareRow, metric: str, side: str) -> Text:
+    s = row.values.get((metric, side))
+    unit = unit_of(metric, result.units.get(metric))
+    return Text(format_in_unit(s.median, unit, with_unit=False) if s else "-")
+
+
+def _ratio(table: CaseTable, row: CompareRow, metric: str, side: str, where: str, footnotes: bool) -> Text:
+    """A side's ratio cell at a row; an AMBIGUOUS verdict's sample estimate goes to a footnote."""
+    c = row.comparisons.get((metric, side))
+    note = _footnote(table, c, f"{where} {metric_label(metric)}") if footnotes else ""
+    return comparison_cell(metric, c, interval=table.interval, note=note)
+
+
+def _footnote(table: CaseTable, c: Comparison | None, where: str) -> str:
+    if c is None or c.verdict is not Verdict.AMBIGUOUS or not c.more_samples:
+        return ""
+    table.notes.append(f"{where}: about {c.more_samples} more samples per side would settle it")
+    return f" ({len(table.notes)})"
+
+
+@dataclass
+class CaseLayout:
+    """What both layouts of one case start from: its rows, sides, baseline, metrics and label columns."""
+
+    rows: list[CompareRow]
+    sides: list[str]
+    base: str
+    metrics: list[str]
+    dims: list[str]  # the row dimensions (device, arm) that vary within the case
+    params: list[str]  # the parameters that vary within the case
+
+    @classmethod
+    def of(cls, result: CompareResult, case: str, metrics: Sequence[str] | None, only_changed: bool) -> CaseLayout:
         rows = [r for r in result.rows if r.case_name == case]
-        sides, base = result.sides_of(case), result.baseline_of(case)
-        params = result.varying.get(case, [])
-        dims = list(rows[0].dims) if rows else []
-        chosen = shown_metrics(result, case, metrics)
-        heads = [("", k) for k in [*dims, *params]]
-        numeric = [False] * len(dims) + [True] * len(params)
-        for metric in chosen:
-            heads += [(side, metric_label(metric)) for side in sides]
-            numeric += [True] * len(sides)
-            if metric not in VALUE_ONLY:
-                heads += [(side, ratio_label(metric)[0]) for side in sides[1:]]
-                numeric += [False] * (len(sides) - 1)
-        table = CaseTable(case, f"{case} (baseline: {base})", heads, [], numeric=numeric)
-        for row in rows:
-            point = result.row_params(row)
-            cells = [*row.dims.values(), *[point.get(k, "") for k in params]]
-            where = " ".join([*row.dims.values(), *(f"{k}={point[k]}" for k in params if k in point)])
-            for metric in chosen:
-                for side in sides:
-                    s = row.values.get((metric, side))
-                    cells.append(format_value(metric, s.median) if s else "-")
+        sides, chosen = result.sides_of(case), shown_metrics(result, case, metrics)
+        if only_changed:
+            rows = [r for r in rows if _changed(r, chosen, sides[1:])]
+        return cls(rows, sides, result.baseline_of(case), chosen, _varying_dims(rows), result.varying.get(case, []))
+
+    def lead(self, row: CompareRow, point: dict[str, str]) -> tuple[list[Text], str]:
+        """A row's label cells, and the same as `device k=v` for footnotes."""
+        cells = [Text(row.dims[d]) for d in self.dims] + [Text(point.get(k, "")) for k in self.params]
+        where = " ".join([*(row.dims[d] for d in self.dims), *(f"{k}={point[k]}" for k in self.params if k in point)])
+        return cells, where
+
+
+def sides_table(
+    result: CompareResult,
+    case: str,
+    metrics: Sequence[str] | None = None,
+    *,
+    interval: bool = True,
+    footnotes: bool = True,
+    only_changed: bool = False,
+) -> CaseTable:
+    """Points as rows, each side's value of each metric side by side, then the gaps to the baseline."""
+    lay = CaseLayout.of(result, case, metrics, only_changed)
+    sides, base = lay.sides, lay.base
+    heads = [("", k) for k in [*lay.dims, *lay.params]]
+    numeric = [False] * len(lay.dims) + [True] * len(lay.params)
+    for metric in lay.metrics:
+        heads += [(side, _header_label(result, metric)) for side in sides]
+        numeric += [True] * len(sides)
+        if metric not in VALUE_ONLY:
+            heads += [(side, ratio_label(metric)[0]) for side in sides[1:]]
+            numeric += [True] * (len(sides) - 1)
+    table = CaseTable(case, _title(result, case, lay.rows, lay.dims), heads, [], numeric=numeric, interval=interval)
+    for row in lay.rows:
+        cells, where = lay.lead(row, result.row_params(row))
+        for metric in lay.metrics:
+            cells += [_value(result, row, metric, side) for side in sides]
+            if metric in VALUE_ONLY:
+                continue
+            cells += [_ratio(table, row, metric, side, f"{where} {side} vs {base}", footnotes) for side in sides[1:]]
+        table.rows.append(cells)
+    return table
+
+
+def rows_table(
+    result: CompareResult,
+    case: str,
+    metrics: Sequence[str] | None = None,
+    *,
+    interval: bool = True,
+    footnotes: bool = True,
+    only_changed: bool = False,
+) -> CaseTable:
+    """Sides as rows: one line per point and side, each metric's value and the ratio to the baseline."""
+    lay = CaseLayout.of(result, case, metrics, only_changed=False)
+    sides, base = lay.sides, lay.base
+    heads = [("", k) for k in [*lay.dims, *lay.params, result.by]]
+    numeric = [False] * len(lay.dims) + [True] * len(lay.params) + [False]
+    for metric in lay.metrics:
+        heads.append(("", _header_label(result, metric)))
+        numeric.append(True)
+        if metric not in VALUE_ONLY:
+            heads.append((f"vs {base}", ratio_label(metric)[0]))
+            numeric.append(True)
+    table = CaseTable(case, _title(result, case, lay.rows, lay.dims), heads, [], numeric=numeric, interval=interval)
+    for row in lay.rows:
+        kept = [s for s in sides[1:] if not only_changed or _changed(row, lay.metrics, [s])]
+        if only_changed and not kept:
+            continue
+        lead, where = lay.lead(row, result.row_params(row))
+        for i, side in enumerate([base, *kept]):
+            if not any((m, side) in row.values for m in lay.metrics):
+                continue
+            cells = (lead if i == 0 else [Text("") for _ in lead]) + [Text(side, style="bold" if i == 0 else "")]
+            for metric in lay.metrics:
+                cells.append(_value(result, row, metric, side))
                 if metric in VALUE_ONLY:
                     continue
-                for side in sides[1:]:
-                    c = row.comparisons.get((metric, side))
-                    text = format_comparison(metric, c, hint=not footnotes) if c else "-"
-                    if footnotes and c and c.verdict is Verdict.AMBIGUOUS and c.more_samples:
-                        table.notes.append(
-                            f"{where}, {side} vs {base} {metric_label(metric)}: about {c.more_samples} more "
-                            "samples per arm would settle it"
-                        )
-                        text += f" ({len(table.notes)})"
-                    cells.append(text)
+                if side == base:
+                    cells.append(Text("baseline", style="dim"))
+                    continue
+                cells.append(_ratio(table, row, metric, side, f"{where} {side}", footnotes))
             table.rows.append(cells)
-        out.append(table)
-    return out
+    return table
 
 
-def legend(result: CompareResult) -> list[str]:
+def case_tables(
+    result: CompareResult,
+    metrics: Sequence[str] | None = None,
+    *,
+    footnotes: bool = True,
+    interval: bool = True,
+    only_changed: bool = False,
+) -> list[CaseTable]:
+    """Every case's table in the points-as-rows layout (Markdown, HTML, `--wide`)."""
+    return [
+        sides_table(result, case, metrics, interval=interval, footnotes=footnotes, only_changed=only_changed)
+        for case in result.varying
+    ]
+
+
+def fitted_tables(
+    out: Console, result: CompareResult, metrics: Sequence[str] | None = None, *, only_changed: bool = False
+) -> list[CaseTable]:
+    """Per case, the first layout that fits the console (see the module docstring)."""
+    chosen = []
+    for case in result.varying:
+        candidates = [
+            layout(result, case, metrics, interval=interval, only_changed=only_changed)
+            for layout in (sides_table, rows_table)
+            for interval in (True, False)
+        ]
+        shown = shown_metrics(result, case, metrics)
+        candidates += [
+            rows_table(result, case, shown[:keep], interval=False, only_changed=only_changed)
+            for keep in range(len(shown) - 1, 0, -1)
+        ]
+        rendered: list[RenderableType] = [t.rich() for t in candidates]
+        best = fit(out, rendered)
+        chosen.append(candidates[next(i for i, r in enumerate(rendered) if r is best)])
+    return chosen
+
+
+def legend(result: CompareResult, *, intervals: bool = True) -> list[str]:
     """What the cells mean, and which points have no clean sample: printed once under the tables."""
     lines = [
-        "Values are medians of clean samples. gap: the arm's median over the baseline's, minus 1; speedup and "
-        "ratio: the same as a factor; [95 % bootstrap interval, over ABBA pairs where the sides share a job]; "
-        f"FASTER/SLOWER: the whole interval past a {result.threshold:.0%} band around 1, SAME: inside it, "
+        "Medians of clean samples. gap: a side's median over its case's baseline, minus 1; speedup and ratio: "
+        "the same as a factor"
+        + (", [95 % bootstrap interval, over ABBA pairs where the sides share a job]" if intervals else "")
+        + f"; FASTER/SLOWER: the whole interval past a {result.threshold:.0%} band around 1, SAME: inside it, "
         "AMBIGUOUS: across its edge; TOO FEW: under 5 samples per side."
-    ]
+    ]  # fmt: skip
+    if not intervals:
+        lines.append("Intervals left out to fit the terminal: --wide or --format md shows them.")
     if result.fdr is not None and result.fdr.hypotheses:
         lines.append(result.fdr.describe())
     lines += [f"Heavy tails: {w}." for w in result.heavy_tails]
@@ -216,167 +342,269 @@ def legend(result: CompareResult) -> list[str]:
     return lines
 
 
-def display_rows(result: CompareResult) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """Per case: the header and the cells of every row, every computed metric (the HTML report).
-
-    An AMBIGUOUS cell carries its sample estimate inline (there is no footnote to point to).
-    """
-    return {
-        t.case: ([t.header(i) for i in range(len(t.heads))], t.rows)
-        for t in case_tables(result, result.metrics, footnotes=False)
-    }
-
-
-def records(result: CompareResult) -> list[dict[str, Any]]:
-    """Flat records (one per row) with every number: for CSV, JSON and tests."""
-    out = []
-    for row in result.rows:
-        rec: dict[str, Any] = {"case": row.case_name, **row.dims, **dict(row.point)}
-        for (metric, side), s in sorted(row.values.items()):
-            p = f"{side}.{metric}"
-            rec.update({f"{p}.median": s.median, f"{p}.ci_low": s.ci_low, f"{p}.ci_high": s.ci_high})
-            rec.update({f"{p}.cv": s.cv, f"{p}.n": s.n})
-        for (metric, side), c in sorted(row.comparisons.items()):
-            p = f"{side}/{result.baseline_of(row.case_name)}.{metric}"
-            rec.update({f"{p}.ratio": c.ratio.ratio, f"{p}.ci_low": c.ratio.ci_low})
-            rec.update({f"{p}.ci_high": c.ratio.ci_high, f"{p}.verdict": c.verdict.value})
-            rec[f"{p}.more_samples"] = c.more_samples
-            rec.update({f"{p}.paired": c.ratio.paired, f"{p}.p_value": c.p_value, f"{p}.note": c.note})
-        out.append(rec)
-    return out
-
-
-def _json_safe(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def _markdown(heads: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
-
-
-def render_text(
-    result: CompareResult,
-    fmt: str,
-    cross: list[CrossDeviceRow] | None = None,
-    metrics: Sequence[str] | None = None,
-) -> str:
-    """The comparison as Markdown, CSV or JSON text (`metrics`: the Markdown's columns)."""
-    if fmt == "json":
-        recs = [{k: _json_safe(v) for k, v in r.items()} for r in records(result)]
-        doc: dict[str, Any] = {"by": result.by, "baseline": result.baseline, "rows": recs, "left_out": result.left_out}
-        doc["fdr"] = result.fdr.describe() if result.fdr is not None else None
-        doc["heavy_tails"] = result.heavy_tails
-        if cross:
-            doc["cross_device"] = cross_records(cross)
-        return json.dumps(doc, indent=1)
-    if fmt == "csv":
-        return _csv(records(result))
-    if fmt == "md":
-        parts = []
-        for t in case_tables(result, metrics):
-            parts.append(f"### {t.title}\n")
-            parts += _markdown([t.header(i) for i in range(len(t.heads))], t.rows)
-            parts += ["", *(f"({i}) {note}  " for i, note in enumerate(t.notes, 1))]
-            if t.notes:
-                parts.append("")
-        parts += [f"{line}  " for line in legend(result)] + [""]
-        if cross:
-            parts.append("### across devices (fraction of each device's measured peak)\n")
-            parts += _markdown(*cross_display(cross))
-            parts += ["", *over_peak(cross)]
-        return "\n".join(parts) + "\n"
-    raise ValueError(f"unknown format {fmt!r}")
-
-
-def _csv(recs: list[dict[str, Any]]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in recs for k in r)), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(recs)
-    return buf.getvalue()
-
-
-def rich_table(t: CaseTable) -> Table:
-    """A case's table for the terminal: two-line headers (side over metric), cells never wrapped."""
-    table = Table(title=t.title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
-    for i, right in enumerate(t.numeric):
-        table.add_column(Text(t.header(i, "\n")), justify="right" if right else "left", no_wrap=True)
-    for cells in t.rows:
-        table.add_row(*(Text(c) for c in cells))
-    return table
-
-
-def print_wide(out: Console, renderable: Table) -> None:
-    """Print a table at its natural width, widening the console rather than folding cells."""
-    needed = Measurement.get(out, out.options.update_width(100_000), renderable).maximum
-    width = out.width
-    out.width = max(width, needed)
-    try:
-        out.print(renderable)
-    finally:
-        out.width = width
-
-
 def print_comparison(
     out: Console,
     result: CompareResult,
     cross: list[CrossDeviceRow] | None = None,
     metrics: Sequence[str] | None = None,
+    *,
+    wide: bool = False,
+    only_changed: bool = False,
 ) -> None:
     """The comparison on a console: per case its table and footnotes, the legend, the cross-device view."""
-    for t in case_tables(result, metrics):
-        print_wide(out, rich_table(t))
+    if wide:
+        tables = case_tables(result, metrics, only_changed=only_changed)
+    else:
+        tables = fitted_tables(out, result, metrics, only_changed=only_changed)
+    for t in tables:
+        if not t.rows:
+            out.print(Text(f"{t.title}: nothing changed beyond the {result.threshold:.0%} threshold"))
+            continue
+        (print_wide if wide else _print)(out, t.rich())
         for i, note in enumerate(t.notes, 1):
             out.print(Text(f"({i}) {note}"))
         out.print()
-    for line in legend(result):
+    for line in legend(result, intervals=all(t.interval for t in tables)):
         out.print(Text(line))
     if cross:
         out.print()
-        print_cross(out, cross)
+        print_cross(out, cross, wide=wide)
 
 
-def print_cross(out: Console, cross: list[CrossDeviceRow]) -> None:
-    """The cross-device view on a console, then a warning for every share above 100 %."""
-    print_wide(out, cross_table(cross))
+def print_cross(out: Console, cross: list[CrossDeviceRow], *, wide: bool = False) -> None:
+    """The cross-device view on a console, then a warning for every share of a device's peak above
+    100 %: the full view when it fits (or `wide`), else the compact one with the peaks said once."""
+    full = cross_table(cross)
+    chosen = full if wide else fit(out, [full, cross_table(cross, compact=True)])
+    print_wide(out, chosen)
+    if chosen is not full:
+        out.print(Text(f"measured peaks: {cross_peaks(cross)}"))
     for line in over_peak(cross):
         out.print(Text(line))
 
 
-def cross_display(rows: list[CrossDeviceRow]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the cross-device view: `412.3 (52% of 790)` per device."""
+def _print(out: Console, renderable: RenderableType) -> None:
+    """A fitted table: at the console's width when it fits, else at its own (never a cell cut short)."""
+    print_fitted(out, [renderable])
+
+
+# ------------------------------------------------------------------------------------ records
+
+RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("sweep", pa.string()),
+        pa.field("case", pa.string()),
+        pa.field("by", pa.string()),
+        pa.field("side", pa.string()),
+        pa.field("baseline", pa.string()),
+        pa.field("device", pa.string()),
+        pa.field("arm", pa.string()),
+        *[pa.field(name, dtype) for name, dtype in TYPED_PARAMS.items()],
+        pa.field("params", pa.string()),
+        pa.field("metric", pa.string()),
+        pa.field("unit", pa.string()),
+        pa.field("n_samples", pa.int64()),
+        pa.field("value", pa.float64()),
+        pa.field("ci_low", pa.float64()),
+        pa.field("ci_high", pa.float64()),
+        pa.field("cv", pa.float64()),
+        pa.field("ratio", pa.float64()),
+        pa.field("ratio_ci_low", pa.float64()),
+        pa.field("ratio_ci_high", pa.float64()),
+        pa.field("verdict", pa.string()),
+        pa.field("more_samples", pa.int64()),
+        pa.field("paired", pa.bool_()),
+        pa.field("p_value", pa.float64()),
+        pa.field("note", pa.string()),
+        pa.field("outliers", pa.int64()),
+        pa.field("run_id", pa.string()),
+        pa.field("code_version", pa.string()),
+        pa.field("commit", pa.string()),
+    ]
+)
+
+
+def typed(value: str) -> int | float | bool | str:
+    """A parameter's text as the number or flag it reads as."""
+    if value in ("True", "False", "true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def records(result: CompareResult) -> list[dict[str, Any]]:
+    """Tidy records (see `RECORD_SCHEMA`): one per case, point, device, arm, side and metric."""
+    # The record's own column for the side; a commit side (`ref@commit`) is `side`, with the
+    # group's `commit` and `code_version` beside it.
+    column = {"arm": "arm", "run": "run_id", "device": "device"}.get(result.by)
+    out = []
+    for row in result.rows:
+        base = result.baseline_of(row.case_name)
+        point = dict(row.point)
+        params = {k: typed(v) for k, v in point.items()}
+        ordered = [(m, side) for m in result.metrics for side in result.sides_of(row.case_name)]
+        for metric, side in [k for k in ordered if k in row.values]:  # metric by metric, the baseline first
+            s = row.values[(metric, side)]
+            group = row.samples.get((metric, side))
+            c = row.comparisons.get((metric, side))
+            rec: dict[str, Any] = {
+                "sweep": result.sweep,
+                "case": row.case_name,
+                "by": result.by,
+                "side": side,
+                "baseline": base,
+                "device": row.dims.get("device"),
+                "arm": row.dims.get("arm"),
+                **{k: (params[k] if k in params and TYPED_PARAMS[k] == pa.string() else None) for k in TYPED_PARAMS},
+                "params": json.dumps(params, sort_keys=True),
+                "metric": metric,
+                "unit": unit_of(metric, result.units.get(metric)),
+                "n_samples": s.n,
+                "value": _finite(s.median),
+                "ci_low": _finite(s.ci_low),
+                "ci_high": _finite(s.ci_high),
+                "cv": _finite(s.cv),
+                "ratio": _finite(c.ratio.ratio) if c else None,
+                "ratio_ci_low": _finite(c.ratio.ci_low) if c else None,
+                "ratio_ci_high": _finite(c.ratio.ci_high) if c else None,
+                "verdict": verdict_label(c.verdict, metric) if c else None,
+                "more_samples": c.more_samples if c else None,
+                "paired": c.ratio.paired if c else None,
+                "p_value": _finite(c.p_value) if c else None,
+                "note": c.note if c else None,
+                "outliers": s.outliers,
+                "run_id": group.one(tuple(sorted(set(group.run_ids)))) if group else None,
+                "code_version": group.one(group.code_versions) if group else None,
+                "commit": group.one(group.commits) if group else None,
+            }
+            for k, dtype in TYPED_PARAMS.items():
+                if k in params and dtype != pa.string() and isinstance(params[k], int | float):
+                    rec[k] = int(params[k])
+            if column is not None:
+                rec[column] = side
+            out.append(rec)
+    return out
+
+
+def records_table(result: CompareResult) -> pa.Table:
+    """The tidy records as an Arrow table in `RECORD_SCHEMA`."""
+    return pa.Table.from_pylist(records(result), schema=RECORD_SCHEMA)
+
+
+def write_comparison(
+    result: CompareResult,
+    fmt: Format,
+    stream: IO[str],
+    cross: list[CrossDeviceRow] | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    only_changed: bool = False,
+) -> None:
+    """The comparison as Markdown (the points-as-rows tables), CSV or JSON records (see the module docstring)."""
+    if fmt in (Format.csv, Format.json):
+        table = records_table(result)
+        if only_changed:
+            table = table.filter(pc.invert(pc.fill_null(pc.equal(table["verdict"], "SAME"), False)))
+        write_records(table, fmt, stream)
+        return
+    parts = []
+    for t in case_tables(result, metrics, only_changed=only_changed):
+        parts += [f"### {t.title}", "", markdown([t.header(i) for i in range(len(t.heads))], t.plain_rows(), t.numeric)]
+        parts += ["", *(f"({i}) {note}  " for i, note in enumerate(t.notes, 1))]
+    parts += [f"{line}  " for line in legend(result)]
+    if cross:
+        parts += ["", "### across devices (share of each device's measured peak)", "", markdown(*cross_display(cross))]
+        parts += ["", *(f"{line}  " for line in over_peak(cross))]
+    stream.write("\n".join(parts).rstrip() + "\n")
+
+
+def render_text(
+    result: CompareResult, fmt: str, cross: list[CrossDeviceRow] | None = None, metrics: Sequence[str] | None = None
+) -> str:
+    """The comparison as Markdown, CSV or JSON text."""
+    buf = io.StringIO()
+    write_comparison(result, Format(fmt), buf, cross, metrics)
+    return buf.getvalue()
+
+
+def display_rows(result: CompareResult) -> dict[str, tuple[list[str], list[list[str]]]]:
+    """Per case: the header and the cells of every row, every computed metric (the HTML report).
+
+    An AMBIGUOUS cell carries its sample estimate inline (there is no footnote to point to).
+    """
+    tables = [sides_table(result, case, result.metrics, footnotes=False) for case in result.varying]
+    return {t.case: ([t.header(i) for i in range(len(t.heads))], t.plain_rows()) for t in tables}
+
+
+# ------------------------------------------------------------------------------- across devices
+
+
+def cross_display(rows: list[CrossDeviceRow], *, compact: bool = False) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the cross-device view: `412.3 GB/s (52% of 790.0 GB/s)` per device
+    (`compact`: `412.3 GB/s (52%)`, only the parameters that vary within a case, the peaks said
+    once under the table: `cross_peaks`)."""
     devices = sorted({d for r in rows for d in r.cells})
     heads = ["case", "point", "arm", "metric", *devices]
+    varying = {c: varying_params(r.point for r in rows if r.case_name == c) for c in {r.case_name for r in rows}}
     body = []
     for r in rows:
-        cells = [r.case_name, ", ".join(f"{k}={v}" for k, v in r.point), r.arm, metric_label(r.metric)]
+        point = " ".join(f"{k}={v}" for k, v in r.point if not compact or k in varying[r.case_name])
+        cells = [r.case_name, point, r.arm, metric_label(r.metric)]
         for dev in devices:
             cell = r.cells.get(dev)
             if cell is None:
                 cells.append("-")
-            elif cell.fraction is None:
-                cells.append(f"{format_value(r.metric, cell.summary.median)} (no peak)")
+                continue
+            value = format_value(r.metric, cell.summary.median)
+            if cell.fraction is None:
+                cells.append(f"{value} (no peak)")
+            elif compact:
+                cells.append(f"{value} ({cell.fraction:.0%})")
             else:
-                peak = format_value(r.metric, cell.peak or math.nan)
-                cells.append(f"{format_value(r.metric, cell.summary.median)} ({cell.fraction:.0%} of {peak})")
+                cells.append(f"{value} ({cell.fraction:.0%} of {format_value(r.metric, cell.peak)})")
         body.append(cells)
     return heads, body
 
 
+CROSS_SCHEMA = pa.schema(
+    [
+        pa.field("case", pa.string()),
+        pa.field("params", pa.string()),
+        pa.field("arm", pa.string()),
+        pa.field("metric", pa.string()),
+        pa.field("unit", pa.string()),
+        pa.field("device", pa.string()),
+        pa.field("value", pa.float64()),
+        pa.field("peak", pa.float64()),
+        pa.field("fraction_of_peak", pa.float64()),
+        pa.field("over_peak", pa.bool_()),
+    ]
+)
+
+
 def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
-    """Flat records of the cross-device view."""
+    """Tidy records of the cross-device view (see `CROSS_SCHEMA`)."""
     out = []
     for r in rows:
+        params = json.dumps({k: typed(v) for k, v in r.point}, sort_keys=True)
         for dev, cell in sorted(r.cells.items()):
             out.append(
                 {
                     "case": r.case_name,
-                    **dict(r.point),
+                    "params": params,
                     "arm": r.arm,
                     "metric": r.metric,
+                    "unit": unit_of(r.metric),
                     "device": dev,
-                    "median": _json_safe(cell.summary.median),
+                    "value": _finite(cell.summary.median),
                     "peak": cell.peak,
                     "fraction_of_peak": cell.fraction,
                     "over_peak": cell.fraction is not None and cell.fraction > 1.0,
@@ -385,26 +613,27 @@ def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
     return out
 
 
-def render_cross_text(rows: list[CrossDeviceRow], fmt: str) -> str:
+def write_cross(rows: list[CrossDeviceRow], fmt: Format, stream: IO[str]) -> None:
     """The cross-device view alone as Markdown, CSV or JSON."""
-    if fmt == "json":
-        return json.dumps(cross_records(rows), indent=1) + "\n"
-    if fmt == "csv":
-        return _csv(cross_records(rows))
-    return "\n".join([*_markdown(*cross_display(rows)), "", *over_peak(rows)]) + "\n"
+    if fmt in (Format.csv, Format.json):
+        write_records(pa.Table.from_pylist(cross_records(rows), schema=CROSS_SCHEMA), fmt, stream)
+    else:
+        stream.write("\n".join([markdown(*cross_display(rows)), *(f"\n{line}" for line in over_peak(rows))]) + "\n")
 
 
-def cross_table(rows: list[CrossDeviceRow]) -> Table:
-    """The cross-device view as a rich table (cells never wrapped)."""
-    heads, body = cross_display(rows)
-    t = Table(
-        title="across devices: share of each device's measured peak",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
+def cross_peaks(rows: list[CrossDeviceRow]) -> str:
+    """`cpu 400.0 GB/s; h200 4.80 TB/s, 989.0 TFLOP/s`: each device's measured peaks, once."""
+    peaks: dict[str, dict[str, str]] = {}
+    for r in rows:
+        for dev, cell in r.cells.items():
+            if cell.peak is not None:
+                peaks.setdefault(dev, {})[r.metric] = format_value(r.metric, cell.peak)
+    return "; ".join(f"{dev} {', '.join(by_metric.values())}" for dev, by_metric in sorted(peaks.items()))
+
+
+def cross_table(rows: list[CrossDeviceRow], *, compact: bool = False) -> Table:
+    """The cross-device view as a rich table (cells never wrapped; `compact`: see `cross_display`)."""
+    heads, body = cross_display(rows, compact=compact)
+    return grid(
+        "across devices: share of each device's measured peak", heads, body, [False] * 4 + [True] * (len(heads) - 4)
     )
-    for h in heads:
-        t.add_column(h, no_wrap=True)
-    for cells in body:
-        t.add_row(*(Text(c) for c in cells))
-    return t

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from orchestrator import stats
 from orchestrator.commits import head_rows
+from orchestrator.dataset import read_rows
 from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
 from orchestrator.fdr import benjamini_hochberg
 from orchestrator.plan import points as case_points
@@ -359,7 +360,7 @@ def judge_stored(store: ResultStore, sweep: SweepSpec) -> tuple[str, int]:
     """
     if not sweep.criteria:
         return "", EXIT_OK
-    verdicts = evaluate_criteria(stats.latest_runs(store.read(sweep=sweep.name)), sweep)
+    verdicts = evaluate_criteria(read_rows(store, sweep=sweep.name, newest=True), sweep)
     return "Acceptance criteria:\n" + render_verdicts(verdicts), exit_code_for(verdicts)
 
 

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orchestrator import changepoints
+from orchestrator.commits import head_rows
 from orchestrator.stats import higher_is_better
 
 WINDOW = changepoints.WINDOW
@@ -148,6 +149,7 @@ def series_of(
         case: keep one case (matched against `case_name`, then `case`).
         metric: keep one metric.
     """
+    table = head_rows(table)  # a commit comparison's BASE rows share HEAD's run: only HEAD is the run's point
     mask = pc.and_(pc.equal(table["status"], "ok"), pc.invert(pc.fill_null(table["contended"], False)))
     if case is not None:
         mask = pc.and_(mask, pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))

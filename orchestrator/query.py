@@ -1,58 +1,95 @@
-"""DuckDB over the result dataset: `orchestrate query "SQL"` with the table name `results`."""
+"""`orchestrate query "SQL"`: read-only DuckDB SQL over the store (the view `results`), and `orchestrate runs`.
+
+Read-only twice over: only SELECT statements are run (`WITH`, `DESCRIBE`, `SUMMARIZE`, `SHOW`, a
+plain `EXPLAIN`), and the connection may reach no file outside the store, changes no setting and
+loads no extension -- so `COPY ... TO`, `ATTACH`, `INSTALL`, `EXPORT`, `PRAGMA` and `SET` are
+refused with a message, not run. DuckDB's own errors are passed on whole (a binder error's
+"Candidate bindings" included).
+"""
 
 from __future__ import annotations
 
-import csv
-import io
-import json
+import re
 
 import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from orchestrator.dataset import StoreScan
 from orchestrator.errors import InputError
+from orchestrator.point_index import whole_index
 from orchestrator.store import ResultStore
+from workers.contract import SCHEMA_VERSION
+
+ALLOWED = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+ANALYZE = re.compile(r"\bANALY[SZ]E\b", re.IGNORECASE)
 
 
-def connect(store: ResultStore) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the view `results` over every readable fragment."""
-    files = [str(p) for p in store.fragment_files()]
-    if not files:
-        raise InputError("no results stored", where=str(store.root))
-    con = duckdb.connect()
-    listing = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-    options = "hive_partitioning = true, union_by_name = true"
-    con.execute(f"CREATE VIEW results AS SELECT * FROM read_parquet([{listing}], {options})")
-    return con
+def check_read_only(sql: str) -> None:
+    """Refuse anything but one read-only statement.
 
-
-def run_query(store: ResultStore, sql: str, fmt: str = "table") -> str:
-    """Run `sql` and render its result as a table, CSV or JSON lines."""
-    con = connect(store)
+    Raises:
+        InputError: the SQL does not parse, holds several statements, or one that could write.
+    """
     try:
-        rel = con.sql(sql)
+        statements = duckdb.extract_statements(sql)
     except duckdb.Error as exc:
-        raise InputError(f"query failed: {str(exc).splitlines()[0]}") from None
-    if rel is None:
-        return ""
-    columns = list(rel.columns)
-    rows = rel.fetchall()
-    if fmt == "json":
-        return "\n".join(json.dumps(dict(zip(columns, r, strict=True)), default=str) for r in rows)
-    if fmt == "csv":
-        buf = io.StringIO()
-        writer = csv.writer(buf)
-        writer.writerow(columns)
-        writer.writerows(rows)
-        return buf.getvalue().rstrip("\n")
-    widths = [
-        max(len(str(c)), *(len(_cell(r[i])) for r in rows)) if rows else len(str(c)) for i, c in enumerate(columns)
-    ]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(_cell(v).ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+        raise InputError(f"query failed: {exc}") from None
+    if not statements:
+        raise InputError("the query is empty")
+    if len(statements) > 1:
+        raise InputError(f"one statement at a time, please (got {len(statements)})")
+    (statement,) = statements
+    if statement.type not in ALLOWED or (
+        statement.type is duckdb.StatementType.EXPLAIN and ANALYZE.search(statement.query)
+    ):
+        raise InputError(
+            f"orchestrate query is read-only: {statement.type.name} statements are refused "
+            "(SELECT, WITH ... SELECT, DESCRIBE, SUMMARIZE, SHOW and EXPLAIN are run)"
+        )
 
 
-def _cell(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return "" if value is None else str(value)
+def run_query(store: ResultStore, sql: str) -> pa.Table:
+    """Run one read-only statement over the view `results`; files it cannot read are skipped (`store.broken`).
+
+    Raises:
+        InputError: nothing is stored, the SQL is refused or fails, or a file has a newer schema version.
+    """
+    check_read_only(sql)
+    index = whole_index(store)
+    newer = index.filter(pc.greater(index["schema_version"], SCHEMA_VERSION))
+    if newer.num_rows:
+        raise InputError(
+            f"written with schema version {newer['schema_version'][0].as_py()}, newer than this orchestrate reads "
+            f"({SCHEMA_VERSION}): upgrade orchestrate to read it",
+            where=newer["file"][0].as_py(),
+        )
+    scan = StoreScan(store, read_only=True)
+    if not scan.files:
+        raise InputError("no results stored", where=str(store.root))
+    try:
+        return scan.arrow(sql)
+    except duckdb.Error as exc:
+        raise InputError(f"query failed: {exc}") from None
+
+
+RUNS_SQL = """
+SELECT run_id, sweep, min(started_at) AS started_at, list_sort(list_distinct(list(date::VARCHAR))) AS dates,
+    list_sort(list_distinct(list(device))) AS devices, count(DISTINCT job_key) AS jobs,
+    count(DISTINCT job_key) FILTER (status = 'failed') AS failed_jobs,
+    count(DISTINCT job_key) FILTER (status = 'ok' AND coalesce(contended, false)) AS contended_jobs,
+    count(*) AS rows, list_sort(list_distinct(list(code_version))) AS code_versions
+FROM results GROUP BY run_id, sweep ORDER BY started_at NULLS FIRST, run_id
+"""
+
+
+def stored_runs(store: ResultStore, sweep: str | None = None) -> pa.Table:
+    """Every stored run (of one sweep): when it started, its dates, devices, jobs, failures, rows and commits.
+
+    Raises:
+        InputError: nothing is stored.
+    """
+    scan = StoreScan(store, sweep=sweep)
+    if not scan.files:
+        raise InputError("no results stored" + (f" for sweep {sweep!r}" if sweep else ""), where=str(store.root))
+    return scan.arrow(RUNS_SQL)

@@ -1,8 +1,9 @@
 """One `orchestrate run` at a time per sweep and results directory.
 
 Two runs of one sweep into one results directory would each see the same jobs missing and run
-them all twice. `hold_store` takes an `flock(2)` on `<results>/.orchestrate-locks/<sweep>.lock`
-(opened without following links) before a run reads which jobs are complete; a second run
+them all twice. `hold_store` takes an `flock(2)` on `<sweep>.lock` in the store's side directory
+(`locks/` in `.<results>.orchestrate/` beside the results: the dataset itself holds nothing but
+Parquet), opened without following links, before a run reads which jobs are complete; a second run
 waits, saying which run holds it, and then resumes: it finds the first run's jobs complete and
 runs only what is still missing. Runs of other sweeps, or into other directories, go on side
 by side (the hosts' GPU locks still take their jobs one at a time).
@@ -26,7 +27,7 @@ from pathlib import Path
 from orchestrator.errors import InfrastructureError
 from orchestrator.names import NAME_RE
 
-LOCK_DIR = ".orchestrate-locks"
+LOCK_DIR = "locks"  # in the store's side directory (`ResultStore.side`)
 _HELD: dict[Path, int] = {}
 _GUARD = threading.Lock()
 
@@ -35,9 +36,14 @@ def _say(message: str) -> None:
     print(f"orchestrate: {message}", file=sys.stderr, flush=True)
 
 
-def hold_store(root: Path, sweep: str) -> Path:
+def hold_store(root: Path, sweep: str, lock_dir: Path) -> Path:
     """Hold this process's lock on running `sweep` into the results at `root`; wait while another
     run holds it.
+
+    Args:
+        root: the results directory (named in the waiting message).
+        sweep: the sweep's name (the lock file's).
+        lock_dir: where the lock files are (`ResultStore.side / LOCK_DIR`).
 
     Returns:
         The lock file.
@@ -47,7 +53,7 @@ def hold_store(root: Path, sweep: str) -> Path:
     """
     if not NAME_RE.fullmatch(sweep):
         raise InfrastructureError(f"sweep name {sweep!r} cannot name a lock file")
-    path = (root / LOCK_DIR / f"{sweep}.lock").absolute()
+    path = (lock_dir / f"{sweep}.lock").absolute()
     with _GUARD:
         if path in _HELD:
             return path

@@ -21,7 +21,7 @@ from orchestrator.executor import Interrupted, RayExecutor
 from orchestrator.plan import code_version, expand, new_run_id
 from orchestrator.specs import InventorySpec, SweepSpec, check_sweep_against_inventory
 from orchestrator.store import ResultStore
-from orchestrator.store_lock import hold_store
+from orchestrator.store_lock import LOCK_DIR, hold_store
 from workers.contract import META_PHASES, STATUS_CONTENDED, STATUS_OK, JobSpec
 
 
@@ -131,7 +131,8 @@ def run_sweep(
     t0 = time.perf_counter()
     kinds = check_sweep_against_inventory(sweep, inventory, sweep_where)
     store.ensure_writable()
-    hold_store(store.root, sweep.name)  # one run per sweep and results dir: a second one waits, then resumes
+    # one run per sweep and results dir: a second one waits, then resumes
+    hold_store(store.root, sweep.name, store.side / LOCK_DIR)
     run_id = new_run_id()
     jobs = expand(sweep, inventory, kinds, run_id=run_id, version=code_version(), spool_dir=spool_dir)
     done = set() if force else store.complete_job_keys(sweep.name)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import pyarrow.parquet as pq
-
 from orchestrator.store import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
@@ -86,7 +84,7 @@ def job_phases_table(store: ResultStore, sweep: str | None = None, run: str | No
     for frag in store.fragments():
         if (sweep is not None and frag.sweep != sweep) or (run is not None and f"part-{run}-" not in frag.path.name):
             continue
-        meta = pq.read_metadata(frag.path).metadata or {}
+        meta = frag.meta  # the job's footer (a compacted job's from its file's index)
         raw = json.loads(meta.get(META_PHASES, b"{}"))
         numbers = {k: float(v) for k, v in raw.items() if isinstance(v, int | float)}
         run_id = frag.path.name.removeprefix("part-").rsplit("-", 1)[0]

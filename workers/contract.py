@@ -16,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+OLDEST_READABLE_VERSION = 1  # version-1 fragments are read (and migrated by `orchestrate compact`)
 
 ParamValue = int | float | str | bool
 
@@ -181,6 +182,89 @@ META_JOB_KEY = b"orchestrate.job_key"
 META_JOB_STATUS = b"orchestrate.job_status"
 META_JOB_SECONDS = b"orchestrate.job_seconds"  # the worker's wall time for the whole job
 META_PHASES = b"orchestrate.phases"  # JSON: seconds per phase of the job (workers.phases)
+# Where a stored fragment belongs (its hive partition values and run), kept in the footer.
+META_SWEEP = b"orchestrate.sweep"
+META_DEVICE = b"orchestrate.device"
+META_DATE = b"orchestrate.date"
+META_RUN_ID = b"orchestrate.run_id"
+# A compacted file's index: JSON list of every job it holds, each with its fragment's footer facts.
+META_JOBS = b"orchestrate.jobs"
+
+# The hive partition columns: in the path (and footer) of a stored fragment, not in its body.
+PARTITION_COLUMNS = ("sweep", "device")
+STORED_SCHEMA = pa.schema(
+    [f for f in SCHEMA if f.name not in PARTITION_COLUMNS], metadata={"orchestrate.schema_version": str(SCHEMA_VERSION)}
+)
+
+
+class SchemaVersionError(ValueError):
+    """A fragment written by a newer orchestrate (or with no readable version)."""
+
+
+def fragment_version(meta: dict[bytes, bytes] | None) -> int:
+    """The schema version a fragment's footer states (1 when absent: the first files had it, too)."""
+    raw = (meta or {}).get(META_SCHEMA_VERSION, b"1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise SchemaVersionError(f"unreadable schema version {raw!r}") from None
+
+
+def check_readable(version: int) -> None:
+    """Refuse a schema this code does not know.
+
+    Raises:
+        SchemaVersionError: `version` is newer than `SCHEMA_VERSION` or older than the oldest read.
+    """
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"schema version {version} is newer than this orchestrate reads ({SCHEMA_VERSION}): upgrade orchestrate"
+        )
+    if version < OLDEST_READABLE_VERSION:
+        raise SchemaVersionError(f"schema version {version} is older than any this orchestrate reads")
+
+
+def stored_table(table: pa.Table, *, sweep: str, device: str, date: str, run_id: str) -> pa.Table:
+    """`table` (in `SCHEMA`) as a stored fragment's body: no partition columns, where it belongs in the footer."""
+    meta = dict(table.schema.metadata or {})
+    meta.update(
+        {
+            META_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
+            META_SWEEP: sweep.encode(),
+            META_DEVICE: device.encode(),
+            META_DATE: date.encode(),
+            META_RUN_ID: run_id.encode(),
+        }
+    )
+    body = table.drop_columns([c for c in PARTITION_COLUMNS if c in table.column_names])
+    body = body.cast(pa.schema([STORED_SCHEMA.field(n) for n in body.column_names]))
+    return body.select(STORED_SCHEMA.names).replace_schema_metadata(meta)
+
+
+def restored_table(body: pa.Table, *, sweep: str | None = None, device: str | None = None) -> pa.Table:
+    """A fragment's rows in `SCHEMA`, whatever version wrote them; the footer's metadata is kept.
+
+    A version-1 body carries `sweep` and `device` itself; a version-2 body takes them from the
+    arguments, else from its footer.
+
+    Raises:
+        SchemaVersionError: a newer schema, or a version-2 body that does not say where it belongs.
+    """
+    meta = dict(body.schema.metadata or {})
+    check_readable(fragment_version(meta))
+    given = {"sweep": sweep, "device": device}
+    keys = {"sweep": META_SWEEP, "device": META_DEVICE}
+    for name in PARTITION_COLUMNS:
+        if name in body.column_names:
+            continue
+        value = given[name] or meta.get(keys[name], b"").decode()
+        if not value:
+            raise SchemaVersionError(f"the fragment has no {name!r} column and its footer names none")
+        body = body.append_column(name, pa.array([value] * body.num_rows, pa.string()))
+    missing = [f for f in SCHEMA if f.name not in body.column_names]
+    for f in missing:  # a column added after the fragment was written (new columns are nullable)
+        body = body.append_column(f.name, pa.nulls(body.num_rows, f.type))
+    return body.select(SCHEMA.names).cast(SCHEMA).replace_schema_metadata(meta)
 
 
 class JobContext(BaseModel):

@@ -2,7 +2,7 @@
 
 The job's process keeps one `Phases` (`current()`), reset when a job starts; code that does a
 phase's work wraps it in `span(name)`. At the end of the job the sums go into the fragment's
-footer as JSON (`orchestrate.phases`, see results/README.md), with the Ray task's own view added
+footer as JSON (`orchestrate.phases`, see docs/results.md), with the Ray task's own view added
 by `workers.task`. Phase names:
 
 * `worker_start`: from the Ray task asking for the job's process to the job starting in it

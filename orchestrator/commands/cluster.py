@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from orchestrator.cluster import (
-    ClusterCheckError,
-    HostState,
-    cluster_down,
-    cluster_logs,
-    cluster_status,
-    cluster_up,
-    require_ssh_hosts,
-)
 from orchestrator.console import console
 from orchestrator.errors import InputError
 from orchestrator.specs import InventorySpec, load_inventory
+
+if TYPE_CHECKING:  # SSH (paramiko) is imported only by the commands that use it: every other start stays quick
+    from orchestrator.cluster import HostState
 
 INVENTORY = typer.Option(..., "--inventory", "-i", help="host inventory TOML with a [head] address")
 
@@ -54,6 +49,8 @@ def hosts_table(states: list[HostState], title: str) -> Table:
 
 def load_cluster_inventory(path: Path) -> InventorySpec:
     """The inventory, refused (exit 2, naming the file) without a head or an SSH address per host."""
+    from orchestrator.cluster import require_ssh_hosts
+
     inv = load_inventory(path)
     try:
         require_ssh_hosts(inv)
@@ -82,6 +79,8 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
+        from orchestrator.cluster import ClusterCheckError, cluster_up
+
         inv = load_cluster_inventory(inventory)
         out = console()
         try:
@@ -97,6 +96,8 @@ def register(app: typer.Typer) -> None:
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
         """Stop the Ray nodes (and head) that `cluster up` started, nothing else; remove the hosts' token."""
+        from orchestrator.cluster import cluster_down
+
         inv = load_cluster_inventory(inventory)
         out = console()
         states = cluster_down(inv, log=out.print)
@@ -105,6 +106,8 @@ def register(app: typer.Typer) -> None:
     @cluster.command("status")
     def status(inventory: Path = INVENTORY) -> None:
         """Per host: reachable, versions, Ray node alive, lock holder, last job."""
+        from orchestrator.cluster import cluster_status
+
         inv = load_cluster_inventory(inventory)
         out = console()
         out.print(hosts_table(cluster_status(inv), f"cluster {inventory}"))
@@ -115,6 +118,8 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
     ) -> None:
         """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
+        from orchestrator.cluster import cluster_logs
+
         inv = load_cluster_inventory(inventory)
         states = cluster_logs(inv, out)
         console().print(hosts_table(states, f"cluster {inventory}: logs in {out}"))

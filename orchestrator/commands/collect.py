@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.collect import collect_spooled
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
 from orchestrator.errors import InfrastructureError
@@ -18,9 +18,11 @@ def register(app: typer.Typer) -> None:
     @app.command("collect")
     def collect(
         inventory: Path = typer.Option(..., "--inventory", "-i", help="host inventory TOML"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
     ) -> None:
         """Copy each host's spooled fragments that are missing from the results store into it."""
+        from orchestrator.collect import collect_spooled  # SSH: imported only when collecting
+
         inv = load_inventory(inventory)
         store = ResultStore(results_root(results))
         out = console()

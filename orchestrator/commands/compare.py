@@ -1,8 +1,9 @@
-"""`orchestrate compare`: the seeds' comparison table for any stored sweep.
+"""`orchestrate compare`: each point's arms (or runs, commits, devices) against a baseline, with verdicts.
 
 By default the table shows prefill and decode tok/s, peak memory and load time where a case
-measures them (`--metric` picks others), every arm (`--arms` some, in the given order), and the
-cross-device share-of-peak view only when the rows span several devices (or `--view devices`).
+measures them (`--metric` picks others), every arm in the sweep's order (`--arms` some, in the
+order given), and the cross-device share-of-peak view only when the rows span several devices (or
+`--view devices`). The table fits the terminal; `--wide` shows every column at any width.
 """
 
 from __future__ import annotations
@@ -12,68 +13,88 @@ from pathlib import Path
 import typer
 
 from orchestrator import stats
-from orchestrator.commands.run import results_root
-from orchestrator.compare import compare_results, cross_device, select_results
-from orchestrator.compare_render import (
-    FORMATS,
-    print_comparison,
-    print_cross,
-    render_cross_text,
-    render_text,
+from orchestrator.commands.options import (
+    By,
+    View,
+    format_option,
+    list_option,
+    output_option,
+    results_option,
+    split_list,
+    sweep_option,
 )
-from orchestrator.console import console
+from orchestrator.compare import compare_stored, cross_device, select_results
+from orchestrator.compare_render import print_comparison, print_cross, write_comparison, write_cross
+from orchestrator.console import console, warn, warn_broken
 from orchestrator.errors import InputError
+from orchestrator.output import Format, destination
 from orchestrator.store import ResultStore
-
-VIEWS = ("arms", "devices")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare(
-        sweep: str | None = typer.Option(None, "--sweep", "-s", help="stored sweep name, built-in sweep or TOML"),
-        run: str | None = typer.Option(None, "--run", help="only this run id"),
-        fmt: str = typer.Option("table", "--format", "-f", help="table, md, csv or json"),
-        by: str = typer.Option("arm", "--by", help="what is compared: arm, run, commit or device"),
-        baseline: str | None = typer.Option(None, "--baseline", help="the side compared with (default: sweep's)"),
-        threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
-        view: str = typer.Option("arms", "--view", help="arms (the seeds' table) or devices (share of peak)"),
-        metric: list[str] | None = typer.Option(
-            None, "--metric", "-m", help="show this metric (repeatable): seconds, gb_per_s, tflop_per_s, rel_error..."
+        sweep: str | None = sweep_option(),
+        run: str | None = typer.Option(
+            None, "--run", metavar="RUN", help="only this run id (default: each point's newest run)"
         ),
-        arms: str | None = typer.Option(None, "--arms", help="only these arms, comma-separated, e.g. native,affine"),
+        by: By = typer.Option(By.arm, "--by", case_sensitive=False, help="what is put side by side"),
+        baseline: str | None = typer.Option(
+            None,
+            "--baseline",
+            "-b",
+            metavar="SIDE",
+            help="the side the others are compared with: an arm, or with --by run|commit|device a run id, commit "
+            "or device kind (a unique prefix will do; default: the sweep's baseline arm, the oldest run)",
+        ),
+        contender: list[str] | None = list_option("--contender", "only these sides against the baseline", "-c", "SIDE"),
+        metric: list[str] | None = list_option("--metric", "only these metrics, e.g. seconds,gb_per_s", "-m", "METRIC"),
+        arms: list[str] | None = list_option(
+            "--arms", "only these arms, in this order, e.g. native,affine", None, "ARM"
+        ),
+        threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
+        only_changed: bool = typer.Option(False, "--only-changed", help="hide what is SAME within the threshold"),
         all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        view: View = typer.Option(View.arms, "--view", case_sensitive=False, help="arms, or devices: share of peak"),
+        wide: bool = typer.Option(False, "--wide", help="every column and interval, however wide the table"),
+        fmt: Format = format_option("the comparison"),
+        output: Path | None = output_option(),
+        results: Path = results_option(),
     ) -> None:
         """Per point and device: each arm's medians, the gap to the baseline with its interval and verdict."""
-        if fmt not in FORMATS:
-            raise InputError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-        if view not in VIEWS:
-            raise InputError(f"--view {view!r}: expected one of {', '.join(VIEWS)}")
         if not 0 < threshold < 1:
             raise InputError(f"--threshold {threshold}: expected a fraction between 0 and 1, e.g. 0.03")
-        store = ResultStore(results_root(results_dir))
-        table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"))
-        arm_list = [a.strip() for a in arms.split(",") if a.strip()] if arms else None
-        metrics = list(dict.fromkeys(metric)) if metric else None
-        out = console()
-        if view == "devices":
+        if run is not None and by is By.run:
+            raise InputError("--run and --by run: name the runs with --baseline RUN --contender RUN instead")
+        store = ResultStore(results)
+        metrics = split_list(metric)
+        if view is View.devices:
+            table, _ = select_results(store, sweep, run, all_runs=all_runs)
             cross = cross_device(table)
             if not cross:
                 raise InputError("no GB/s or TFLOP/s rows to put against device peaks")
-            if fmt == "table":
-                print_cross(out, cross)
-            else:
-                print(render_cross_text(cross, fmt), end="")
+            with destination(output) as stream:
+                if fmt is Format.table:
+                    print_cross(console(stream), cross, wide=wide or output is not None)
+                else:
+                    write_cross(cross, fmt, stream)
+            warn_broken(store.broken)
             return
-        preferred = baseline or (spec.baseline if spec is not None and by == "arm" else None)
-        if baseline is None and arm_list and preferred not in arm_list:
-            preferred = None  # the sweep's baseline is left out: `affine` or the first of --arms
-        result = compare_results(table, by=by, baseline=preferred, threshold=threshold, arms=arm_list, metrics=metrics)
+        result, table, _ = compare_stored(
+            store, sweep=sweep, run=run, by=by.value, baseline=baseline, contenders=split_list(contender),
+            arms=split_list(arms), metrics=metrics, threshold=threshold, all_runs=all_runs,
+        )  # fmt: skip
         cross = cross_device(table) if len(set(table["device"].to_pylist())) > 1 else []
-        if fmt == "table":
-            print_comparison(out, result, cross, metrics)
-        else:
-            print(render_text(result, fmt, cross, metrics), end="")
-        for path, reason in store.broken:
-            out.print(f"warning: skipped broken fragment {path}: {reason}")
+        with destination(output) as stream:
+            if fmt is Format.table:
+                print_comparison(console(stream), result, cross, metrics, wide=wide or output is not None,
+                                 only_changed=only_changed)  # fmt: skip
+            else:
+                write_comparison(result, fmt, stream, cross if fmt is Format.md else None, metrics,
+                                 only_changed=only_changed)  # fmt: skip
+        if fmt in (Format.csv, Format.json):  # the records carry the verdicts; what the legend says goes to stderr
+            if result.left_out:
+                warn(f"left out, no clean sample: {'; '.join(result.left_out)}")
+            for line in result.heavy_tails:
+                warn(f"heavy tails: {line}")
+        warn_broken(store.broken)

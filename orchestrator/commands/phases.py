@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
 from orchestrator.errors import InputError
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
     def phases(
         sweep: str | None = typer.Option(None, "--sweep", "-s", help="only this sweep"),
         run: str | None = typer.Option(None, "--run", help="only this run id"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results_dir: Path = results_option(),
     ) -> None:
         """Per stored job: its wall time and the seconds of each phase (timed samples, reference check, ...)."""
         store = ResultStore(results_root(results_dir))

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from orchestrator.commands.run import results_root
+from orchestrator.commands.options import Backend, results_option
 from orchestrator.errors import InputError
 from orchestrator.plan import code_version, expand, new_run_id
 from orchestrator.specs import InventorySpec, load_sweep, validation_message
@@ -50,12 +50,12 @@ def register(app: typer.Typer) -> None:
     def plan(
         sweep: str = typer.Option("smoke", "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
         device: str = typer.Option(..., "--device", help="the device kind the jobs are for, e.g. h200"),
-        backend: str = typer.Option("cuda", "--backend", help="cpu, cuda, metal or rocm"),
+        backend: Backend = typer.Option(Backend.cuda, "--backend", case_sensitive=False, help="what that host runs"),
         out: Path = typer.Option(..., "--out", help="directory for the job files"),
         lock: str | None = typer.Option(None, "--lock", help="the GPU lock path on that host"),
     ) -> None:
         """Write a sweep's jobs as JSON files, to run with `python -m workers run` on a host."""
-        paths = write_jobs(sweep, device, backend, out, lock)
+        paths = write_jobs(sweep, device, backend.value, out, lock)
         for path in paths:
             print(path)
         print(f"{len(paths)} jobs; on the host: python -m workers run JOB.json --out JOB.parquet")
@@ -63,10 +63,10 @@ def register(app: typer.Typer) -> None:
     @app.command("import")
     def import_(
         files: list[Path] = typer.Argument(..., help="Parquet fragments written by `python -m workers run`"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
     ) -> None:
         """Store fragments from another host in the results (atomic; the same job twice is one file)."""
-        store = ResultStore(results_root(results))
+        store = ResultStore(results)
         store.ensure_writable()
         for f in files:
             if not f.is_file():

@@ -7,9 +7,10 @@ from pathlib import Path
 import typer
 
 from orchestrator import stats
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.compare import select_results
-from orchestrator.console import console
+from orchestrator.console import console, warn_broken
 from orchestrator.store import ResultStore
 
 
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
         run: str | None = typer.Option(None, "--run", help="only this run id"),
         threshold: float = typer.Option(stats.THRESHOLD, "--threshold", help="smallest relative change that counts"),
         all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results_dir: Path = results_option(),
     ) -> None:
         """Per device the criteria and main comparison first, then tables and charts; peak shares, history, hosts."""
         from orchestrator.report import build_report, write_report  # matplotlib: only when reporting
@@ -31,7 +32,5 @@ def register(app: typer.Typer) -> None:
         # The trend charts need every stored run of the sweep, not only the newest one per point.
         history = store.read(sweep=table["sweep"][0].as_py()) if run is None and not all_runs else table
         path = write_report(html, build_report(table, spec=spec, threshold=threshold, history=history))
-        out = console()
-        out.print(f"Report written to {path} ({path.stat().st_size / 1e3:.0f} kB)")
-        for frag, reason in store.broken:
-            out.print(f"warning: skipped broken fragment {frag}: {reason}")
+        console().print(f"Report written to {path} ({path.stat().st_size / 1e3:.0f} kB)")
+        warn_broken(store.broken)

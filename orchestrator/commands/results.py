@@ -1,4 +1,4 @@
-"""`orchestrate results` (the quick summary) and `orchestrate query` (DuckDB SQL)."""
+"""`orchestrate results` (the quick look), `orchestrate runs` (what is stored) and `orchestrate query` (SQL)."""
 
 from __future__ import annotations
 
@@ -6,66 +6,89 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.commands.run import results_root
-from orchestrator.console import console, summary_table
-from orchestrator.errors import InputError, OrchestratorError
-from orchestrator.query import run_query
-from orchestrator.specs import builtin_sweeps, load_sweep
-from orchestrator.stats import latest_runs
+from orchestrator.commands.options import format_option, output_option, results_option, sweep_option
+from orchestrator.commits import head_rows
+from orchestrator.compare import resolve_sweep
+from orchestrator.console import console, print_fitted, print_wide, warn, warn_broken
+from orchestrator.dataset import read_rows
+from orchestrator.errors import InputError
+from orchestrator.output import Format, destination, write_table
+from orchestrator.query import run_query, stored_runs
 from orchestrator.store import ResultStore
-from orchestrator.summary import left_out, summarize
-
-
-def _baseline_for(sweep: str | None, given: str | None) -> str | None:
-    if given or sweep is None:
-        return given
-    if sweep in builtin_sweeps():
-        return load_sweep(sweep).baseline
-    return None
+from orchestrator.summary import left_out, results_markdown, results_table, summarize, summary_records
 
 
 def register(app: typer.Typer) -> None:
     @app.command("results")
-    def results(
-        sweep: str | None = typer.Option(None, "--sweep", "-s", help="only this sweep"),
-        run: str | None = typer.Option(None, "--run", help="only this run id"),
-        baseline: str | None = typer.Option(None, "--baseline", help="arm to compare with (default: the sweep's)"),
+    def results_(
+        sweep: str | None = sweep_option(),
+        run: str | None = typer.Option(None, "--run", help="only this run id (default: each point's newest run)"),
         all_runs: bool = typer.Option(False, "--all-runs", help="pool samples of every run, not the newest"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        baseline: str | None = typer.Option(
+            None, "--baseline", "-b", help="arm to compare with (default: the sweep's baseline)"
+        ),
+        fmt: Format = format_option("the summary"),
+        output: Path | None = output_option(),
+        results: Path = results_option(),
     ) -> None:
-        """Per device, case, parameters and arm: median, spread, samples, ratio to the baseline.
+        """Per device, case, point and arm: median, spread, samples, ratio to the case's baseline arm.
 
-        As `orchestrate compare`: each point's newest run counts (`--all-runs` pools them).
+        As `orchestrate compare`: each point's newest run counts (`--all-runs` pools them), and of
+        a commit comparison HEAD alone (`compare --by commit` puts it beside BASE).
         """
-        store = ResultStore(results_root(results_dir))
-        table = store.read(sweep=sweep, run=run)
+        store = ResultStore(results)
+        name, spec = resolve_sweep(store, sweep)
+        table = read_rows(store, sweep=name, runs=[run] if run else None, newest=run is None and not all_runs)
         if table.num_rows == 0:
-            raise InputError("no results stored" + (f" for sweep {sweep!r}" if sweep else ""), where=str(store.root))
-        if run is None and not all_runs:
-            table = latest_runs(table)
-        which = f"run {run}" if run else "every run pooled" if all_runs else "each point's newest run"
-        base = _baseline_for(sweep, baseline)
-        out = console()
-        title = f"{table.num_rows} rows in {store.root} ({which})"
-        out.print(summary_table(summarize(table, baseline=base), base, title))
+            what = (f" for sweep {name!r}" if name else "") + (f" and run {run!r}" if run else "")
+            raise InputError(f"no results stored{what}", where=str(store.root))
+        lines = summarize(head_rows(table), baseline=baseline or (spec.baseline if spec else None))
         note = left_out(table)
-        if note:
-            out.print(note)
-        out.print(f"rows: {table.num_rows}")
-        for path, reason in store.broken:
-            out.print(f"warning: skipped broken fragment {path}: {reason}")
+        which = f"run {run}" if run else "every run pooled" if all_runs else "each point's newest run"
+        title = f"sweep {name}: {table.num_rows} rows, {which}"
+        with destination(output) as stream:
+            if fmt is Format.md:
+                stream.write(results_markdown(lines, title))
+            elif fmt is Format.table:
+                out = console(stream)
+                layouts = [results_table(lines, title), results_table(lines, title, compact=True)]
+                if output is None:
+                    print_fitted(out, layouts)
+                else:
+                    print_wide(out, layouts[0])
+                if note:
+                    out.print(note)
+            else:
+                write_table(summary_records(lines), fmt, stream)
+        if fmt is not Format.table and note:
+            warn(note)
+        warn_broken(store.broken)
+
+    @app.command("runs")
+    def runs(
+        sweep: str | None = typer.Option(None, "--sweep", "-s", help="only this sweep's runs"),
+        fmt: Format = format_option("the runs"),
+        output: Path | None = output_option(),
+        results: Path = results_option(),
+    ) -> None:
+        """The stored runs, oldest first: when, which sweep, dates, devices, jobs (failed), rows, commits."""
+        store = ResultStore(results)
+        name = resolve_sweep(store, sweep)[0] if sweep else None
+        table = stored_runs(store, name)
+        with destination(output) as stream:
+            write_table(table, fmt, stream, title=f"runs in {store.root}")
+        warn_broken(store.broken)
 
     @app.command("query")
     def query(
-        sql: str = typer.Argument(..., help="SQL over the table `results`"),
-        results_dir: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
-        fmt: str = typer.Option("table", "--format", "-f", help="table, csv or json"),
+        sql: str = typer.Argument(..., help="one read-only SQL statement over the table `results`"),
+        fmt: Format = format_option("the result"),
+        output: Path | None = output_option(),
+        results: Path = results_option(),
     ) -> None:
-        """Run DuckDB SQL over the result dataset (table name `results`)."""
-        store = ResultStore(results_root(results_dir))
-        if fmt not in ("table", "csv", "json"):
-            raise InputError(f"--format {fmt!r}: expected table, csv or json")
-        try:
-            print(run_query(store, sql, fmt))
-        except OrchestratorError:
-            raise
+        """Run read-only DuckDB SQL over the result dataset (table `results`; COPY, ATTACH, SET ... are refused)."""
+        store = ResultStore(results)
+        table = run_query(store, sql)
+        with destination(output) as stream:
+            write_table(table, fmt, stream)
+        warn_broken(store.broken)

@@ -17,16 +17,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from orchestrator.commits import compared_refs, head_rows
-from orchestrator.compare import compare_results
-from orchestrator.compare_render import print_comparison
-from orchestrator.console import console, summary_table
+from orchestrator.commands.options import results_option
+from orchestrator.console import console
 from orchestrator.criteria import judge_stored, validate_criteria
-from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT, InputError
+from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
 from orchestrator.plan import with_refs
-from orchestrator.specs import load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.specs import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store import ResultStore
-from orchestrator.summary import left_out, summarize
+from orchestrator.summary import render_run_end
 from orchestrator.sweep import JobOutcome, RunSummary, run_sweep
 from orchestrator.timing import run_account
 from workers.contract import JobSpec
@@ -108,8 +106,10 @@ class ProgressView:
         return "slowest: " + "; ".join(f"{job_label(o.job)} {o.seconds:.1f} s" for o in top) if top else ""
 
 
-def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None, view: ProgressView) -> None:
-    """Print what ran, where the time went and the comparison table of the sweep's stored results."""
+def report_summary(
+    summary: RunSummary, store: ResultStore, sweep: SweepSpec, view: ProgressView, results: Path | None = None
+) -> None:
+    """Print what ran and where the time went, then the sweep's comparison and the next commands."""
     out = console()
     if summary.ran == 0 and not summary.interrupted:
         out.print(
@@ -137,21 +137,7 @@ def report_summary(summary: RunSummary, store: ResultStore, baseline: str | None
                 "run the same command again to measure them again.",
                 markup=False,
             )
-    table = store.read(sweep=summary.sweep)
-    lines = summarize(head_rows(table), baseline=baseline)  # a commit comparison's HEAD, as criteria judge it
-    out.print(summary_table(lines, baseline, f"sweep {summary.sweep}: {table.num_rows} rows"))
-    note = left_out(table)
-    if note:
-        out.print(note, markup=False)
-    this_run = store.read(sweep=summary.sweep, run=summary.run_id)
-    if compared_refs(this_run) > 1 and this_run.num_rows:
-        out.print("HEAD against BASE (this run's commits, interleaved in each job's lock window):")
-        try:
-            print_comparison(out, compare_results(this_run, by="commit"))
-        except InputError as exc:  # no clean sample of either commit: the rows above say why
-            out.print(f"no commit comparison: {exc.message}", markup=False)
-    for path, reason in store.broken:
-        out.print(f"warning: skipped broken fragment {path}: {reason}", markup=False)
+    render_run_end(store, sweep, out, results=results, run_id=summary.run_id)
 
 
 def register(app: typer.Typer) -> None:
@@ -161,7 +147,7 @@ def register(app: typer.Typer) -> None:
             None, "--inventory", "-i", help="host inventory TOML (default: this machine)"
         ),
         sweep: str = typer.Option("smoke", "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
         force: bool = typer.Option(False, "--force", help="run jobs again even when complete in the store"),
         job_timeout: float | None = typer.Option(None, "--job-timeout", min=1, help="seconds before a job is failed"),
         ref: list[str] | None = typer.Option(
@@ -195,7 +181,7 @@ def register(app: typer.Typer) -> None:
                 flush=True,
             )
             raise typer.Exit(128 + summary.interrupted)  # as a shell reports a process ended by that signal
-        report_summary(summary, store, spec.baseline, view)
+        report_summary(summary, store, spec, view, results)
         verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
         if verdicts:
             print(verdicts, flush=True)

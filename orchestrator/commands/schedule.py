@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
+from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
 from orchestrator.history import THRESHOLD, WINDOW
@@ -22,7 +24,18 @@ from orchestrator.schedule import (
 )
 from orchestrator.specs import check_sweep_against_inventory, load_inventory, load_sweep, resolve_sweep_path
 
-BACKEND = typer.Option("auto", "--backend", help="auto (systemd where it runs, else cron), systemd or cron")
+
+class Scheduler(StrEnum):
+    """What installs a schedule."""
+
+    auto = "auto"
+    systemd = "systemd"
+    cron = "cron"
+
+
+BACKEND = typer.Option(
+    Scheduler.auto, "--backend", case_sensitive=False, help="what installs it: systemd where it runs, else cron"
+)
 CRONTAB_FILE = typer.Option(
     None, "--crontab-file", envvar="ORCHESTRATE_CRONTAB_FILE", help="edit this crontab file, not `crontab`"
 )
@@ -39,10 +52,10 @@ def register(app: typer.Typer) -> None:
         sweep: str = typer.Option(..., "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
         inventory: Path | None = typer.Option(None, "--inventory", "-i", help="host inventory (default: this machine)"),
         at: str = typer.Option("02:00", "--at", help="HH:MM daily, or five cron fields"),
-        results: Path | None = typer.Option(None, "--results", "-r", help="results directory (default ./results)"),
+        results: Path = results_option(),
         window: int = typer.Option(WINDOW, "--window", min=2, help="nights that estimate the night-to-night noise"),
         threshold: float = typer.Option(THRESHOLD, "--threshold", min=0.0, help="smallest change that counts"),
-        backend: str = BACKEND,
+        backend: Scheduler = BACKEND,
         crontab_file: Path | None = CRONTAB_FILE,
         unit_dir: Path | None = UNIT_DIR,
     ) -> None:
@@ -68,7 +81,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("list")
     def list_(
-        backend: str = BACKEND, crontab_file: Path | None = CRONTAB_FILE, unit_dir: Path | None = UNIT_DIR
+        backend: Scheduler = BACKEND, crontab_file: Path | None = CRONTAB_FILE, unit_dir: Path | None = UNIT_DIR
     ) -> None:
         """List the schedules and whether each is installed."""
         chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
@@ -87,7 +100,7 @@ def register(app: typer.Typer) -> None:
     @group.command("remove")
     def remove(
         name: str = typer.Argument(..., help="schedule name"),
-        backend: str = BACKEND,
+        backend: Scheduler = BACKEND,
         crontab_file: Path | None = CRONTAB_FILE,
         unit_dir: Path | None = UNIT_DIR,
     ) -> None:

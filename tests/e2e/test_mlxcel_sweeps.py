@@ -70,10 +70,11 @@ class Lab:
     def rows(self, sweep: str) -> list[dict[str, Any]]:
         return ResultStore(self.results).read(sweep=sweep).to_pylist()
 
-    def compare_by_commit(self, sweep: Path, run_id: str) -> dict[str, Any]:
+    def compare_by_commit(self, sweep: Path, run_id: str) -> list[dict[str, Any]]:
+        """`compare --by commit --format json`: its tidy records (docs/results.md)."""
         out = self.orchestrate_cmd("compare", "--sweep", str(sweep), "--by", "commit", "--run", run_id, "-f", "json")
         assert out.returncode == 0, out.stdout + out.stderr
-        return dict(json.loads(out.stdout))
+        return list(json.loads(out.stdout))
 
 
 @pytest.fixture
@@ -122,10 +123,13 @@ def test_mlxcel_moe_gate_route_commits_and_greedy_output(lab: Lab) -> None:
     assert compared.returncode == 1, compared.stdout + compared.stderr  # the changed output fails
     assert "HEAD against BASE" in compared.stdout and f"changed@{changed[:12]}" in compared.stdout
     run_id = newest_run(lab.rows("mlxcel-moe"))
-    table = lab.compare_by_commit(lab.sweep("mlxcel-moe", "route"), run_id)
-    assert table["baseline"] == f"route@{route[:12]}"
-    side = f"changed@{changed[:12]}/route@{route[:12]}.prefill_tok_s"
-    found = {r["arm"]: (r[f"{side}.verdict"], r[f"{side}.ratio"]) for r in table["rows"] if r["case"] == "bench-decode"}
+    records = lab.compare_by_commit(lab.sweep("mlxcel-moe", "route"), run_id)
+    assert {r["baseline"] for r in records} == {f"route@{route[:12]}"}
+    found = {
+        r["arm"]: (r["verdict"], r["ratio"])
+        for r in records
+        if r["case"] == "bench-decode" and r["metric"] == "prefill_tok_s" and r["side"] == f"changed@{changed[:12]}"
+    }
     assert {arm: v for arm, (v, _) in found.items()} == {"default": "SLOWER", "opt-out": "SLOWER"}
     assert all(0.8 < ratio < 0.9 for _, ratio in found.values())
     # the ratio criteria judge HEAD alone (the route is still 1.7x the opt-out there)
@@ -175,10 +179,13 @@ def test_mlxcel_prefill_seed_table_criteria_and_a_commit_that_reopens_the_gap(la
     assert len(outputs) == 2  # native and affine differ; each agrees with itself at both commits
 
     run_id = newest_run(rows)
-    table = lab.compare_by_commit(lab.sweep("mlxcel-prefill", "closed"), run_id)
-    assert table["baseline"] == f"closed@{closed[:12]}"
-    side = f"gap@{gap[:12]}/closed@{closed[:12]}.prefill_tok_s.verdict"
-    verdicts = {(r["arm"], r["prompt_tokens"]): r[side] for r in table["rows"] if r["case"] == "bench-decode"}
+    records = lab.compare_by_commit(lab.sweep("mlxcel-prefill", "closed"), run_id)
+    assert {r["baseline"] for r in records} == {f"closed@{closed[:12]}"}
+    verdicts = {
+        (r["arm"], r["prompt_tokens"]): r["verdict"]
+        for r in records
+        if r["case"] == "bench-decode" and r["metric"] == "prefill_tok_s" and r["side"] == f"gap@{gap[:12]}"
+    }
     assert len(verdicts) == 12
     assert {v for (arm, _), v in verdicts.items() if arm == "native"} == {"SLOWER"}
     assert {v for (arm, _), v in verdicts.items() if arm == "affine"} == {"SAME"}

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 INTEROP = r"""
 import json, sys
-import duckdb, polars as pl
+import duckdb, pandas as pd, polars as pl, pyarrow.dataset as ds
 root = sys.argv[1]
 glob = root + "/**/*.parquet"
 n_duck, n_ok, n_dev = duckdb.sql(
@@ -37,6 +37,8 @@ df = pl.read_parquet(glob, hive_partitioning=True)
 err = df.filter((pl.col("metric") == "rel_error") & (pl.col("arm") == "native"))
 print(json.dumps({
     "duckdb": n_duck, "ok": n_ok, "devices": n_dev, "polars": df.height,
+    "pandas": len(pd.read_parquet(root)), "polars_dir": pl.read_parquet(root).height,
+    "pyarrow": ds.dataset(root, partitioning="hive").count_rows(),
     "dates": sorted(str(d) for d in df["date"].unique().to_list()),
     "native_rel_error_max": err["value"].max(),
     "backends": sorted(df["backend"].unique().to_list()),
@@ -60,7 +62,9 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     first = runs[0]
     assert last.returncode == 0, last.stdout + last.stderr
     assert f"{n_jobs} jobs ran (0 failed" in first.stdout
-    assert "vs affine" in last.stdout  # the comparison table
+    assert "baseline affine" in last.stdout  # the comparison table, with verdicts
+    assert re.search(r"\b(FASTER|SLOWER|SAME|AMBIGUOUS)\b", last.stdout)
+    assert "Next:" in last.stdout and "orchestrate compare --sweep smoke" in last.stdout
     fragments = sorted((work / "results").rglob("part-*.parquet"))
     # a job measured again after contention keeps its contended fragment beside the clean one
     contended = sum(int(m) for r in runs[:-1] for m in re.findall(r"(\d+) contended\)", r.stdout))
@@ -72,9 +76,10 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     assert f"Nothing to do: all {n_jobs} jobs of sweep 'smoke' are complete" in again.stdout
     assert sorted((work / "results").rglob("part-*.parquet")) == fragments
 
-    res = _run([orchestrate_bin, "results", "--sweep", "smoke"], work)
+    # every stored row, a contended run's beside the clean rerun's (by default each point's newest run)
+    res = _run([orchestrate_bin, "results", "--sweep", "smoke", "--all-runs"], work)
     assert res.returncode == 0, res.stderr
-    reported = int(re.search(r"^rows: (\d+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
+    reported = int(re.search(r"^sweep smoke: (\d+) rows", res.stdout, re.M).group(1))  # type: ignore[union-attr]
 
     interop = subprocess.run(
         [sys.executable, "-c", INTEROP, str(work / "results")], capture_output=True, text=True, timeout=120,
@@ -83,6 +88,7 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     assert interop.returncode == 0, interop.stderr
     got = json.loads(interop.stdout)
     assert got["duckdb"] == got["polars"] == reported
+    assert got["pandas"] == got["polars_dir"] == got["pyarrow"] == reported  # their default calls on the directory
     assert got["ok"] == reported  # every row of the smoke sweep passed
     assert got["devices"] == 1 and got["backends"] == ["cpu"]  # a CPU run says so
     assert set(got["cases"]) == {c.case for c in smoke.cases}

@@ -169,7 +169,7 @@ def test_two_runs_into_one_results_directory_do_each_job_once(tmp_path: Path, or
     inventory = ["--inventory", str(tmp_path / "quiet-local.toml")]
     first = subprocess.Popen([*argv, *inventory], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env)  # fmt: skip
-    lock = results / ".orchestrate-locks" / "slow.lock"
+    lock = ResultStore(results).side / "locks" / "slow.lock"  # beside the results: they hold only Parquet
     deadline = time.monotonic() + 120
     while not (lock.exists() and subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 1):
         assert first.poll() is None and time.monotonic() < deadline, "the first run never took the store"

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from orchestrator.units import unit_of
 from workers.contract import SCHEMA, HostFingerprint, JobContext, JobSpec, RowBuilder
 
 
@@ -74,7 +75,7 @@ def job_table(
                     arm,
                     metric,
                     v,
-                    "tok/s",
+                    unit_of(metric, "tok/s"),
                     sample=i if len(samples) > 1 else -1,
                     status=status,
                     error=error,

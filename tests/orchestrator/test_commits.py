@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,11 +13,15 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.commits import base_side, head_rows, match_side, with_commit_sides
-from orchestrator.compare import compare_results
+from orchestrator.compare import compare_results, compare_stored
+from orchestrator.compare_render import records
 from orchestrator.errors import InputError
+from orchestrator.history import series_of
 from orchestrator.plan import expand, with_refs
 from orchestrator.specs import SweepSpec, load_inventory
 from orchestrator.stats import Verdict
+from orchestrator.store import ResultStore
+from orchestrator.summary import summarize
 from tests.orchestrator.synthetic_rows import concat, fingerprint, job_table, noisy
 from workers.contract import JobContext, JobSpec, RowBuilder
 
@@ -153,3 +158,42 @@ def test_criterion_kinds_are_checked() -> None:
     ]:
         with pytest.raises(ValidationError, match=re.escape(message)):
             criterion(**fields)
+
+
+def stored_comparison(root: Path, effects: dict[str, float]) -> ResultStore:
+    """`comparison` stored as its job's fragment (sweep `s`, run `r1`), as `orchestrate run` stores it."""
+    store = ResultStore(root)
+    store.write(comparison(effects, 0.02), sweep="s", date=dt.date(2026, 12, 1), device="gfx1151", run_id="r1",
+                job_key="k")  # fmt: skip
+    return store
+
+
+def test_compare_stored_by_commit_names_sides_by_ref_or_commit_prefix(tmp_path: Path) -> None:
+    """`compare --by commit --baseline main --contender v1`: a ref's name or a commit prefix picks a
+    side of the stored rows (the sides are labels made from them, not a column of the files)."""
+    store = stored_comparison(tmp_path / "results", {"native": 0.80})
+    base, head = f"v1@{'b' * 12}", f"main@{'c' * 12}"
+    result, _, _ = compare_stored(store, by="commit")
+    assert (result.baseline, result.sides) == (base, [base, head])  # BASE by default
+    flipped, _, _ = compare_stored(store, by="commit", baseline="main", contenders=["bbbbbb"])
+    assert (flipped.baseline, flipped.sides) == (head, [head, base])
+    (c,) = flipped.rows[0].comparisons.values()
+    assert c.verdict is Verdict.FASTER and 1.15 < c.ratio.ratio < 1.35  # BASE is 1/0.8 of HEAD
+    with pytest.raises(InputError, match="commit 'nope': none stored"):
+        compare_stored(store, by="commit", baseline="nope")
+    # the records keep each side's own commit and this checkout's code version, the label in `side`
+    recs = {r["side"]: r for r in records(result)}
+    assert recs[head]["commit"] == "c" * 40 and recs[base]["commit"] == "b" * 40
+    assert recs[head]["code_version"] == recs[base]["code_version"] != head
+
+
+def test_history_and_results_take_head_alone(tmp_path: Path) -> None:
+    """A commit comparison's BASE rows share HEAD's run: the run's point in the history is HEAD's
+    (not a median pooled over both commits), as in `results`."""
+    table = comparison({"native": 0.80}, 0.02)
+    (series,) = series_of(table, case="bench", metric="prefill_tok_s").values()
+    (point,) = series
+    assert len(point.values) == 10 and point.commit == "c" * 40
+    assert 0.78 < point.median / 120.0 < 0.82  # HEAD's 0.8 x BASE, not a median over both
+    (line,) = summarize(head_rows(table), baseline=None)
+    assert line.n == 10 and 0.78 < line.median / 120.0 < 0.82

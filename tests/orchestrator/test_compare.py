@@ -17,8 +17,17 @@ import pytest
 from rich.console import Console
 
 from orchestrator.compare import compare_results, cross_device, over_peak, select_results
-from orchestrator.compare_render import case_tables, print_comparison, render_cross_text, render_text
+from orchestrator.compare_render import (
+    RECORD_SCHEMA,
+    case_tables,
+    fitted_tables,
+    print_comparison,
+    render_text,
+    write_comparison,
+    write_cross,
+)
 from orchestrator.errors import InputError
+from orchestrator.output import Format
 from orchestrator.stats import Verdict
 from orchestrator.store import ResultStore
 from tests.conftest import child_env
@@ -67,6 +76,18 @@ def seed1_table(*, n: int = 9, noise: float = 0.0005, run_id: str = "run1", scal
     return concat(tables)
 
 
+def md_tables(md: str) -> dict[str, list[list[str]]]:
+    """Each Markdown table of a comparison as rows of cells (the header first, no rule), by its case."""
+    out: dict[str, list[list[str]]] = {}
+    case = ""
+    for line in md.splitlines():
+        if line.startswith("### "):
+            case = line[4:].split(" ")[0].rstrip(",")
+        elif line.startswith("|") and not line.startswith("|--") and case:
+            out.setdefault(case, []).append([c.strip() for c in line.strip("|").split("|")])
+    return out
+
+
 def test_the_first_seeds_table_is_rebuilt() -> None:
     result = compare_results(seed1_table(), baseline="affine")
     assert result.baseline == "affine" and result.sides == ["affine", "native"]
@@ -83,44 +104,56 @@ def test_the_first_seeds_table_is_rebuilt() -> None:
     memory = row.comparisons[("peak_memory_bytes", "native")]
     assert memory.ratio.ratio == pytest.approx(37.17 / 40.44) and memory.verdict is Verdict.FASTER
     assert row.values[("load_seconds", "native")].median == 82.6
+    # Each side's samples come ordered by sample, with the job and run they belong to (pairs can be formed).
+    group = row.samples[("prefill_tok_s", "native")]
+    assert list(group.samples) == list(range(9)) and set(group.run_ids) == {"run1"} and len(set(group.job_keys)) == 1
 
     md = render_text(result, "md")
-    header = md.splitlines()[2]
+    assert md.startswith("### bench-decode on cpu, baseline affine; checkpoint=models/gemma-4-31b-it-nvfp4\n")
+    table = md_tables(md)["bench-decode"]
     # The seed's columns, in its order (peak and load per arm, without a ratio column, as the seed has).
-    assert header == (
-        "| device | prompt_tokens | affine prefill tok/s | native prefill tok/s | native prefill gap "
-        "| affine decode tok/s | native decode tok/s | native decode speedup | affine peak | native peak "
-        "| affine load | native load |"
-    )
-    line_512 = next(line for line in md.splitlines() if line.startswith("| cpu | 512 |"))
-    cells = [c.strip() for c in line_512.strip("|").split("|")]
-    assert len(cells) == 12
-    assert re.fullmatch(r"-3\.0% \[-3\.\d,-[23]\.\d\] SLOWER", cells[4]), cells[4]
-    assert re.fullmatch(r"2\.67x \[2\.6\d,2\.[67]\d\] FASTER", cells[7]), cells[7]
-    assert cells[8:] == ["40.44 GB", "37.17 GB", "229.8s", "82.6s"]
-    line_2048 = next(line for line in md.splitlines() if line.startswith("| cpu | 2048 |"))
-    assert re.search(r"-8\.[89]% \[", line_2048), line_2048  # the median per-pair ratio: the seed's -8.8 % within noise
+    assert table[0] == [
+        "prompt_tokens", "affine prefill tok/s", "native prefill tok/s", "native prefill gap",
+        "affine decode tok/s", "native decode tok/s", "native decode speedup", "affine peak memory",
+        "native peak memory", "affine load time", "native load time",
+    ]  # fmt: skip
+    cells = next(r for r in table[1:] if r[0] == "512")
+    assert re.fullmatch(r"-3\.0% \[-3\.\d,-[23]\.\d\] SLOWER", cells[3]), cells[3]
+    assert re.fullmatch(r"2\.67x \[2\.6\d,2\.[67]\d\] FASTER", cells[6]), cells[6]
+    assert cells[1:3] == ["121.8", "118.1"] and cells[4:6] == ["4.920", "13.14"]
+    assert cells[7:] == ["40.44 GB", "37.17 GB", "229.8 s", "82.60 s"]
+    cells_2048 = next(r for r in table[1:] if r[0] == "2048")
+    # the median per-pair ratio: the seed's -8.8 % within noise
+    assert re.match(r"-8\.[89]% \[", cells_2048[3]), cells_2048
     assert "] AMBIGUOUS" not in md and "(1)" not in md  # 9 samples at 0.05 % noise settle every gap
-    # The memory verdict is still computed: CSV and JSON carry it.
-    assert render_text(result, "json").count('"native/affine.peak_memory_bytes.verdict": "FASTER"') == 6
 
 
-def test_csv_and_json_carry_every_number() -> None:
+def test_csv_and_json_are_tidy_records_with_one_schema() -> None:
+    """One record per point, arm and metric, every column typed and documented, the same for every case."""
     result = compare_results(seed1_table(), baseline="affine")
     rows = list(csv.DictReader(io.StringIO(render_text(result, "csv"))))
-    assert len(rows) == 6
-    first = rows[0]
-    assert first["prompt_tokens"] == "512" and first["device"] == "cpu"
-    assert float(first["affine.prefill_tok_s.median"]) == pytest.approx(121.77, rel=0.003)
-    assert float(first["affine.prefill_tok_s.ci_low"]) < float(first["affine.prefill_tok_s.ci_high"])
-    assert first["affine.prefill_tok_s.n"] == "9"
-    assert first["native/affine.decode_tok_s.verdict"] == "FASTER"
+    assert list(rows[0]) == RECORD_SCHEMA.names  # a stable header, whatever the cases
+    assert len(rows) == 6 * 2 * 4  # points x arms x metrics
+    first = next(
+        r for r in rows if r["prompt_tokens"] == "512" and r["arm"] == "affine" and r["metric"] == "prefill_tok_s"
+    )
+    assert first["device"] == "cpu" and first["side"] == "affine" and first["baseline"] == "affine"
+    assert float(first["value"]) == pytest.approx(121.77, rel=0.003) and first["unit"] == "tok/s"
+    assert float(first["ci_low"]) < float(first["value"]) < float(first["ci_high"])
+    assert first["n_samples"] == "9" and first["ratio"] == "" and first["verdict"] == ""  # the baseline: no ratio
+    assert first["run_id"] == "run1" and first["code_version"] == "abc123"
+
     doc = json.loads(render_text(result, "json"))
-    assert doc["baseline"] == "affine" and len(doc["rows"]) == 6
-    last = doc["rows"][-1]
-    assert last["prompt_tokens"] == "16384"
-    assert last["native/affine.prefill_tok_s.ratio"] == pytest.approx(107.45 / 114.19, abs=0.004)
-    assert last["affine.load_seconds.cv"] is None  # one sample: no spread, written as null
+    assert isinstance(doc, list) and len(doc) == 48 and set(doc[0]) == set(RECORD_SCHEMA.names)
+    gap = next(
+        r for r in doc if r["prompt_tokens"] == 16384 and r["arm"] == "native" and r["metric"] == "prefill_tok_s"
+    )
+    assert gap["ratio"] == pytest.approx(107.45 / 114.19, abs=0.004) and gap["verdict"] == "SLOWER"
+    assert json.loads(gap["params"]) == {"checkpoint": "models/gemma-4-31b-it-nvfp4", "prompt_tokens": 16384}
+    load = next(r for r in doc if r["arm"] == "affine" and r["metric"] == "load_seconds")
+    assert load["cv"] is None and load["unit"] == "seconds"  # one sample: no spread, written as null
+    memory = [r for r in doc if r["metric"] == "peak_memory_bytes" and r["arm"] == "native"]
+    assert {r["verdict"] for r in memory} == {"LOWER"}  # never FASTER for a memory
 
 
 def test_compare_two_runs_and_two_devices() -> None:
@@ -169,8 +202,11 @@ def test_a_share_above_the_measured_peak_is_warned_about() -> None:
         and "% of the device's measured peak (3.5)" in warning
     )
     assert "ORCHESTRATE_REPROBE_PEAKS=1" in warning
-    assert warning in render_cross_text(rows, "md")
-    assert json.loads(render_cross_text(rows, "json"))[0]["over_peak"] is True
+    md, js = io.StringIO(), io.StringIO()
+    write_cross(rows, Format.md, md)
+    write_cross(rows, Format.json, js)
+    assert warning in md.getvalue()
+    assert json.loads(js.getvalue())[0]["over_peak"] is True
 
 
 def test_unknown_baseline_and_empty_data_are_input_errors(tmp_path: Path) -> None:
@@ -236,7 +272,8 @@ def test_cli_compare_and_check_on_a_real_store(tmp_path: Path, orchestrate_bin: 
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     rows = list(csv.DictReader(io.StringIO(out.stdout)))
-    assert [r["prompt_tokens"] for r in rows] == [str(p) for p in SEED1]
+    native = [r for r in rows if r["arm"] == "native" and r["metric"] == "prefill_tok_s"]
+    assert [r["prompt_tokens"] for r in native] == [str(p) for p in SEED1]
     check = subprocess.run(
         [orchestrate_bin, "check", "--sweep", str(sweep), "--results", str(root)],
         capture_output=True, text=True, env=env, timeout=120,
@@ -245,6 +282,18 @@ def test_cli_compare_and_check_on_a_real_store(tmp_path: Path, orchestrate_bin: 
     first = check.stdout.splitlines()[0]
     assert first.startswith("FAIL" if code else "PASS")
     assert "native decode at least 2x affine" in check.stdout
+    records = subprocess.run(
+        [orchestrate_bin, "check", "--sweep", str(sweep), "--results", str(root), "-f", "json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert records.returncode == code
+    verdicts = json.loads(records.stdout)
+    prefill = [r for r in verdicts if r["metric"] == "prefill_tok_s"]
+    assert {json.loads(r["params"])["prompt_tokens"] for r in prefill} == {4096, 8192, 16384}  # where >= 4096
+    assert {r["outcome"] for r in prefill} == {"FAIL" if code else "PASS"} and all(
+        r["min_ratio"] == 0.97 for r in prefill
+    )
+    assert all(r["ratio_ci_low"] <= r["ratio"] <= r["ratio_ci_high"] for r in verdicts)
 
 
 def test_cli_errors_are_one_line(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -280,10 +329,11 @@ def test_each_case_has_its_own_arms_and_baseline() -> None:
     assert c.ratio.ratio == pytest.approx(2 / 3, rel=0.02) and c.verdict is Verdict.FASTER
     md = render_text(result, "md")
     # A case measuring none of the seeds' metrics shows its time, with the ratio to its own baseline.
-    assert "### moe-gather (baseline: affine-sorted)" in md
-    assert "| device | tokens | affine-sorted time | native-sorted time | native-sorted time ratio |" in md
-    assert "| device | tokens | affine time | native time | native time ratio |" in md
-    assert re.search(r"\| 0\.6\dx \[0\.6\d,0\.\d\d\] FASTER \|", md)
+    assert "### moe-gather on cpu, baseline affine-sorted; experts=8 top_k=2" in md
+    tables = md_tables(md)
+    assert tables["moe-gather"][0] == ["tokens", "affine-sorted time", "native-sorted time", "native-sorted time ratio"]
+    assert tables["qmm"][0] == ["tokens", "affine time", "native time", "native time ratio"]
+    assert re.fullmatch(r"0\.6\dx \[0\.6\d,0\.\d\d\] FASTER", tables["moe-gather"][1][3])
 
 
 def test_cli_cross_device_view_and_commit_comparison(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -324,10 +374,10 @@ def test_cli_cross_device_view_and_commit_comparison(tmp_path: Path, orchestrate
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert by_commit.returncode == 0, by_commit.stderr
-    rows = json.loads(by_commit.stdout)["rows"]
+    rows = [r for r in json.loads(by_commit.stdout) if r["metric"] == "gb_per_s" and r["side"] == "bbb222"]
     assert {r["device"] for r in rows} == {"cpu", "h200"}
-    assert all(r["bbb222/aaa111.gb_per_s.verdict"] == "FASTER" for r in rows)
-    assert all(r["bbb222/aaa111.gb_per_s.ratio"] == pytest.approx(1.1, rel=0.02) for r in rows)
+    assert all(r["baseline"] == "aaa111" and r["code_version"] == "bbb222" for r in rows)
+    assert all(r["verdict"] == "FASTER" and r["ratio"] == pytest.approx(1.1, rel=0.02) for r in rows)
 
 
 # ------------------------------------------------------------------------ the readable table
@@ -363,52 +413,44 @@ def kernel_table(devices: tuple[str, ...] = ("cpu",), *, n: int = 5) -> pa.Table
     return concat(tables)
 
 
-def md_tables(md: str) -> dict[str, list[list[str]]]:
-    """Each Markdown table of a comparison as rows of cells (the header first, no rule), by its case."""
-    out: dict[str, list[list[str]]] = {}
-    case = ""
-    for line in md.splitlines():
-        if line.startswith("### "):
-            case = line[4:].split(" (")[0]
-        elif line.startswith("| ") and case:
-            out.setdefault(case, []).append([c.strip() for c in line.strip("|").split("|")])
-    return out
-
-
 def test_model_and_kernel_cases_show_the_seeds_metrics_they_measure() -> None:
     """The seed's command case shows prefill, decode, peak and load; a kernel case shows what it
     measures of them (no load time), never its time, bandwidth, FLOP rate, error or build time."""
     result = compare_results(concat([seed1_table(), kernel_table()]), baseline="affine")
     tables = md_tables(render_text(result, "md"))
     model_head, kernel_head = tables["bench-decode"][0], tables["qmm"][0]
-    assert model_head[2:] == [
+    assert model_head[1:] == [
         "affine prefill tok/s", "native prefill tok/s", "native prefill gap",
         "affine decode tok/s", "native decode tok/s", "native decode speedup",
-        "affine peak", "native peak", "affine load", "native load",
+        "affine peak memory", "native peak memory", "affine load time", "native load time",
     ]  # fmt: skip
-    arms = ["affine", "dense", "dequant-gemm", "native"]
+    arms = ["affine", "native", "dequant-gemm", "dense"]  # the baseline, then the order they were measured in
     assert kernel_head == [
-        "device", "tokens",
+        "tokens",
         *[f"{a} prefill tok/s" for a in arms], *[f"{a} prefill gap" for a in arms[1:]],
         *[f"{a} decode tok/s" for a in arms], *[f"{a} decode speedup" for a in arms[1:]],
-        *[f"{a} peak" for a in arms],
+        *[f"{a} peak memory" for a in arms],
     ]  # fmt: skip
-    assert not any(word in " ".join(kernel_head) for word in ("load", "time", "GB/s", "TFLOP/s", "rel err"))
-    by_tokens = {row[1]: row for row in tables["qmm"][1:]}
+    assert not any(word in " ".join(kernel_head) for word in ("load", "time", "GB/s", "TFLOP/s", "error"))
+    by_tokens = {row[0]: row for row in tables["qmm"][1:]}
     assert list(by_tokens) == ["1", "512", "4096", "16384"]
+    col = kernel_head.index
     # Tokens 1 is a decode point: its prefill cells are empty, its decode speedup is native's 2x.
-    assert by_tokens["1"][2:9] == ["-"] * 7
-    assert re.fullmatch(r"[12]\.\d\dx \[\d\.\d\d,\d\.\d\d\] FASTER", by_tokens["1"][15]), by_tokens["1"][15]
-    assert re.fullmatch(r"\+\d+\.\d% \[\+\d+\.\d,\+\d+\.\d\] FASTER", by_tokens["512"][8]), by_tokens["512"][8]
-    assert re.fullmatch(r"-2\d\.\d% \[-\d+\.\d,-\d+\.\d\] SLOWER", by_tokens["4096"][7]), by_tokens["4096"][7]
-    assert by_tokens["512"][-4:] == ["2.00 MB", "2.00 MB", "4.00 MB", "2.00 MB"]
+    assert by_tokens["1"][1:8] == ["-"] * 7
+    speedup = by_tokens["1"][col("native decode speedup")]
+    assert re.fullmatch(r"[12]\.\d\dx \[\d\.\d\d,\d\.\d\d\] FASTER", speedup), speedup
+    gap = by_tokens["512"][col("native prefill gap")]
+    assert re.fullmatch(r"\+\d+\.\d% \[\+\d+\.\d,\+\d+\.\d\] FASTER", gap), gap
+    gap = by_tokens["4096"][col("dequant-gemm prefill gap")]
+    assert re.fullmatch(r"-2\d\.\d% \[-\d+\.\d,-\d+\.\d\] SLOWER", gap), gap
+    assert by_tokens["512"][-4:] == ["2.000 MB", "2.000 MB", "4.000 MB", "2.000 MB"]
 
 
 def test_an_ambiguous_verdict_is_short_and_its_samples_go_to_a_footnote() -> None:
     result = compare_results(kernel_table(), baseline="affine")
     md = render_text(result, "md")
-    rows = md_tables(md)["qmm"][1:]
-    dense_gaps = [row[6] for row in rows[1:]]  # dense vs affine prefill, tokens 512..16384
+    head, *rows = md_tables(md)["qmm"]
+    dense_gaps = [row[head.index("dense prefill gap")] for row in rows[1:]]  # tokens 512..16384
     assert any("AMBIGUOUS" in cell for cell in dense_gaps)
     notes = re.findall(r"^\((\d+)\) (.*?)  $", md, re.M)
     assert notes, md
@@ -418,13 +460,15 @@ def test_an_ambiguous_verdict_is_short_and_its_samples_go_to_a_footnote() -> Non
             assert match, cell
             number, text = notes[int(match[1]) - 1]
             assert number == match[1] and "dense vs affine prefill tok/s: about " in text
-            assert re.search(r"about \d+ more samples per arm would settle it$", text)
+            assert re.search(r"about \d+ more samples per side would settle it$", text)
     assert "more samples" not in "".join(cell for row in rows for cell in row)
     # CSV keeps every field: the verdict and the samples it needs, per comparison.
-    csv_rows = list(csv.DictReader(io.StringIO(render_text(result, "csv"))))
-    ambiguous = [r for r in csv_rows if r["dense/affine.prefill_tok_s.verdict"] == "AMBIGUOUS"]
-    assert ambiguous and all(int(r["dense/affine.prefill_tok_s.more_samples"]) > 0 for r in ambiguous)
-    assert {"native/affine.gb_per_s.ratio", "native/affine.rel_error.verdict"} <= set(csv_rows[0])
+    records = list(csv.DictReader(io.StringIO(render_text(result, "csv"))))
+    dense = [r for r in records if r["side"] == "dense" and r["metric"] == "prefill_tok_s"]
+    ambiguous = [r for r in dense if r["verdict"] == "AMBIGUOUS"]
+    assert ambiguous and all(int(r["more_samples"]) > 0 for r in ambiguous)
+    native = {r["metric"] for r in records if r["side"] == "native" and r["ratio"]}
+    assert {"gb_per_s", "rel_error", "tflop_per_s", "seconds"} <= native
 
 
 def test_metrics_and_arms_are_chosen() -> None:
@@ -432,11 +476,12 @@ def test_metrics_and_arms_are_chosen() -> None:
     assert result.sides == ["affine", "native"] and result.metrics == ["seconds", "gb_per_s", "rel_error"]
     (table,) = md_tables(render_text(result, "md", metrics=result.metrics)).values()
     assert table[0] == [
-        "device", "tokens", "affine time", "native time", "native time ratio",
-        "affine GB/s", "native GB/s", "native GB/s ratio", "affine rel err", "native rel err",
+        "tokens", "affine time", "native time", "native time ratio",
+        "affine GB/s", "native GB/s", "native GB/s ratio", "affine rel. error", "native rel. error",
     ]  # fmt: skip
-    assert all(re.fullmatch(r"0\.\d\dx \[0\.\d\d,0\.\d\d\] FASTER", row[4]) for row in table[1:])
-    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] FASTER", row[7]) for row in table[1:])
+    assert all(re.fullmatch(r"0\.\d\dx \[0\.\d\d,0\.\d\d\] FASTER", row[3]) for row in table[1:])
+    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] FASTER", row[6]) for row in table[1:])
+    assert all(re.fullmatch(r"\d\.\de-\d\d", row[7]) for row in table[1:])  # errors in scientific notation
     # Without the sweep's baseline, the first named arm is it.
     alone = compare_results(kernel_table(), arms=["native", "dense"])
     assert alone.sides == ["native", "dense"] and alone.baseline == "native"
@@ -444,6 +489,28 @@ def test_metrics_and_arms_are_chosen() -> None:
         compare_results(kernel_table(), arms=["fast"])
     with pytest.raises(InputError, match="--metric joules"):
         compare_results(kernel_table(), metrics=["joules"])
+
+
+def test_sides_follow_the_sweeps_order_and_only_changed_hides_same() -> None:
+    table = kernel_table()
+    assert compare_results(table).sides == ["affine", "native", "dequant-gemm", "dense"]  # as measured
+    ordered = compare_results(table, order=["dense", "dequant-gemm", "native", "affine"], baseline="affine")
+    assert ordered.sides == ["affine", "dense", "dequant-gemm", "native"]  # the baseline first, then the sweep's
+    same = compare_results(concat([seed1_table(), seed1_table(run_id="run2")]), by="run", baseline="run1")
+    # one load per run and point: too few to judge (issue 14); every other change is SAME
+    verdicts = {(m, c.verdict) for r in same.rows for (m, _), c in r.comparisons.items()}
+    assert {v for m, v in verdicts if m != "load_seconds"} == {Verdict.SAME}
+    assert {v for m, v in verdicts if m == "load_seconds"} == {Verdict.TOO_FEW}
+    buf = io.StringIO()
+    print_comparison(Console(file=buf, width=120, force_terminal=False), same, only_changed=True)
+    assert "nothing changed beyond the 3% threshold" in buf.getvalue()
+    assert "121.8" not in buf.getvalue()
+    buf = io.StringIO()
+    write_comparison(same, Format.json, buf, only_changed=True)
+    kept = json.loads(buf.getvalue())
+    # the baseline's values, and the loads too few to judge: every change was SAME
+    assert kept and {r["side"] for r in kept if r["verdict"] != "TOO FEW"} == {"run1"}
+    assert {r["metric"] for r in kept if r["side"] == "run2"} == {"load_seconds"}
 
 
 def write_store(root: Path, table: pa.Table) -> None:
@@ -467,46 +534,65 @@ def in_order(line: str, cells: list[str]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("extra", [[], ["-m", "prefill_tok_s", "-m", "seconds", "-m", "gb_per_s", "-m", "tflop_per_s"]])
-def test_cli_table_off_a_terminal_keeps_each_row_on_one_line(
-    tmp_path: Path, orchestrate_bin: str, extra: list[str]
-) -> None:
-    """Piped (not a terminal), the table is as wide as it needs: every data row is one line with all
-    its cells -- the seed's case, and a four-arm kernel case far wider than 200 columns."""
+def row_lines(lines: list[str], tables: list) -> None:
+    """Every data row of the tables is exactly one of the lines, with all its cells in order."""
+    for t in tables:
+        for cells in t.plain_rows():
+            cells = [c for c in cells if c]
+            assert sum(in_order(line, cells) for line in lines) == 1, (cells, "\n".join(lines))
+
+
+def test_cli_table_fits_the_terminal_and_wide_shows_everything(tmp_path: Path, orchestrate_bin: str) -> None:
+    """At COLUMNS=120 (a pipe honours it too) no line is wider and no row is folded -- the seed's case
+    and a four-arm kernel case on two devices; `--wide` prints the full tables at their own width."""
     table = concat([seed1_table(), kernel_table(("cpu", "h200"))])
     root = tmp_path / "results"
     write_store(root, table)
-    out = subprocess.run(
-        [orchestrate_bin, "compare", "-r", str(root), *extra],
+    result = compare_results(table, baseline="affine")
+    for columns in ("120", "90"):
+        out = subprocess.run(
+            [orchestrate_bin, "compare", "-r", str(root)],
+            capture_output=True, text=True, env=child_env(COLUMNS=columns), timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert max(len(line) for line in lines) <= int(columns), out.stdout
+        row_lines(lines, fitted_tables(Console(width=int(columns)), result))
+        assert "Intervals left out to fit the terminal" in out.stdout
+        # Two devices: the share-of-peak view follows the arms' table.
+        assert "across devices: share of each device's measured peak" in out.stdout
+    wide = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--wide"],
         capture_output=True, text=True, env=child_env(COLUMNS="80"), timeout=120,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    metrics = [extra[i + 1] for i in range(0, len(extra), 2)] or None
-    expected = case_tables(compare_results(table, baseline="affine", metrics=metrics), metrics)
-    assert {t.case for t in expected} == {"qmm", "bench-decode"}
-    for t in expected:
-        for cells in t.rows:
-            matching = [line for line in lines if in_order(line, cells)]
-            assert len(matching) == 1, (cells, out.stdout)
-        assert sum(1 for line in lines if line.lstrip().startswith(("cpu ", "h200 "))) >= len(t.rows)
-    assert max(len(line) for line in lines) > 200  # the wide kernel table overflows rather than folds
-    for t in expected:
-        for i, note in enumerate(t.notes, 1):
-            assert f"({i}) {note}" in lines
-    # Two devices: the share-of-peak view follows the arms' table.
-    assert "across devices: share of each device's measured peak" in out.stdout
-    assert re.search(r"qmm .* native +GB/s +\d+\.\d+ \(\d+% of 400\.00\)", out.stdout)
+    assert wide.returncode == 0, wide.stderr
+    lines = wide.stdout.splitlines()
+    assert max(len(line) for line in lines) > 200  # the kernel table at its natural width, not folded
+    row_lines(lines, case_tables(result))
+    assert re.search(r"qmm .* native +GB/s +\d+\.\d+ GB/s \(\d+% of 400\.0 GB/s\)", wide.stdout)
 
 
-def test_a_narrow_console_is_widened_not_folded() -> None:
+def test_verdicts_are_coloured_on_a_terminal_only() -> None:
+    result = compare_results(seed1_table(), baseline="affine")
+    colour = io.StringIO()
+    print_comparison(Console(file=colour, width=200, force_terminal=True, color_system="standard"), result)
+    assert "\x1b[1;31m-3.0%" in colour.getvalue()  # SLOWER in bold red
+    assert "\x1b[1;32m2.67x" in colour.getvalue()  # FASTER in bold green
+    plain = io.StringIO()
+    print_comparison(Console(file=plain, width=200, force_terminal=False), result)
+    assert "\x1b[" not in plain.getvalue()
+
+
+def test_a_narrow_console_gets_a_narrower_layout_not_folded_rows() -> None:
     result = compare_results(kernel_table(), baseline="affine")
-    buf = io.StringIO()
-    print_comparison(Console(file=buf, width=80, force_terminal=False, highlight=False), result)
-    lines = buf.getvalue().splitlines()
-    (t,) = case_tables(result)
-    for cells in t.rows:
-        assert sum(in_order(line, cells) for line in lines) == 1, buf.getvalue()
+    for width in (120, 80, 60):
+        buf = io.StringIO()
+        out = Console(file=buf, width=width, force_terminal=False, highlight=False)
+        print_comparison(out, result)
+        tables = fitted_tables(out, result)
+        table_lines = [line for line in buf.getvalue().splitlines() if "  " in line]
+        row_lines(table_lines, tables)
+        assert all(len(line) <= width for line in table_lines), buf.getvalue()
     assert "across devices" not in buf.getvalue()  # one device: no cross-device view unless asked
     assert render_text(result, "md").count("across devices") == 0
 
@@ -522,7 +608,9 @@ def test_a_point_without_clean_samples_is_named_not_silently_dropped() -> None:
     assert result.left_out == ["qmm cpu tokens=2048: contended"]
     assert "2048" not in [r.point[-1][1] for r in result.rows]
     assert "Left out, no clean sample: qmm cpu tokens=2048: contended." in render_text(result, "md")
-    assert json.loads(render_text(result, "json"))["left_out"] == ["qmm cpu tokens=2048: contended"]
+    assert not any(
+        r["prompt_tokens"] == 2048 or '"tokens": 2048' in r["params"] for r in json.loads(render_text(result, "json"))
+    )
 
 
 def test_cli_arms_without_the_sweeps_baseline(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -534,9 +622,9 @@ def test_cli_arms_without_the_sweeps_baseline(tmp_path: Path, orchestrate_bin: s
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     (table,) = md_tables(out.stdout).values()
-    assert "### qmm (baseline: native)" in out.stdout
-    assert table[0] == ["device", "tokens", "native time", "dense time", "dense time ratio"]
-    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] SLOWER", row[4]) for row in table[1:]), table
+    assert "### qmm on cpu, baseline native; dtype=float32 k=512 n=256" in out.stdout
+    assert table[0] == ["tokens", "native time", "dense time", "dense time ratio"]
+    assert all(re.fullmatch(r"[12]\.\d\dx \[\S+\] SLOWER", row[3]) for row in table[1:]), table
     bad = subprocess.run(
         [orchestrate_bin, "compare", "-r", str(root), "--arms", "native,fast"],
         capture_output=True, text=True, env=child_env(), timeout=120,
@@ -562,9 +650,62 @@ def test_results_and_compare_agree_on_which_run_counts(tmp_path: Path, orchestra
         return out.stdout
 
     newest = cli("results", "--baseline", "affine")
-    # native over affine in seconds: 2.0 (newest) -> 0.500x as fast; pooled, median 1.5 -> 0.667x
-    assert "each point's newest run" in newest and "0.500x" in newest and "0.667x" not in newest
+    # native's median over affine's in seconds: 2.0 (newest) -> 2.000x; pooled, median 1.5 -> 1.500x
+    assert "each point's newest run" in newest and "2.000x affine" in newest and "1.500x" not in newest
     pooled = cli("results", "--baseline", "affine", "--all-runs")
-    assert "every run pooled" in pooled and "0.667x" in pooled
+    assert "every run pooled" in pooled and "1.500x affine" in pooled
     compared = json.loads(cli("compare", "--format", "json", "--metric", "seconds"))
-    assert compared["rows"][0]["native.seconds.median"] == 2.0
+    assert next(r for r in compared if r["side"] == "native")["value"] == 2.0
+
+
+def test_cli_two_chosen_runs_and_nothing_to_compare(tmp_path: Path, orchestrate_bin: str) -> None:
+    """`--by run` with one run says there is nothing to compare (exit 2); `--baseline R --contender R`
+    (unique prefixes) compares exactly those two of three runs; `--output` writes the file, not stdout."""
+    root = tmp_path / "results"
+    store = ResultStore(root)
+    day = dt.date(2026, 11, 30)
+    for i, (run, scale) in enumerate((("20261130T010000Z-aaaa", 1.0), ("20261201T010000Z-bbbb", 1.0))):
+        for j, key in enumerate(sorted(set(seed1_table()["job_key"].to_pylist()))):
+            t = seed1_table(run_id=run, scale=scale)
+            part = t.filter(pa.compute.equal(t["job_key"], key.replace("run1", run)))
+            store.write(
+                part, sweep="seed1", date=day + dt.timedelta(days=i), device="cpu", run_id=run, job_key=f"{i}{j:015x}"
+            )
+        if i == 0:
+            one = subprocess.run(
+                [orchestrate_bin, "compare", "-r", str(root), "--by", "run"],
+                capture_output=True, text=True, env=child_env(), timeout=120,
+            )  # fmt: skip
+            assert one.returncode == 2, one.stdout
+            assert "only one run in the selected rows (20261130T010000Z-aaaa): nothing to compare" in one.stderr
+    third = seed1_table(run_id="20261202T010000Z-cccc", scale=1.10)
+    for j, key in enumerate(sorted(set(third["job_key"].to_pylist()))):
+        part = third.filter(pa.compute.equal(third["job_key"], key))
+        store.write(
+            part,
+            sweep="seed1",
+            date=day + dt.timedelta(days=2),
+            device="cpu",
+            run_id="20261202T010000Z-cccc",
+            job_key=f"2{j:015x}",
+        )
+    path = tmp_path / "out" / "cmp.json"
+    path.parent.mkdir()
+    two = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--by", "run", "-b", "20261130", "--contender", "20261202",
+         "-f", "json", "-o", str(path)],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert two.stdout == "" and not list(path.parent.glob(".*"))  # no temp file left
+    records = json.loads(path.read_text())
+    assert {r["side"] for r in records} == {"20261130T010000Z-aaaa", "20261202T010000Z-cccc"}
+    native = [r for r in records if r["arm"] == "native" and r["metric"] == "prefill_tok_s" and r["ratio"]]
+    assert len(native) == 6 and all(
+        r["ratio"] == pytest.approx(1.10, rel=0.01) and r["verdict"] == "FASTER" for r in native
+    )
+    ambiguous = subprocess.run(
+        [orchestrate_bin, "compare", "-r", str(root), "--by", "run", "-b", "2026"],
+        capture_output=True, text=True, env=child_env(), timeout=120,
+    )  # fmt: skip
+    assert ambiguous.returncode == 2 and "run '2026' is ambiguous" in ambiguous.stderr

@@ -62,7 +62,7 @@ def test_jobs_run_standalone_then_import_into_results(tmp_path: Path, orchestrat
         capture_output=True, text=True, env=child_env(), timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
-    rows = int(re.search(r"^rows: (\d+)$", res.stdout, re.M).group(1))  # type: ignore[union-attr]
+    rows = int(re.search(r"^sweep offline: (\d+) rows", res.stdout, re.M).group(1))  # type: ignore[union-attr]
     # per job: 2 arms x (3 samples x 4 per-sample metrics + rel_error, peak memory, build time)
     assert rows == 2 * 2 * (3 * 5 + 3)  # per sample: seconds, host_seconds (decode sizes), tok/s, GB/s, TFLOP/s
 

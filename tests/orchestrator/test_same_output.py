@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.commands.check import check_records
 from orchestrator.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
 from orchestrator.report import build_report
 from orchestrator.report_tables import applies, criteria_table, device_verdict, overview_table
@@ -182,3 +183,15 @@ def test_the_html_report_shows_same_output_verdicts() -> None:
     assert [[c.text for c in r[1:]] for r in overview] == [["FAIL", "does not apply"], ["SKIPPED", "SKIPPED"]]
     html = build_report(table, spec=spec, resamples=100)
     assert "byte-identical greedy output, every arm against opt-out" in html and 'class="verdict FAIL"' in html
+
+
+def test_check_records_carry_same_output_points() -> None:
+    """`orchestrate check --format csv|json`: a same-output criterion's points are records too, with
+    the first differing arm (not only the ratio criteria's points)."""
+    spec = sweep(SAME_ARMS)
+    v = verdict(job({"opt-out": ["Paris", "Paris"], "default": ["Paris", "Paris"], "other": ["Lyon", "Lyon"]}), spec)
+    (rec,) = check_records([v]).to_pylist()
+    assert (rec["criterion"], rec["kind"], rec["outcome"], rec["point_outcome"]) == (
+        "same output", "same-output", "FAIL", "FAIL",
+    )  # fmt: skip
+    assert rec["differing"] == "other" and rec["case"] == "greedy" and rec["reason"]

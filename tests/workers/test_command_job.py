@@ -41,6 +41,7 @@ echo "error: test failed, to rerun pass '--test rocm_nvfp4_quant'" >&2
 exit 101
 """
 
+
 class Repo:
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -1,0 +1,254 @@
+"""The result store at scale: a synthetic year and more of nightly sweeps, and the readers' times on it.
+
+    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3]
+
+Builds (once; `--rebuild` to start again) a store of `--fragments` job fragments, each of 25 rows
+written through the real `ResultStore.write`: three nightly sweeps of 100 jobs a night (qmm at 50
+token counts on two device kinds) and one wide sweep of 1,000 jobs a night, in the proportion
+75 : 25, dates going back from today. Then measures, each in a fresh process (wall time and peak
+resident memory, the median of `--rounds` after one warm-up):
+
+* `orchestrate compare` and `orchestrate check` on one nightly sweep's newest run (`--format json`),
+* `orchestrate query "select count(*) from results"`,
+* resume's question, "which of the 1,000 jobs of the wide sweep's latest night are complete",
+
+before `orchestrate compact` (whose own time is reported) and after it. Targets (issue 19): compare
+and check at most 15 s before and 3 s after compaction, the count at most 2 s after it, resume at
+most 1 s, each under 1 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.store import ResultStore
+from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
+
+NIGHTLY = ("nightly-a", "nightly-b", "nightly-c")
+WIDE = "wide"
+DEVICES = ("h200", "m1-ultra")
+TOKENS = [16 * (i + 1) for i in range(50)]
+SAMPLES = 12  # per arm: 2 x 12 samples + 1 peak-memory row = 25 rows a job
+BIN = Path(sys.executable).parent
+
+
+def sweep_toml(name: str, tokens: list[int], devices: tuple[str, ...]) -> str:
+    """The sweep file whose jobs the synthetic rows stand for (with one criterion, for `check`)."""
+    return (
+        f'name = "{name}"\ndevices = {json.dumps(list(devices))}\nrepetitions = {SAMPLES}\nwarmup = 1\n'
+        'baseline = "affine"\n\n[[cases]]\ncase = "qmm"\narms = ["native", "affine"]\n'
+        f'params = {{ tokens = {json.dumps(tokens)}, n = 4096, k = 4096, dtype = "bfloat16" }}\n\n'
+        '[[criteria]]\nname = "native within 3 % of affine"\nmetric = "prefill_tok_s"\narm = "native"\n'
+        "min_ratio = 0.97\n"
+    )
+
+
+def _fingerprint(device: str) -> HostFingerprint:
+    return HostFingerprint(
+        hostname=f"{device}-1", os="Linux-6.8", machine="x86_64", cpu="Xeon", cpu_count=64,
+        memory_bytes=2**40, gpu=device, gpu_driver="570", mlx_version="0.32.4", mlx_device="Device(gpu, 0)",
+        backend="cuda", threads=64, fingerprint_id=f"fp-{device}",
+    )  # fmt: skip
+
+
+def job_point(j: int) -> tuple[str, dict[str, int | float | str | bool]]:
+    """The device and parameters of job `j` of a night (distinct for j < 1,000)."""
+    tokens = TOKENS[(j // len(DEVICES)) % len(TOKENS)]
+    n = 4096 + 64 * (j // (len(DEVICES) * len(TOKENS)))
+    return DEVICES[j % len(DEVICES)], {"tokens": tokens, "n": n, "k": 4096, "dtype": "bfloat16"}
+
+
+def job_key(sweep: str, j: int, date: dt.date) -> str:
+    """Job `j`'s key on one night (a new key each night, as a nightly `ref` makes)."""
+    device, params = job_point(j)
+    return hashlib.sha256(f"{sweep}/{device}/{sorted(params.items())}/{date}".encode()).hexdigest()[:16]
+
+
+def night(args: tuple[str, str, int, int, str]) -> int:
+    """Write one sweep's jobs of one night; returns how many fragments it wrote."""
+    root, sweep, n_jobs, day_offset, today = args
+    store = ResultStore(root)
+    date = dt.date.fromisoformat(today) - dt.timedelta(days=day_offset)
+    started = dt.datetime.combine(date, dt.time(2, 0), tzinfo=dt.UTC)
+    run_id = f"{started.strftime('%Y%m%dT%H%M%SZ')}-{hashlib.sha256(sweep.encode()).hexdigest()[:4]}"
+    rng = np.random.default_rng(day_offset)
+    written = 0
+    for j in range(n_jobs):
+        device, params = job_point(j)
+        key = job_key(sweep, j, date)
+        job = JobSpec(
+            run_id=run_id, sweep=sweep, job_key=key, case="qmm", case_name="qmm", params=params,
+            arms=["native", "affine"], device=device, backend="cuda", repetitions=SAMPLES, warmup=1,
+            code_version="abc1234",
+        )  # fmt: skip
+        rows = RowBuilder(job, _fingerprint(device), JobContext(started_at=started))
+        for arm, centre in (("native", 1000.0), ("affine", 1020.0)):
+            for s, v in enumerate(centre * (1 + 0.03 * rng.standard_normal(SAMPLES))):
+                rows.add(arm, "prefill_tok_s", float(v), "tok/s", sample=s)
+        rows.add("native", "peak_memory_bytes", 37.2e9, "bytes")
+        store.write(rows.table("ok"), sweep=sweep, date=date, device=device, run_id=run_id, job_key=key)
+        written += 1
+    return written
+
+
+def build(root: Path, fragments: int, workers: int) -> float:
+    """Write the synthetic store; returns the seconds it took."""
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    wide_nights = max(1, fragments // 4 // 1000)
+    nightly_nights = max(1, (fragments - wide_nights * 1000) // (100 * len(NIGHTLY)))
+    tasks = [(str(root), s, 100, d, today) for d in range(nightly_nights) for s in NIGHTLY]
+    tasks += [(str(root), WIDE, 1000, d, today) for d in range(wide_nights)]
+    t0 = time.perf_counter()
+    ResultStore(root).ensure_writable()
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        total = sum(pool.map(night, tasks, chunksize=4))
+    seconds = time.perf_counter() - t0
+    print(f"built {total} fragments in {seconds:.0f} s ({workers} processes)", flush=True)
+    return seconds
+
+
+RESUME = """
+import resource, sys, time
+from benchmarks.store_scale import latest_wide_keys
+from orchestrator.store import ResultStore
+keys = latest_wide_keys(sys.argv[1])
+t0, c0 = time.perf_counter(), time.process_time()
+done = ResultStore(sys.argv[1]).complete_job_keys("wide")
+n = sum(k in done for k in keys)
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+assert n == len(keys) == 1000, n
+print(wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def measure_resume(root: Path, rounds: int) -> dict[str, float | str]:
+    """Resume's question, timed inside the process (the lookup, not the interpreter's start)."""
+    runs = []
+    for _ in range(rounds + 1):
+        out = subprocess.run([sys.executable, "-c", RESUME, str(root)], capture_output=True, text=True, check=True)
+        runs.append(tuple(float(x) for x in out.stdout.split()))
+    first, rest = runs[0], runs[1:]
+    result: dict[str, float | str] = {
+        "what": "resume: 1,000-job sweep complete?",
+        "first_s": first[0],
+        "first_cpu_s": first[1],
+        "median_s": statistics.median(r[0] for r in rest),
+        "median_cpu_s": statistics.median(r[1] for r in rest),
+        "max_s": max(r[0] for r in rest),
+        "peak_mib": max(r[2] for r in runs),
+        "load_average": os.getloadavg()[0],
+    }
+    print(f"  {result['what']:<36} first {first[0]:6.2f} s  median {result['median_s']:6.2f} s "
+          f"({result['median_cpu_s']:6.2f} s CPU)  peak {result['peak_mib']:5.0f} MiB (the lookup, in-process)",
+          flush=True)  # fmt: skip
+    return result
+
+
+def latest_wide_keys(root: str) -> list[str]:
+    """The job keys of the wide sweep's newest night (what a resumed run of it plans)."""
+    today = dt.datetime.now(dt.UTC).date()
+    return [job_key(WIDE, j, today) for j in range(1000)]
+
+
+def timed(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak resident MiB of one command in a fresh process."""
+    wrapper = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True); "
+        "w = time.perf_counter() - t; u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+        "print(w, u.ru_utime + u.ru_stime, u.ru_maxrss / 1024) if r.returncode in (0, 1, 4) "
+        "else sys.exit('failed: ' + r.stderr[-2000:])"
+    )
+    out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd)}: {out.stderr.strip()}")
+    wall, cpu, rss = out.stdout.split()
+    return float(wall), float(cpu), float(rss)
+
+
+def measure(name: str, cmd: list[str], rounds: int) -> dict[str, float | str]:
+    """One warm-up (cold page cache; brings the point index up to date), then `rounds` timed runs."""
+    first = timed(cmd)
+    load = os.getloadavg()[0]
+    runs = [timed(cmd) for _ in range(rounds)] or [first]
+    result: dict[str, float | str] = {
+        "what": name,
+        "first_s": first[0],
+        "first_cpu_s": first[1],
+        "median_s": statistics.median(w for w, _, _ in runs),
+        "median_cpu_s": statistics.median(c for _, c, _ in runs),
+        "max_s": max(w for w, _, _ in runs),
+        "peak_mib": max(m for _, _, m in [first, *runs]),
+        "load_average": load,
+    }
+    print(
+        f"  {name:<36} first {first[0]:6.2f} s ({first[1]:6.2f} s CPU)  median {result['median_s']:6.2f} s "
+        f"({result['median_cpu_s']:6.2f} s CPU)  max {result['max_s']:6.2f} s  peak {result['peak_mib']:5.0f} MiB  "
+        f"load {load:.1f}",
+        flush=True,
+    )
+    return result
+
+
+def readers(root: Path, sweep_file: Path, rounds: int, *, compacted: bool) -> list[dict[str, float | str]]:
+    """Time the readers on the store as it is (the count over 100,000 uncompacted files only once)."""
+    orch = str(BIN / "orchestrate")
+    common = ["--results", str(root)]
+    return [
+        measure("compare (newest run, json)", [orch, "compare", "-s", str(sweep_file), *common, "-f", "json"], rounds),
+        measure("check (newest run)", [orch, "check", "--sweep", str(sweep_file), *common], rounds),
+        measure("query count(*)", [orch, "query", "select count(*) from results", *common], rounds if compacted else 0),
+        measure_resume(root, rounds),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, required=True, help="where the synthetic store goes")
+    parser.add_argument("--fragments", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="processes writing fragments")
+    parser.add_argument("--rebuild", action="store_true", help="delete and build the store again")
+    parser.add_argument("--out", type=Path, help="write the numbers as JSON here")
+    args = parser.parse_args()
+    print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
+    results = args.root / "store"
+    if args.rebuild:
+        shutil.rmtree(args.root, ignore_errors=True)
+    args.root.mkdir(parents=True, exist_ok=True)
+    sweep_file = args.root / "nightly-a.toml"
+    sweep_file.write_text(sweep_toml("nightly-a", TOKENS, DEVICES))
+    report: dict[str, object] = {"fragments": args.fragments}
+    if not results.is_dir():
+        report["build_s"] = build(results, args.fragments, args.workers)
+    if any(results.rglob("compact-*.parquet")):
+        raise SystemExit(f"{results} is already compacted: --rebuild to measure before compaction again")
+    print("before compaction:")
+    report["before"] = readers(results, sweep_file, args.rounds, compacted=False)
+    t0 = time.perf_counter()
+    subprocess.run([str(BIN / "orchestrate"), "compact", "--results", str(results)], check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    report["compact_s"] = time.perf_counter() - t0
+    print(f"orchestrate compact: {report['compact_s']:.0f} s")
+    print("after compaction:")
+    report["after"] = readers(results, sweep_file, args.rounds, compacted=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Which run measured each point, per stored file: a small index so readers open only the files they need.
+
+"Each point's newest run" needs, for every file of a sweep, the (device, case, point, run) it
+holds; asking DuckDB means opening every file's footer, which dominates a read of thousands of
+fragments. The index keeps those facts per file -- one row per (file, device, case, point, run),
+with the file's size and modification time -- in `<side>/index/sweep=<name>.parquet`, outside the
+dataset (the default readers never see it). Every read brings it up to date: files that are new
+or changed are scanned (their facts added), files gone are dropped, so it is never the source of
+truth, only a shortcut to it; a store a reader cannot write to is simply scanned each time.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from orchestrator.store import ResultStore
+
+INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("file", pa.string()),  # relative to the root
+        pa.field("size", pa.int64()),
+        pa.field("mtime_ns", pa.int64()),
+        pa.field("device", pa.string()),
+        pa.field("case_name", pa.string()),
+        pa.field("case", pa.string()),
+        pa.field("point", pa.string()),  # the `params` map as DuckDB prints it
+        pa.field("run_id", pa.string()),
+        pa.field("started_at", pa.timestamp("us", tz="UTC")),
+        pa.field("schema_version", pa.int32()),  # the newest any of these rows was written with
+    ]
+)
+FACTS_SQL = """
+SELECT filename AS file, device, case_name, "case", params::VARCHAR AS point, run_id, max(started_at) AS started_at,
+    max(schema_version) AS schema_version
+FROM results_files GROUP BY filename, device, case_name, "case", params, run_id
+"""
+
+
+def index_path(store: ResultStore, sweep: str) -> Path:
+    """Where one sweep's index lives."""
+    return store.side / "index" / f"sweep={sweep}.parquet"
+
+
+def _stats(store: ResultStore, sweep: str) -> dict[str, tuple[int, int]]:
+    """`{relative path: (size, mtime_ns)}` of the sweep's data files now."""
+    out = {}
+    for f in store.files(sweep):
+        try:
+            st = f.path.stat()
+        except FileNotFoundError:
+            continue
+        out[str(f.path.relative_to(store.root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _load(path: Path) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+        return table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+    except (OSError, pa.ArrowException, KeyError):
+        return INDEX_SCHEMA.empty_table()  # unreadable, or of an older layout: built again
+
+
+def _save(store: ResultStore, path: Path, table: pa.Table) -> None:
+    """Replace the index atomically; a store this process cannot write to keeps the old one."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def refreshed(store: ResultStore, sweep: str) -> pa.Table:
+    """The sweep's index, brought up to date with its files (new and changed ones scanned in DuckDB)."""
+    from orchestrator.dataset import StaleListing
+
+    for _ in range(3):
+        try:
+            return _refresh(store, sweep)
+        except StaleListing:
+            continue  # a compaction swapped a partition while its files were scanned: list them again
+    return _refresh(store, sweep)
+
+
+def _refresh(store: ResultStore, sweep: str) -> pa.Table:
+    from orchestrator.dataset import StoreScan  # the scan uses the store; the index is a layer above
+
+    stats = _stats(store, sweep)
+    path = index_path(store, sweep)
+    old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
+    per_file = old.group_by("file").aggregate([("size", "max"), ("mtime_ns", "max")])
+    same = [
+        f
+        for f, s, m in zip(*(per_file[c].to_pylist() for c in ("file", "size_max", "mtime_ns_max")), strict=True)
+        if stats.get(f) == (s, m)
+    ]
+    kept = old.filter(pc.is_in(old["file"], pa.array(same, pa.string()))) if old.num_rows else old
+    have = set(same)
+    fresh = sorted(f for f in stats if f not in have)
+    if not fresh and kept.num_rows == old.num_rows:
+        return kept
+    facts = INDEX_SCHEMA.empty_table()
+    if fresh:
+        scan = StoreScan(store, files=[str(store.root / f) for f in fresh])
+        found = scan.arrow(FACTS_SQL)
+        rel = [str(Path(p).relative_to(store.root)) for p in found["file"].to_pylist()]
+        sizes = [stats[r] for r in rel]
+        found = found.set_column(0, "file", pa.array(rel, pa.string()))
+        found = found.append_column("size", pa.array([s for s, _ in sizes], pa.int64()))
+        found = found.append_column("mtime_ns", pa.array([m for _, m in sizes], pa.int64()))
+        facts = found.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
+    table = pa.concat_tables([kept, facts])
+    _save(store, path, table)
+    return table
+
+
+def whole_index(store: ResultStore, sweep: str | None = None) -> pa.Table:
+    """The index of every sweep (or one), up to date, its `file` column absolute paths."""
+    sweeps = [sweep] if sweep is not None else store.sweep_names()
+    tables = [refreshed(store, s) for s in sweeps if (store.root / f"sweep={s}").is_dir()]
+    index = pa.concat_tables(tables) if tables else INDEX_SCHEMA.empty_table()
+    return index.set_column(0, "file", pc.binary_join_element_wise(str(store.root), index["file"], "/"))
+
+
+def newest_points(
+    store: ResultStore,
+    sweep: str | None,
+    runs: Sequence[str] | None = None,
+    cases: Sequence[str] | None = None,
+) -> pa.Table:
+    """Per (device, case, point) of the sweep(s), the newest run (of `runs`, of `cases`) and its files."""
+    import duckdb
+
+    index = whole_index(store, sweep)
+    if runs:
+        index = index.filter(pc.is_in(index["run_id"], pa.array(list(runs), pa.string())))
+    if cases:
+        wanted = pa.array(list(cases), pa.string())
+        index = index.filter(pc.or_(pc.is_in(index["case_name"], wanted), pc.is_in(index["case"], wanted)))
+    con = duckdb.connect()
+    con.register("idx", index)
+    chosen = con.sql(
+        "SELECT device, case_name, point, arg_max(run_id, (coalesce(epoch_us(started_at), -1), run_id)) AS run_id "
+        "FROM (SELECT device, case_name, point, run_id, max(started_at) AS started_at FROM idx GROUP BY ALL) "
+        "GROUP BY device, case_name, point"
+    ).to_arrow_table()
+    con.register("chosen", chosen)
+    out = con.sql(
+        "SELECT c.device, c.case_name, c.point, c.run_id, list(DISTINCT i.file ORDER BY i.file) AS files "
+        "FROM chosen c JOIN idx i USING (device, case_name, point, run_id) GROUP BY ALL"
+    ).to_arrow_table()
+    con.close()
+    return out
