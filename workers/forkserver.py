@@ -35,6 +35,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from workers.process_tree import become_subreaper, end_descendants
+
 SOCKET_ENV = "ORCHESTRATE_FORK_SERVER"  # the socket of the server a job's own children may use
 NOTE_ENV = "ORCHESTRATE_FORK_SERVER_NOTE"  # what that server preloaded
 FORKED_ENV = "ORCHESTRATE_FORKED"  # set in a forked child: "1"
@@ -141,6 +143,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]
             sock.close()
         os.setpgid(0, 0)
         _die_with_parent()
+        become_subreaper()  # whatever the job starts stays below it, found and ended with it
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -170,7 +173,21 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            _end_leftovers()
         os._exit(code)
+
+
+def _end_leftovers() -> None:
+    """End what the job left running (a subreaper: its orphans are its children now)."""
+    me = os.getpid()
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:  # cheap: no process table walk when empty
+            if not f.read().split():
+                return
+    except OSError:
+        pass  # no such file (not Linux): walk the table
+    end_descendants(me, kill_wait=5.0)
 
 
 def serve(path: str, preload_mlx: bool) -> int:
@@ -215,8 +232,7 @@ def serve(path: str, preload_mlx: bool) -> int:
                 conns.discard(sock)
                 for pid, conn in list(clients.items()):
                     if conn is sock:
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.killpg(pid, signal.SIGKILL)
+                        _end_tree(pid)
                 sock.close()
                 continue
             if not data.endswith(b"\n") or len(fds) != 2:  # one request per message, with two fds
@@ -289,9 +305,8 @@ class WarmProcess:
         return self.returncode
 
     def kill(self) -> None:
-        """Kill the child's process group (it has its own)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        """Kill the child and its whole tree (it is a subreaper: also what left its group)."""
+        _end_tree(self.pid)
 
 
 class ForkServer:
@@ -424,11 +439,22 @@ def run_entry(
     try:
         return proc.wait(timeout=timeout), how
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        if isinstance(proc, WarmProcess):
+            proc.kill()
+        else:
+            _end_tree(proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         return None, how
+
+
+def _end_tree(pid: int) -> None:
+    """End process `pid` and every descendant (`workers.process_tree`: the root is stopped first, so
+    nothing is orphaned past it), then whatever is left of its process group."""
+    with contextlib.suppress(OSError):
+        end_descendants(pid, kill_wait=10.0)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> int:

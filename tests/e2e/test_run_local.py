@@ -76,8 +76,7 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     assert f"Nothing to do: all {n_jobs} jobs of sweep 'smoke' are complete" in again.stdout
     assert sorted((work / "results").rglob("part-*.parquet")) == fragments
 
-    # every stored row, a contended run's beside the clean rerun's (by default each point's newest run)
-    res = _run([orchestrate_bin, "results", "--sweep", "smoke", "--all-runs"], work)
+    res = _run([orchestrate_bin, "results", "--sweep", "smoke", "--all-runs"], work)  # every run: as DuckDB reads it
     assert res.returncode == 0, res.stderr
     reported = int(re.search(r"^sweep smoke: (\d+) rows", res.stdout, re.M).group(1))  # type: ignore[union-attr]
 

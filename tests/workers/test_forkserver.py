@@ -131,3 +131,21 @@ def test_fresh_interpreters_on_request(tmp_path: Path, monkeypatch: pytest.Monke
     phases = json.loads((table.schema.metadata or {})[META_PHASES])
     assert phases["process"] == "fresh interpreter"
     assert table.num_rows > 0
+
+
+def test_a_timed_out_sample_is_ended_with_what_left_its_group(tmp_path: Path) -> None:
+    # a sample process that started a helper in a session of its own (out of its process group):
+    # killing the group alone would leave the helper running, holding the GPU past the job
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    root = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert root.stdout is not None
+    helper = int(root.stdout.readline())
+    assert os.getpgid(helper) != os.getpgid(root.pid)
+    forkserver._end_tree(root.pid)
+    assert root.wait(timeout=30) == -signal.SIGKILL
+    assert _gone(helper)
