@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from ray._private.services import find_gcs_addresses
+from ray._private.services import _find_address_from_flag
 
 from orchestrator.store import ResultStore
 from tests.conftest import child_env
@@ -34,6 +34,12 @@ from workers.contract import HostFingerprint, JobSpec, failed_job_table
 from workers.processes import is_descendant, listening_pids, process_name
 
 pytestmark = pytest.mark.slow
+
+
+def live_gcs_addresses() -> set[str]:
+    """The GCS addresses of the raylets running now (Ray's `find_gcs_addresses` caches any non-empty
+    answer for the life of the process, so another cluster on this machine would freeze it)."""
+    return set(_find_address_from_flag("--gcs-address"))
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +283,7 @@ def test_a_tls_cluster_speaks_only_mutual_tls_serves_no_open_metrics_and_cleans_
         assert not (work / "x1" / "auth_token").exists() and not (work / "x1" / "tls").exists()
         os.killpg(head_pid, signal.SIGTERM)  # the real head, which the stale pid file hid
         deadline = time.monotonic() + 60
-        while listening_pids(port) is not None or any(a.endswith(f":{port}") for a in find_gcs_addresses()):
+        while listening_pids(port) is not None or any(a.endswith(f":{port}") for a in live_gcs_addresses()):
             assert time.monotonic() < deadline, "the head's port stayed taken"  # or its GCS process lived on,
             time.sleep(0.2)  # which `ray start --head` takes for a running cluster
         before = token.read_text()
