@@ -16,7 +16,7 @@
 #   ... the last line again until it prints "all sweeps complete" (the machine stays up ~30 s)
 #
 # Writes under OUT: e2e.log (every command and its output), summary-<sweep>.txt (compare, check,
-# phases), report.html, and results.tar.xz (the Parquet fragments: unpack and
+# phases), report-<sweep>.html, and results.tar.xz (the Parquet fragments: unpack and
 # `orchestrate import` them, or point --results at the unpacked tree). SWEEPS overrides the list.
 set -u
 out=${1:?usage: device_e2e.sh OUT_DIR [SECONDS]}
@@ -64,7 +64,10 @@ for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one file per sweep
     orchestrate phases --sweep "$sweep" 2>&1
   } >"$out/summary-$sweep.txt"
 done
-orchestrate report --html "$out/report.html" >>"$log" 2>&1 || note "report failed: $(tail -1 "$log")"
+for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # the report takes one sweep
+  orchestrate report --sweep "$sweep" --html "$out/report-$sweep.html" >>"$log" 2>&1 \
+    || note "report of $sweep failed: $(tail -1 "$log")"
+done
 tar -C "$state" -cJf "$out/results.tar.xz" results 2>>"$log"
 note "packed $(find "$state/results" -name 'part-*.parquet' | wc -l) fragments ($(du -h "$out/results.tar.xz" | cut -f1))"
 ((complete)) && note "all sweeps complete" || note "not complete: run the script again while the machine is up"

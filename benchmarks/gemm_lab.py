@@ -210,12 +210,15 @@ def check_float16(prob: Problem, m: int, variants: list[str]) -> list[dict[str, 
 
 def recommend(per_m: list[dict[str, Any]], tolerance: float) -> str:
     """The variant rule ("name@max_m,...,name") of the fastest correct variant at each M."""
-    best: list[tuple[int, str]] = []
+    paths: dict[int, list[dict[str, Any]]] = {}  # blocks of one M (this process's and the wgmma child's) pooled
     for block in per_m:
-        ok = [p for p in block["paths"] if p["path"] in VARIANTS and "seconds" in p]
+        paths.setdefault(int(block["m"]), []).extend(block["paths"])
+    best: list[tuple[int, str]] = []
+    for m in sorted(paths):
+        ok = [p for p in paths[m] if p["path"] in VARIANTS and "seconds" in p]
         ok = [p for p in ok if p["nan"] == 0 and p["rel_error"] <= tolerance]
         if ok:
-            best.append((block["m"], min(ok, key=lambda p: p["seconds"])["path"]))
+            best.append((m, min(ok, key=lambda p: p["seconds"])["path"]))
     if not best:
         return ""
     merged: list[tuple[int, str]] = []

@@ -135,7 +135,11 @@ VARIANTS: dict[str, GemmConfig] = {
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
 # environment variable overrides it for a run without a code change, e.g.
 #   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
-DEFAULT_RULE = "b128x256k64s4"  # not yet measured on the H200: the lab's first run picks it
+# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, 2026-12-01): the wgmma variant
+# is the fastest correct one at every M from 512 to 16384 (3.0-3.2x affine); where wgmma cannot
+# run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants at each M.
+DEFAULT_RULE = "g128x256k64s4"
+PORTABLE_RULE = "b128x128k64s3@512,b256x128k64s4"
 DEFAULT_VARIANT = DEFAULT_RULE.rsplit(",", 1)[-1]
 VARIANT_ENV = "ORCHESTRATE_GEMM_VARIANT"
 
@@ -159,15 +163,18 @@ def parse_rule(rule: str, origin: str = "rule") -> list[tuple[int | None, str]]:
     return entries
 
 
-def variant_for(m: int) -> str:
+def variant_for(m: int, wgmma: bool = True) -> str:
     """The variant the library launches for M = m: `$ORCHESTRATE_GEMM_VARIANT`'s rule if set,
-    else DEFAULT_RULE's.
+    else DEFAULT_RULE's where `wgmma` variants can run here, else PORTABLE_RULE's.
 
     Raises:
         ValueError: the environment's rule is malformed (see `parse_rule`).
     """
     env = os.environ.get(VARIANT_ENV, "")
-    rule = parse_rule(env, VARIANT_ENV) if env else parse_rule(DEFAULT_RULE, "DEFAULT_RULE")
+    if env:
+        rule = parse_rule(env, VARIANT_ENV)
+    else:
+        rule = parse_rule(DEFAULT_RULE, "DEFAULT_RULE") if wgmma else parse_rule(PORTABLE_RULE, "PORTABLE_RULE")
     return next(name for bound, name in rule if bound is None or m <= bound)
 
 

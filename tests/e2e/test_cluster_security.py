@@ -282,6 +282,9 @@ def test_a_tls_cluster_speaks_only_mutual_tls_serves_no_open_metrics_and_cleans_
         assert "x1: stopped" in down.stdout
         assert not (work / "x1" / "auth_token").exists() and not (work / "x1" / "tls").exists()
         os.killpg(head_pid, signal.SIGTERM)  # the real head, which the stale pid file hid
+        time.sleep(5)  # as `stop_head` does: a grace period, then SIGKILL (Ray's GCS can outlive SIGTERM by 20 s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head_pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while listening_pids(port) is not None or any(a.endswith(f":{port}") for a in live_gcs_addresses()):
             assert time.monotonic() < deadline, "the head's port stayed taken"  # or its GCS process lived on,

@@ -348,6 +348,10 @@ def test_variant_table_fits_the_seed_shape_and_the_default_is_in_it(monkeypatch:
         assert cfg.reason(21504, 5376) is None, name
         assert cfg.reason(1004, 5376) is not None  # N % 8
     assert DEFAULT_VARIANT in VARIANTS and variant_for(512) in VARIANTS
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert [variant_for(m) for m in (512, 16384)] == ["g128x256k64s4"] * 2  # Hopper: wgmma at every M
+    portable = [variant_for(m, wgmma=False) for m in (512, 513, 16384)]
+    assert portable == ["b128x128k64s3", "b256x128k64s4", "b256x128k64s4"]
     monkeypatch.setenv(VARIANT_ENV, "w128x256k64s4")
     assert variant_for(16) == variant_for(16384) == "w128x256k64s4"
     monkeypatch.setenv(VARIANT_ENV, "b128x128k64s3@1024, w128x128k64s4@4096,b256x128k64s4")
@@ -367,8 +371,10 @@ def test_variant_table_fits_the_seed_shape_and_the_default_is_in_it(monkeypatch:
 def fake_h200(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(gemm_nvfp4, "cuda_device", lambda: CudaDevice("fake H200", 132, (9, 0), 232448))
     gemm_nvfp4.kernel_supports.cache_clear()
+    gemm_nvfp4.wgmma_runs_here.cache_clear()
     yield
     gemm_nvfp4.kernel_supports.cache_clear()
+    gemm_nvfp4.wgmma_runs_here.cache_clear()
 
 
 def test_kernel_supports_16_bit_activations_on_sm89_plus(monkeypatch: pytest.MonkeyPatch, fake_h200: None) -> None:
@@ -382,7 +388,9 @@ def test_kernel_supports_16_bit_activations_on_sm89_plus(monkeypatch: pytest.Mon
     assert "8.9" in (gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16") or "")
     monkeypatch.setattr(gemm_nvfp4, "cuda_device", lambda: CudaDevice("fake L4", 58, (8, 9), 101376))
     gemm_nvfp4.kernel_supports.cache_clear()
-    assert "shared memory" in (gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16") or "")
+    assert "shared memory" in (gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16", "b128x256k64s4") or "")
+    gemm_nvfp4.wgmma_runs_here.cache_clear()
+    assert gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16") is None  # the portable default fits
 
 
 # --------------------------------------------------------------------------------- the twin
