@@ -9,7 +9,7 @@
 # "interrupted: ...; rerun to resume"), and the next call, while the machine is still up, resumes
 # where it stopped (the results and spool live under /tmp/orchestrate-e2e on that machine). Here:
 #
-#   ../shared/device/stage.sh prepare                 # writes .device/p1..p3
+#   ../shared/device/stage.sh prepare tabulate==0.10.0   # writes .device/p1..p3 (with the one pin the bundle lacks)
 #   run (carry .device/p1): bash .device/p1/stash.sh
 #   run (carry .device/p2): bash .device/p2/stash.sh
 #   run (carry .device/p3): source .device/p3/install.sh && bash benchmarks/device_e2e.sh "$OUT" 540
