@@ -87,8 +87,8 @@ BAD = {
         "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters, spaces or control characters",
     ),
     "unknown field": (
-        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nbogus = 1\n',
-        "field hosts.0.bogus: unknown field 'bogus' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nfrobnicate = 1\n',
+        "field hosts.0.frobnicate: unknown field 'frobnicate' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
     ),
 }
 
