@@ -18,6 +18,13 @@ The token (see `orchestrator.auth_token`) is never printed or logged; each host 
 (`orchestrator.tls`); `cluster_down` removes both. A pid file is trusted only when its process
 is the `ray start` of that host's work dir: a stale one naming a process that reused the pid
 makes `up` start the node and `down` leave that process alone.
+
+A host with `gpus` is one node per GPU (`ray-node-gpu<i>.pid`, `.log`, Ray temp dir
+`<workdir>/ray-gpu<i>`), each labelled `gpu-index` and `gpu-uuid` and offering one `gpu_slot`:
+the GPUs are listed on the host itself (`python -m workers gpus BACKEND`: nvidia-smi or the KFD
+topology) while it is checked, and an index the host lacks is reported with the others. `up`
+stops a node left from an earlier `up` for a GPU the inventory no longer names; `down` stops
+every node `up` started on the host.
 """
 
 from __future__ import annotations
@@ -54,9 +61,11 @@ from orchestrator.specs import HostSpec, InventorySpec
 from orchestrator.ssh import RemoteShell, SftpError, SshTarget, command_line, shell_path
 from orchestrator.tls import NODE_FILES, issue, tls_env
 from orchestrator.workerenv import install_worker_packages, installable, source_archive
+from workers.gpus import GpuInfo, GpuListError, pin_labels, select_gpus
 
 NODE_PID = "ray-node.pid"
 NODE_LOG = "ray-node.log"
+GPU_NODE_OBJECT_STORE_BYTES = 2**30  # per GPU's node: rows are small, and N nodes share one /dev/shm
 TOKEN_FILE = "auth_token"
 LOG_TAIL_LINES = 5  # of a node's log, in the report of a node that did not join
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its log; a report is plain text
@@ -84,39 +93,49 @@ class HostState:
     lock: str = "-"
     last_job: str = "-"
     notes: list[str] = field(default_factory=list)
+    gpus: list[GpuInfo] | None = None  # the GPUs the host's `gpus` names, as the host listed them
+    joined: bool = False  # every node `up` wanted on the host is registered with the head
 
 
-def _paths(host: HostSpec, home: str) -> dict[str, str]:
+def _paths(host: HostSpec, home: str, gpu: int | None = None) -> dict[str, str]:
+    """The host's files; those of GPU `gpu`'s node where it has several."""
     wd = host.workdir if not host.workdir.startswith("~") else home + host.workdir[1:]
+    node = "ray-node" if gpu is None else f"ray-node-gpu{gpu}"
     return {
-        "workdir": wd, "pid": f"{wd}/{NODE_PID}", "log": f"{wd}/{NODE_LOG}", "token": f"{wd}/{TOKEN_FILE}",
-        "tls": f"{wd}/tls",
+        "workdir": wd, "pid": f"{wd}/{node}.pid", "log": f"{wd}/{node}.log", "token": f"{wd}/{TOKEN_FILE}",
+        "tls": f"{wd}/tls", "temp": f"{wd}/ray" if gpu is None else f"{wd}/ray-gpu{gpu}",
     }  # fmt: skip
 
 
 def _our_node_script(paths: dict[str, str]) -> str:
     """Shell that sets `p` to the node's pid and succeeds only when that process is the `ray start`
-    of this work dir (not a stale pid file's pid reused by another process)."""
-    marker = shlex.quote(f"--temp-dir {paths['workdir']}/ray")
+    of this work dir and node (not a stale pid file's pid reused by another process)."""
+    marker = shlex.quote(f"--temp-dir {paths['temp']} --labels")
     return (
         f'p=$(cat {shell_path(paths["pid"])} 2>/dev/null) && kill -0 "$p" 2>/dev/null && '
         f'case "$(ps -ww -o command= -p "$p" 2>/dev/null)" in *ray.scripts.scripts*{marker}*) true;; *) false;; esac'
     )
 
 
-def node_labels(host: HostSpec) -> dict[str, str]:
-    """The labels `host`'s Ray node is started with, and must be registered with."""
-    return {"device-kind": host.device, "backend": host.backend, "host": host.name, **host.labels}
+def node_labels(host: HostSpec, gpu: GpuInfo | None = None) -> dict[str, str]:
+    """The labels `host`'s Ray node (of GPU `gpu`, on a host with `gpus`) is started with, and must
+    be registered with."""
+    pinned = pin_labels(gpu) if gpu is not None else {}
+    return {"device-kind": host.device, "backend": host.backend, "host": host.name, **pinned, **host.labels}
 
 
-def node_command(host: HostSpec, inventory: InventorySpec, paths: dict[str, str], os_name: str) -> list[str]:
-    """The `ray start` command line (after `env ...`) that makes `host` a worker node."""
-    labels = node_labels(host)
+def node_command(
+    host: HostSpec, inventory: InventorySpec, paths: dict[str, str], os_name: str, gpu: GpuInfo | None = None
+) -> list[str]:
+    """The `ray start` command line (after `env ...`) that makes `host` (or its GPU `gpu`) a worker node."""
+    labels = node_labels(host, gpu)
     argv = [
         host.python, *RAY_CLI, "start", "--block", "--address", head_address(inventory),
-        "--temp-dir", f"{paths['workdir']}/ray", "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
+        "--temp-dir", paths["temp"], "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
         "--resources", json.dumps({"gpu_slot": 1}), "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
     ]  # fmt: skip
+    if gpu is not None:
+        argv += ["--object-store-memory", str(GPU_NODE_OBJECT_STORE_BYTES)]
     if host.node_ip:
         argv += ["--node-ip-address", host.node_ip]
     if host.num_cpus:
@@ -163,10 +182,13 @@ def _put_tls(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, paths
         shell.put_bytes(data, f"{paths['tls']}/{name}", mode=0o600)
 
 
-def _launch_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe) -> str:
-    """Start `ray start --block` on the host in the background: "launched", or "running" when the
-    process its pid file names is alive already (whether it joined is the node table's to say)."""
-    paths = _paths(host, probe.home)
+def _launch_node(
+    shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe, gpu: GpuInfo | None = None
+) -> str:
+    """Start `ray start --block` on the host (for GPU `gpu`) in the background: "launched", or
+    "running" when the process its pid file names is alive already (whether it joined is the node
+    table's to say)."""
+    paths = _paths(host, probe.home, None if gpu is None else gpu.index)
     if shell.run_script(f"sh -c {shlex.quote(_our_node_script(paths))}").ok:
         return "running"
     shell.mkdir_p(paths["workdir"])
@@ -174,7 +196,7 @@ def _launch_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, p
     if inventory.head.tls:
         _put_tls(shell, host, inventory, paths)
     env = node_env(host, paths, probe.os, tls=inventory.head.tls)
-    line = command_line(node_command(host, inventory, paths, probe.os), env)
+    line = command_line(node_command(host, inventory, paths, probe.os, gpu), env)
     inner = (
         f"set -m; cd {shell_path(paths['workdir'])} || exit 1; "
         f"nohup {line} > {shell_path(paths['log'])} 2>&1 < /dev/null & echo $! > {shell_path(paths['pid'])}"
@@ -194,17 +216,19 @@ def _log_tail(shell: RemoteShell, paths: dict[str, str]) -> str:
     return " | ".join(lines) or "(empty)"
 
 
-def registration(nodes: list[dict[str, Any]], host: HostSpec) -> tuple[bool, str]:
-    """Whether `host`'s node is alive in Ray's node table with its labels and a GPU slot.
+def registration(nodes: list[dict[str, Any]], host: HostSpec, gpu: GpuInfo | None = None) -> tuple[bool, str]:
+    """Whether `host`'s node (of GPU `gpu`) is alive in Ray's node table with its labels and a GPU slot.
 
     Returns:
         (joined, why not): the reason names a node of that host registered with other labels.
     """
-    want = node_labels(host)
+    want = node_labels(host, gpu)
     why = ""
     for node in nodes:
         labels = node.get("Labels") or {}
         if not node.get("Alive") or labels.get("host") != host.name:
+            continue
+        if labels.get("gpu-index") != want.get("gpu-index"):  # another GPU's node of this host
             continue
         wrong = {k: labels.get(k) for k, v in want.items() if labels.get(k) != v}
         slot = (node.get("Resources") or {}).get("gpu_slot")
@@ -256,15 +280,22 @@ class NodeTable:
 
 
 def _join(
-    shell: RemoteShell, host: HostSpec, state: HostState, table: NodeTable, timeout: float, deadline: float
+    shell: RemoteShell,
+    host: HostSpec,
+    state: HostState,
+    table: NodeTable,
+    timeout: float,
+    deadline: float,
+    gpu: GpuInfo | None = None,
 ) -> None:
-    """Wait until the host's node is in the node table; else say why not, with its log's last lines."""
+    """Wait until the host's node (of GPU `gpu`) is in the node table; else say why not, with its
+    log's last lines."""
     assert state.probe is not None
-    paths = _paths(host, state.probe.home)
+    paths = _paths(host, state.probe.home, None if gpu is None else gpu.index)
     launched = state.node == "launched"
     checked = 0.0
     while True:
-        joined, why = registration(table.nodes, host)
+        joined, why = registration(table.nodes, host, gpu)
         if joined:
             state.node = "started" if launched else "running"
             return
@@ -283,14 +314,17 @@ def _join(
         time.sleep(POLL_S)
 
 
-def _stop_node(shell: RemoteShell, host: HostSpec, home: str, grace: float) -> str:
-    """Stop the node `up` started (never a process that reused a stale pid file's pid), then remove
-    the host's token and TLS files."""
-    paths = _paths(host, home)
+def _stop_node(
+    shell: RemoteShell, host: HostSpec, home: str, grace: float, gpu: int | None = None, *, forget_token: bool = True
+) -> str:
+    """Stop the node `up` started (for GPU `gpu`; never a process that reused a stale pid file's
+    pid), after removing the host's token and TLS files (unless `forget_token` is false: other
+    nodes of the host go on)."""
+    paths = _paths(host, home, gpu)
     pid = shell_path(paths["pid"])
-    forget = f"rm -rf {shell_path(paths['token'])} {shell_path(paths['tls'])}"
+    forget = f"rm -rf {shell_path(paths['token'])} {shell_path(paths['tls'])}; " if forget_token else ""
     script = (
-        f"{forget}; [ -e {pid} ] || exit 3; "
+        f"{forget}[ -e {pid} ] || exit 3; "
         f'if ! {_our_node_script(paths)}; then kill -0 "$p" 2>/dev/null && c=5 || c=4; rm -f {pid}; exit $c; fi; '
         f'rm -f {pid}; kill -TERM "$p"; n=0; while kill -0 "$p" 2>/dev/null && [ $n -lt {int(grace * 10)} ]; '
         "do sleep 0.1; n=$((n+1)); done; "
@@ -351,12 +385,47 @@ def check_hosts(inventory: InventorySpec, *, install_from: Path | None = None, l
             log(f"{host.name}: installed" if not state.notes else f"{host.name}: still {'; '.join(state.notes)}")
         return state
 
-    states = _each_host(inventory, check)
+    def check_gpus(host: HostSpec, state: HostState) -> None:
+        if host.gpus is None or state.notes:
+            return
+        try:
+            state.gpus = select_gpus(host.gpus, list_host_gpus(host), backend=host.backend)
+        except GpuListError as exc:
+            state.notes.append(str(exc))
+            return
+        if not state.gpus:
+            state.notes.append(f'gpus = "all": the host lists no {host.backend} GPU')
+
+    def check_all(host: HostSpec) -> HostState:
+        state = check(host)
+        check_gpus(host, state)
+        return state
+
+    states = _each_host(inventory, check_all)
     bad = [s for s in states if s.notes]
     if bad:
         detail = "; ".join(f"{s.name}: {', '.join(s.notes)}" for s in bad)
         raise ClusterCheckError(f"{len(bad)} of {len(states)} hosts cannot join the cluster: {detail}", states)
     return states
+
+
+def list_host_gpus(host: HostSpec) -> list[GpuInfo]:
+    """The host's GPUs of its backend, as it lists them itself (`python -m workers gpus`).
+
+    Raises:
+        GpuListError: the host cannot list them (the reason is the host's own).
+    """
+    try:
+        with RemoteShell.connect(SshTarget.from_host(host)) as shell:
+            done = shell.run([host.python, "-m", "workers", "gpus", host.backend], timeout=host.connect_timeout + 60)
+    except InfrastructureError as exc:
+        raise GpuListError(exc.message) from None
+    if done.exit_code != 0:
+        raise GpuListError(f"cannot list its {host.backend} GPUs: {done.last_error_line()}")
+    try:
+        return [GpuInfo.model_validate(g) for g in json.loads(done.stdout.strip().splitlines()[-1])]
+    except (IndexError, ValueError) as exc:
+        raise GpuListError(f"`python -m workers gpus` answered what is not a GPU list: {exc}") from None
 
 
 def _ray_version() -> str:
@@ -404,13 +473,23 @@ def cluster_up(
     def up(host: HostSpec, deadline: float) -> HostState:
         state = by_name[host.name]
         assert state.probe is not None
+        gpus: list[GpuInfo | None] = list(state.gpus) if state.gpus is not None else [None]
+        outcomes: list[str] = []
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
-                state.node = _launch_node(shell, host, inventory, state.probe)
-                _join(shell, host, state, table, join_timeout, deadline)
+                _stop_other_nodes(shell, host, state.probe.home, gpus)
+                for gpu in gpus:  # every GPU's node launched first, then each one's join awaited
+                    state.node = _launch_node(shell, host, inventory, state.probe, gpu)
+                    outcomes.append(state.node)
+                for i, gpu in enumerate(gpus):
+                    state.node = outcomes[i]
+                    _join(shell, host, state, table, join_timeout, deadline, gpu)
+                    outcomes[i] = state.node
         except InfrastructureError as exc:
-            state.node = "failed"
+            outcomes.append("failed")
             state.notes.append(exc.message)
+        state.node = _summary(outcomes, gpus)
+        state.joined = len(outcomes) == len(gpus) and all(o in ("started", "running") for o in outcomes)
         log(f"{host.name}: {state.node}")
         return state
 
@@ -421,7 +500,7 @@ def cluster_up(
             table.refresh()
             time.sleep(POLL_S)
         states = [f.result() for f in futures]
-    missing = [s for s in states if s.node not in ("started", "running")]
+    missing = [s for s in states if not s.joined]
     if missing:
         detail = "; ".join(f"{s.name}: {s.node}: {'; '.join(s.notes)}" for s in missing)
         raise ClusterCheckError(
@@ -429,6 +508,33 @@ def cluster_up(
             states,
         )
     return states
+
+
+def _summary(outcomes: list[str], gpus: list[GpuInfo | None]) -> str:
+    """One word for a host's nodes when they agree (`started`, `running`, ...), else each GPU's."""
+    if len(set(outcomes)) == 1:
+        word = outcomes[0]
+        return word if gpus == [None] or word not in ("started", "running") else f"{word} ({len(gpus)} GPUs)"
+    named = [f"gpu{g.index} {o}" if g is not None else o for g, o in zip(gpus, outcomes, strict=False)]
+    return ", ".join(named + outcomes[len(gpus) :])
+
+
+def _node_gpus(shell: RemoteShell, host: HostSpec, home: str) -> list[int | None]:
+    """The nodes whose pid files `up` left in the host's work dir: None for the host's one node,
+    else each GPU's index."""
+    wd = _paths(host, home)["workdir"]
+    out = shell.run_script(f"cd {shell_path(wd)} 2>/dev/null && ls -1").stdout.split()
+    found: list[int | None] = [None] if NODE_PID in out else []
+    found += sorted(int(m.group(1)) for n in out if (m := re.fullmatch(r"ray-node-gpu(\d+)\.pid", n)))
+    return found
+
+
+def _stop_other_nodes(shell: RemoteShell, host: HostSpec, home: str, gpus: list[GpuInfo | None]) -> None:
+    """Stop the nodes an earlier `up` left for GPUs (or for the unpinned host) no longer named."""
+    wanted = {None if g is None else g.index for g in gpus}
+    for gpu in _node_gpus(shell, host, home):
+        if gpu not in wanted:
+            _stop_node(shell, host, home, 5.0, gpu, forget_token=False)
 
 
 def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _quiet) -> list[HostState]:
@@ -440,7 +546,10 @@ def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _qu
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
-                state.node = _stop_node(shell, host, home, grace)
+                nodes = _node_gpus(shell, host, home) or [None]
+                stopped = [_stop_node(shell, host, home, grace, gpu) for gpu in nodes]
+                named = [f"gpu{g} {o}" for g, o in zip(nodes, stopped, strict=True) if g is not None]
+                state.node = stopped[0] if len(set(stopped)) == 1 and len(nodes) == 1 else ", ".join(named or stopped)
         except InfrastructureError as exc:
             state.node = "unreachable"
             state.notes.append(exc.message)
@@ -460,20 +569,33 @@ def spool_dir(host: HostSpec, home: str) -> str:
     return home + raw[1:] if raw.startswith("~") else raw
 
 
-def ray_nodes(inventory: InventorySpec) -> dict[str, bool] | None:
-    """Ray's view from the head: inventory host name -> node alive (None: no head answers)."""
+def ray_nodes(inventory: InventorySpec) -> dict[str, str] | None:
+    """Ray's view from the head: inventory host name -> `alive`, `dead`, or for a host with
+    several GPUs' nodes `alive 3/4 GPUs (gpu2 dead)` (None: no head answers)."""
     head = inventory.head
     assert head.address is not None
     if not listening(head.address, head.ray_port):
         return None
     table = NodeTable(inventory)
     table.refresh()
-    seen: dict[str, bool] = {}
+    seen: dict[str, dict[str | None, bool]] = {}  # host -> gpu index label -> any such node alive
     for node in table.nodes:
-        name = (node.get("Labels") or {}).get("host")
+        labels = node.get("Labels") or {}
+        name = labels.get("host")
         if name:
-            seen[name] = seen.get(name, False) or bool(node.get("Alive"))
-    return seen
+            per = seen.setdefault(name, {})
+            gpu = labels.get("gpu-index")
+            per[gpu] = per.get(gpu, False) or bool(node.get("Alive"))
+    out = {}
+    for name, per in seen.items():
+        alive = sum(per.values())
+        if None in per and len(per) == 1:
+            out[name] = "alive" if alive else "dead"
+        else:
+            dead = ", ".join(f"gpu{g} dead" for g, ok in sorted(per.items(), key=lambda kv: str(kv[0])) if not ok)
+            word = "alive" if alive else "dead"
+            out[name] = f"{word} {alive}/{len(per)} GPUs" + (f" ({dead})" if dead and alive else "")
+    return out
 
 
 def cluster_status(inventory: InventorySpec) -> list[HostState]:
@@ -486,7 +608,7 @@ def cluster_status(inventory: InventorySpec) -> list[HostState]:
         if nodes is None:
             state.node = "no head"
         else:
-            state.node = {True: "alive", False: "dead"}.get(nodes.get(host.name), "not joined")  # type: ignore[arg-type]
+            state.node = nodes.get(host.name, "not joined")
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 state.probe = probe(shell, host)
@@ -515,13 +637,16 @@ def cluster_logs(inventory: InventorySpec, out: Path) -> list[HostState]:
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
-                paths = _paths(host, home)
-                logs = f"{paths['workdir']}/ray/session_latest/logs"
-                wanted = [paths["log"], *(f"{logs}/{name}" for name in NODE_LOGS)]
+                wanted: list[tuple[str, str]] = []  # (remote path, local name)
+                for gpu in _node_gpus(shell, host, home) or [None]:
+                    paths = _paths(host, home, gpu)
+                    prefix = "" if gpu is None else f"gpu{gpu}-"
+                    logs = f"{paths['temp']}/session_latest/logs"
+                    wanted.append((paths["log"], paths["log"].rsplit("/", 1)[-1]))
+                    wanted += [(f"{logs}/{name}", prefix + name) for name in NODE_LOGS]
                 (out / host.name).mkdir(parents=True, exist_ok=True)
                 fetched = []
-                for remote in wanted:
-                    name = remote.rsplit("/", 1)[-1]
+                for remote, name in wanted:
                     try:
                         shell.get(remote, out / host.name / name)
                         fetched.append(name)

@@ -241,12 +241,13 @@ def lock_status(path: str) -> LockStatus:
         fd = open_lock_file(path, create=False)
     except FileNotFoundError:
         return LockStatus(path, "stale" if holder is not None else "free", False, holder)
+    sharers: list[int] = []
     try:
         busy = not _try_flock(fd, fcntl.LOCK_SH)  # a shared probe; let go at once
         lockers = _kernel_lockers(fd) if busy else []
         if not busy:
             fcntl.flock(fd, fcntl.LOCK_UN)
-            sharers = [p for p in _kernel_lockers(fd, "READ") if p != os.getpid()]
+            sharers = _kernel_lockers(fd, "READ")  # our own probe has let go already
     finally:
         os.close(fd)
     if not busy and sharers:

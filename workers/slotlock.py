@@ -42,10 +42,14 @@ class SlotLock:
         export_env: bool = True,
     ) -> None:
         self.max_wait = max(0.0, float(max_wait))
-        self.host, self.gpu = (
-            GpuLock(p, max_wait=max_wait, mode=mode, cmd=cmd, on_wait=on_wait, export_env=export_env, shared=shared)
-            for p, shared in ((path, True), (gpu_lock_path(path, gpu_index), False))
-        )
+        # Only the GPU's lock exports the nesting variable: it names this process, which holds both
+        # files, so a guard nested on either finds it (the host's own export would hide an outer
+        # holder of the GPU from the GPU's lock).
+        self.host = GpuLock(path, max_wait=max_wait, mode=mode, cmd=cmd, on_wait=on_wait, export_env=False, shared=True)
+        self.gpu = GpuLock(
+            gpu_lock_path(path, gpu_index), max_wait=max_wait, mode=mode, cmd=cmd, on_wait=on_wait,
+            export_env=export_env,
+        )  # fmt: skip
         self.path = self.gpu.path
         self.wait_s = 0.0
 
