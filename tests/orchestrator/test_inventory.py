@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import node_command, node_env, registration
+from orchestrator.cluster_nodes import node_command, node_env, registration
 from orchestrator.specs import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
