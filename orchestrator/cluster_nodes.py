@@ -84,7 +84,8 @@ def node_command(
     labels = node_labels(host, gpu)
     argv = [
         host.python, *RAY_CLI, "start", "--block", "--address", head_address(inventory),
-        "--temp-dir", paths.get("temp", f"{paths['workdir']}/ray"), "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
+        "--temp-dir", paths.get("temp", f"{paths['workdir']}/ray"),
+        "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
         "--resources", json.dumps({"gpu_slot": 1}), "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
     ]  # fmt: skip
     if gpu is not None:
