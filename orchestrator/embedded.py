@@ -6,7 +6,8 @@ way a worker host does (`workers.gpus.list_gpus`: `nvidia-smi` or the KFD topolo
 short-lived process or from sysfs: never a device context in the head). The first GPU is the
 node `ray.init` starts; each further GPU gets a node of its own, `ray start --block --address
 <this instance>` as a child of the head, labelled `gpu-index` and `gpu-uuid`, offering one
-`gpu_slot`. So a GPU is a Ray node everywhere (here and on `cluster up`'s hosts): Ray spreads a
+`gpu_slot`, with a Ray directory of its own (`/tmp/ray-gpu<i>` beside `/tmp/ray`). So a GPU is
+a Ray node everywhere (here and on `cluster up`'s hosts): Ray spreads a
 sweep's jobs over all of them, and a node lost mid-job has its job retried on another (Ray's own
 `max_retries`). The extra nodes end with the head (their process group, before `ray.shutdown`;
 `PR_SET_PDEATHSIG` if the head is killed). The CPU backend has no GPUs: `"all"` there is the one
@@ -85,7 +86,8 @@ class GpuNodes:
         Raises:
             InfrastructureError: a node exited or did not join in time (its log's last lines).
         """
-        logs = Path(str(address["session_dir"])) / "logs"
+        session = Path(str(address["session_dir"]))
+        logs = session / "logs"
         env = {**os.environ, **RAY_BIND_ENV}
         for gpu in gpus:
             labels = node_labels(host, gpu)
@@ -93,6 +95,9 @@ class GpuNodes:
                 sys.executable, "-c", _LAUNCH, str(os.getpid()),
                 sys.executable, *RAY_CLI, "start", "--block", "--address", str(address["gcs_address"]),
                 "--node-ip-address", str(address["node_ip_address"]),
+                # a Ray directory of its own (`/tmp/ray-gpu1`): nodes started together in one
+                # session directory pick the same socket and log names and fail to bind
+                "--temp-dir", f"{session.parent}-gpu{gpu.index}",
                 "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
                 "--resources", json.dumps({"gpu_slot": 1}), "--num-cpus", str(os.cpu_count() or 1),
                 "--object-store-memory", str(NODE_OBJECT_STORE_BYTES),
