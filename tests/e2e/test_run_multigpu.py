@@ -179,5 +179,6 @@ def test_a_lost_worker_and_a_lost_gpu_node_have_their_jobs_finished_elsewhere(
     assert jobs[keys[2]]["gpus"] & {0, 1} and 2 not in jobs[keys[2]]["gpus"]  # type: ignore[operator]
     # Nothing lost: every job stored once, whole, and a rerun has nothing to do.
     assert len(jobs) == 6 and all(j["status"] == {"ok"} for j in jobs.values())
+    assert len(ResultStore(tmp_path / "results").fragments()) == 6  # the lost attempts stored nothing
     final = _orchestrate(orchestrate_bin, argv, env, tmp_path)
     assert "Nothing to do: all 6 jobs" in final.stdout, final.stdout + final.stderr
