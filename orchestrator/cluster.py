@@ -208,7 +208,7 @@ def cluster_up(
         except InfrastructureError as exc:
             outcomes.append("failed")
             state.notes.append(exc.message)
-        state.node = node_summary(outcomes, gpus)
+        state.node = node_summary(outcomes, [None if g is None else g.index for g in gpus])
         state.joined = len(outcomes) == len(gpus) and all(o in ("started", "running") for o in outcomes)
         log(f"{host.name}: {state.node}")
         return state
@@ -241,8 +241,7 @@ def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _qu
                 home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
                 nodes = node_gpus(shell, host, home) or [None]
                 stopped = [stop_node(shell, host, home, grace, gpu) for gpu in nodes]
-                named = [f"gpu{g} {o}" for g, o in zip(nodes, stopped, strict=True) if g is not None]
-                state.node = stopped[0] if len(set(stopped)) == 1 and len(nodes) == 1 else ", ".join(named or stopped)
+                state.node = node_summary(stopped, nodes)
         except InfrastructureError as exc:
             state.node = "unreachable"
             state.notes.append(exc.message)

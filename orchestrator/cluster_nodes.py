@@ -308,12 +308,14 @@ def list_host_gpus(host: HostSpec) -> list[GpuInfo]:
         raise GpuListError(f"`python -m workers gpus` answered what is not a GPU list: {exc}") from None
 
 
-def node_summary(outcomes: list[str], gpus: list[GpuInfo | None]) -> str:
-    """One word for a host's nodes when they agree (`started`, `running`, ...), else each GPU's."""
+def node_summary(outcomes: list[str], gpus: list[int | None]) -> str:
+    """What became of a host's nodes: one word when they agree (`started`, `stopped (2 GPUs)`),
+    else each GPU's (`gpu0 running, gpu1 started`); `gpus`: the GPU of each (None: the one
+    unpinned node); an outcome past them (a failure before the next node) is named last."""
     if len(set(outcomes)) == 1:
-        word = outcomes[0]
-        return word if gpus == [None] or word not in ("started", "running") else f"{word} ({len(gpus)} GPUs)"
-    named = [f"gpu{g.index} {o}" if g is not None else o for g, o in zip(gpus, outcomes, strict=False)]
+        many = f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''}"
+        return outcomes[0] if gpus == [None] else f"{outcomes[0]} ({many})"
+    named = [f"gpu{g} {o}" if g is not None else o for g, o in zip(gpus, outcomes, strict=False)]
     return ", ".join(named + outcomes[len(gpus) :])
 
 
