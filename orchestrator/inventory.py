@@ -22,6 +22,9 @@ from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, pa
 from orchestrator.tomlfile import load_model
 
 
+MAX_GPUS = 64  # GPUs one host may name: each is a Ray node of its own
+
+
 class HeadSpec(Strict):
     """The Ray head. No address: an embedded local Ray instance on this machine."""
 
@@ -87,6 +90,8 @@ class HostSettings(Strict):
         for i in v:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
                 raise ValueError(f"gpus {v!r}: {i!r} is not a GPU index (a whole number >= 0)")
+        if len(v) > MAX_GPUS:
+            raise ValueError(f"gpus names {len(v)} GPUs; a host has at most {MAX_GPUS} (one Ray node each)")
         dup = sorted({i for i in v if v.count(i) > 1})
         if dup:
             raise ValueError(f"gpus {v!r} names GPU {dup[0]} twice")
