@@ -199,7 +199,8 @@ def cluster_up(
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 stop_other_nodes(shell, host, state.probe.home, gpus)
                 for gpu in gpus:  # every GPU's node launched first, then each one's join awaited
-                    state.node = launch_node(shell, host, inventory, state.probe, gpu)
+                    slots = None if gpu is None else len(gpus)
+                    state.node = launch_node(shell, host, inventory, state.probe, gpu, slots)
                     outcomes.append(state.node)
                 for i, gpu in enumerate(gpus):
                     state.node = outcomes[i]

@@ -20,7 +20,7 @@ from orchestrator.plan import lock_settings
 from orchestrator.specs import HostSpec, InventorySpec
 from orchestrator.ssh import RemoteShell, SshTarget, command_line, shell_path
 from orchestrator.tls import NODE_FILES, issue, tls_env
-from workers.gpus import GpuInfo, GpuListError, pin_labels
+from workers.gpus import GPU_SLOTS_ENV, GpuInfo, GpuListError, pin_labels
 
 NODE_PID = "ray-node.pid"
 NODE_LOG = "ray-node.log"
@@ -97,9 +97,11 @@ def node_command(
     return argv
 
 
-def node_env(host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool = False) -> dict[str, str]:
+def node_env(
+    host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool = False, slots: int | None = None
+) -> dict[str, str]:
     """The node's environment: token auth (and TLS), Ray's binding, this host's settings for
-    `workers.task`, the host's env."""
+    `workers.task` (`slots`: how many GPUs' nodes share the host), the host's env."""
     env = {
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": paths["token"],
@@ -109,6 +111,8 @@ def node_env(host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool =
         "ORCHESTRATE_LOCK": lock_settings(host).model_dump_json(),
         "ORCHESTRATE_SPOOL": f"{paths['workdir']}/spool",
     }
+    if slots is not None:
+        env[GPU_SLOTS_ENV] = str(slots)
     if tls:
         tls_dir = paths["tls"]
         env.update(tls_env(f"{tls_dir}/ca.crt", f"{tls_dir}/node.crt", f"{tls_dir}/node.key"))
@@ -137,7 +141,12 @@ def _put_tls(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, paths
 
 
 def launch_node(
-    shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe, gpu: GpuInfo | None = None
+    shell: RemoteShell,
+    host: HostSpec,
+    inventory: InventorySpec,
+    probe: HostProbe,
+    gpu: GpuInfo | None = None,
+    slots: int | None = None,
 ) -> str:
     """Start `ray start --block` on the host (for GPU `gpu`) in the background: "launched", or
     "running" when the process its pid file names is alive already (whether it joined is the node
@@ -149,7 +158,7 @@ def launch_node(
     shell.put_bytes(token_path().read_bytes(), paths["token"], mode=0o600)
     if inventory.head.tls:
         _put_tls(shell, host, inventory, paths)
-    env = node_env(host, paths, probe.os, tls=inventory.head.tls)
+    env = node_env(host, paths, probe.os, tls=inventory.head.tls, slots=slots)
     line = command_line(node_command(host, inventory, paths, probe.os, gpu), env)
     inner = (
         f"set -m; cd {shell_path(paths['workdir'])} || exit 1; "

@@ -29,7 +29,7 @@ from typing import Any
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.head import RAY_BIND_ENV, RAY_CLI
 from orchestrator.inventory import HostSpec, InventorySpec
-from workers.gpus import GpuInfo, GpuListError, list_gpus, pin_labels, select_gpus
+from workers.gpus import GPU_SLOTS_ENV, GpuInfo, GpuListError, list_gpus, pin_labels, select_gpus
 
 JOIN_TIMEOUT_S = 180.0  # a raylet's start on a loaded 2-core machine takes seconds; on an 8-GPU box, several at once
 NODE_OBJECT_STORE_BYTES = 2**30  # per extra node: rows are small, and N nodes share one /dev/shm
@@ -88,7 +88,7 @@ class GpuNodes:
         """
         session = Path(str(address["session_dir"]))
         logs = session / "logs"
-        env = {**os.environ, **RAY_BIND_ENV}
+        env = {**os.environ, **RAY_BIND_ENV, GPU_SLOTS_ENV: str(len(gpus) + 1)}
         for gpu in gpus:
             labels = node_labels(host, gpu)
             argv = [

@@ -31,7 +31,7 @@ from orchestrator.embedded import GpuNodes, local_gpus, node_labels
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
-from workers.gpus import GpuInfo
+from workers.gpus import GPU_SLOTS_ENV, GpuInfo
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -120,6 +120,8 @@ class RayExecutor:
                 host = self.inventory.hosts[0]
                 gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
                 use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
+                if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
+                    os.environ[GPU_SLOTS_ENV] = str(len(gpus))
                 context = ray.init(
                     address="local",
                     labels=node_labels(host, gpus[0] if gpus else None),

@@ -21,7 +21,6 @@ from orchestrator.names import BACKENDS, Strict, check_env, check_ip, check_labe
 from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
 from orchestrator.tomlfile import load_model
 
-
 MAX_GPUS = 64  # GPUs one host may name: each is a Ray node of its own
 
 

@@ -19,7 +19,9 @@ Pinning (`visibility_env`): CUDA jobs get `CUDA_VISIBLE_DEVICES=<uuid>` and
 `CUDA_DEVICE_ORDER=PCI_BUS_ID`; ROCm jobs `ROCR_VISIBLE_DEVICES=<uuid or index>` with
 `HIP_VISIBLE_DEVICES` and `CUDA_VISIBLE_DEVICES` removed (HIP would apply them again, relative to
 the one device ROCr leaves visible); every pinned job gets `ORCHESTRATE_GPU_INDEX` and
-`ORCHESTRATE_GPU_UUID` (for a command case's own scripts). Ray never sets these itself: our
+`ORCHESTRATE_GPU_UUID` (for a command case's own scripts), and a thread count of the host's
+cores divided among its GPUs' nodes (`ORCHESTRATE_GPU_SLOTS`, set on each node: eight jobs that
+each ran a NumPy reference check on every core would only fight for them). Ray never sets these itself: our
 tasks ask for the custom resource `gpu_slot`, not `num_gpus`, so Ray's accelerator code leaves
 the variables alone (unless `RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1`, which the job's own values
 override anyway).
@@ -40,6 +42,7 @@ from workers.contract import GpuPin
 FAKE_GPUS_ENV = "ORCHESTRATE_TEST_FAKE_GPUS"  # test-only: N fake GPUs on any backend
 GPU_INDEX_ENV = "ORCHESTRATE_GPU_INDEX"
 GPU_UUID_ENV = "ORCHESTRATE_GPU_UUID"
+GPU_SLOTS_ENV = "ORCHESTRATE_GPU_SLOTS"  # on a GPU's node: how many GPUs' nodes share the host (its cores)
 KFD_TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
 LIST_TIMEOUT_S = 30.0
 

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 
 from workers import forkserver
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
-from workers.gpus import pin_from_labels, visibility_env
+from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
@@ -94,9 +94,13 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     """The environment of a job's process: this worker's, with the host's thread count, pinned
     to the job's GPU where it has one."""
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = str(cores)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if job is not None and job.gpu is not None:
+        slots = os.environ.get(GPU_SLOTS_ENV, "")
+        if slots.isdigit() and int(slots) > 1:  # the host's cores shared among its GPUs' jobs
+            env["OMP_NUM_THREADS"] = str(max(cores // int(slots), 1))
         for key, value in visibility_env(job.backend, job.gpu).items():
             if value is None:
                 env.pop(key, None)
