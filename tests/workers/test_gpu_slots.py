@@ -111,6 +111,11 @@ def test_job_env_pins_the_process_and_the_warm_server_is_kept_per_gpu(monkeypatc
     assert env["ROCR_VISIBLE_DEVICES"] == "GPU-00000000000000ff" and "HIP_VISIBLE_DEVICES" not in env
     assert env["ORCHESTRATE_GPU_INDEX"] == "3"
     assert "ROCR_VISIBLE_DEVICES" not in task.job_env(job.model_copy(update={"gpu": None}))
+    cores = os.cpu_count() or 1
+    monkeypatch.setenv("ORCHESTRATE_GPU_SLOTS", "4")  # four GPUs' nodes on this host share its cores
+    assert task.job_env(job)["OMP_NUM_THREADS"] == str(max(cores // 4, 1))
+    assert task.job_env(job.model_copy(update={"gpu": None}))["OMP_NUM_THREADS"] == str(cores)
+    monkeypatch.delenv("ORCHESTRATE_GPU_SLOTS")
 
     started: list[dict[str, str]] = []
 
