@@ -18,30 +18,41 @@ The token (see `orchestrator.auth_token`) is never printed or logged; each host 
 (`orchestrator.tls`); `cluster_down` removes both. A pid file is trusted only when its process
 is the `ray start` of that host's work dir: a stale one naming a process that reused the pid
 makes `up` start the node and `down` leave that process alone.
+
+A host with `gpus` is one node per GPU (`ray-node-gpu<i>.pid`, `.log`, Ray temp dir
+`<workdir>/ray-gpu<i>`), each labelled `gpu-index` and `gpu-uuid` and offering one `gpu_slot`:
+the GPUs are listed on the host itself (`python -m workers gpus BACKEND`: nvidia-smi or the KFD
+topology) while it is checked, and an index the host lacks is reported with the others. `up`
+stops a node left from an earlier `up` for a GPU the inventory no longer names; `down` stops
+every node `up` started on the host.
 """
 
 from __future__ import annotations
 
-import json
 import platform
-import re
-import shlex
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from orchestrator.auth_token import ensure_token, rotate_token, token_path, token_problem
+from orchestrator.cluster_nodes import (
+    HostState,
+    NodeTable,
+    join_node,
+    launch_node,
+    list_host_gpus,
+    node_gpus,
+    node_paths,
+    node_summary,
+    stop_node,
+    stop_other_nodes,
+)
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.head import (
     HEAD_LOG,
-    RAY_BIND_ENV,
-    RAY_CLI,
-    connect_env,
     head_address,
     listening,
     our_head_pid,
@@ -49,17 +60,11 @@ from orchestrator.head import (
     stop_head,
 )
 from orchestrator.hostprobe import HostProbe, last_job, lock_holder, probe, probe_host, version_problems
-from orchestrator.plan import lock_settings
 from orchestrator.specs import HostSpec, InventorySpec
-from orchestrator.ssh import RemoteShell, SftpError, SshTarget, command_line, shell_path
-from orchestrator.tls import NODE_FILES, issue, tls_env
+from orchestrator.ssh import RemoteShell, SftpError, SshTarget
 from orchestrator.workerenv import install_worker_packages, installable, source_archive
+from workers.gpus import GpuInfo, GpuListError, select_gpus
 
-NODE_PID = "ray-node.pid"
-NODE_LOG = "ray-node.log"
-TOKEN_FILE = "auth_token"
-LOG_TAIL_LINES = 5  # of a node's log, in the report of a node that did not join
-ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its log; a report is plain text
 POLL_S = 0.5
 
 Log = Callable[[str], None]
@@ -67,238 +72,6 @@ Log = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     pass
-
-
-# ------------------------------------------------------------------------------------ the nodes
-
-
-@dataclass
-class HostState:
-    """What `cluster up/down/status` found or did on one host."""
-
-    name: str
-    device: str
-    address: str
-    probe: HostProbe | None = None
-    node: str = "-"  # launched, started, running, not joined, failed; stopped, not running; alive, dead
-    lock: str = "-"
-    last_job: str = "-"
-    notes: list[str] = field(default_factory=list)
-
-
-def _paths(host: HostSpec, home: str) -> dict[str, str]:
-    wd = host.workdir if not host.workdir.startswith("~") else home + host.workdir[1:]
-    return {
-        "workdir": wd, "pid": f"{wd}/{NODE_PID}", "log": f"{wd}/{NODE_LOG}", "token": f"{wd}/{TOKEN_FILE}",
-        "tls": f"{wd}/tls",
-    }  # fmt: skip
-
-
-def _our_node_script(paths: dict[str, str]) -> str:
-    """Shell that sets `p` to the node's pid and succeeds only when that process is the `ray start`
-    of this work dir (not a stale pid file's pid reused by another process)."""
-    marker = shlex.quote(f"--temp-dir {paths['workdir']}/ray")
-    return (
-        f'p=$(cat {shell_path(paths["pid"])} 2>/dev/null) && kill -0 "$p" 2>/dev/null && '
-        f'case "$(ps -ww -o command= -p "$p" 2>/dev/null)" in *ray.scripts.scripts*{marker}*) true;; *) false;; esac'
-    )
-
-
-def node_labels(host: HostSpec) -> dict[str, str]:
-    """The labels `host`'s Ray node is started with, and must be registered with."""
-    return {"device-kind": host.device, "backend": host.backend, "host": host.name, **host.labels}
-
-
-def node_command(host: HostSpec, inventory: InventorySpec, paths: dict[str, str], os_name: str) -> list[str]:
-    """The `ray start` command line (after `env ...`) that makes `host` a worker node."""
-    labels = node_labels(host)
-    argv = [
-        host.python, *RAY_CLI, "start", "--block", "--address", head_address(inventory),
-        "--temp-dir", f"{paths['workdir']}/ray", "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
-        "--resources", json.dumps({"gpu_slot": 1}), "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
-    ]  # fmt: skip
-    if host.node_ip:
-        argv += ["--node-ip-address", host.node_ip]
-    if host.num_cpus:
-        argv += ["--num-cpus", str(host.num_cpus)]
-    return argv
-
-
-def node_env(host: HostSpec, paths: dict[str, str], os_name: str, *, tls: bool = False) -> dict[str, str]:
-    """The node's environment: token auth (and TLS), Ray's binding, this host's settings for
-    `workers.task`, the host's env."""
-    env = {
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": paths["token"],
-        **RAY_BIND_ENV,
-        "ORCHESTRATE_HOST": host.name,
-        "ORCHESTRATE_LOCK_PATH": host.lock,
-        "ORCHESTRATE_LOCK": lock_settings(host).model_dump_json(),
-        "ORCHESTRATE_SPOOL": f"{paths['workdir']}/spool",
-    }
-    if tls:
-        tls_dir = paths["tls"]
-        env.update(tls_env(f"{tls_dir}/ca.crt", f"{tls_dir}/node.crt", f"{tls_dir}/node.key"))
-    if os_name == "Darwin":
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"  # Ray refuses multi-node on macOS without it
-    return {**env, **host.env}
-
-
-def _node_ip(shell: RemoteShell, host: HostSpec) -> str:
-    """The IP the host's Ray node will use, as Ray itself works it out there (`node_ip`, with a
-    loopback address replaced by the host's own; without `node_ip`, Ray's guess)."""
-    pick = (
-        "import sys; from ray._private.services import get_node_ip_address, resolve_ip_for_localhost; "
-        "print(resolve_ip_for_localhost(sys.argv[1]) if sys.argv[1] else get_node_ip_address())"
-    )
-    return shell.run([host.python, "-c", pick, host.node_ip or ""], check=True, timeout=120).stdout.strip()
-
-
-def _put_tls(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, paths: dict[str, str]) -> None:
-    """Give the host its TLS files: the CA's certificate, its own certificate and key (0600)."""
-    addresses = [_node_ip(shell, host), *(a for a in (host.node_ip, host.host) if a)]
-    files = dict(zip(NODE_FILES, issue(inventory, host.name, addresses), strict=True))
-    shell.mkdir_p(paths["tls"])
-    for name, data in files.items():
-        shell.put_bytes(data, f"{paths['tls']}/{name}", mode=0o600)
-
-
-def _launch_node(shell: RemoteShell, host: HostSpec, inventory: InventorySpec, probe: HostProbe) -> str:
-    """Start `ray start --block` on the host in the background: "launched", or "running" when the
-    process its pid file names is alive already (whether it joined is the node table's to say)."""
-    paths = _paths(host, probe.home)
-    if shell.run_script(f"sh -c {shlex.quote(_our_node_script(paths))}").ok:
-        return "running"
-    shell.mkdir_p(paths["workdir"])
-    shell.put_bytes(token_path().read_bytes(), paths["token"], mode=0o600)
-    if inventory.head.tls:
-        _put_tls(shell, host, inventory, paths)
-    env = node_env(host, paths, probe.os, tls=inventory.head.tls)
-    line = command_line(node_command(host, inventory, paths, probe.os), env)
-    inner = (
-        f"set -m; cd {shell_path(paths['workdir'])} || exit 1; "
-        f"nohup {line} > {shell_path(paths['log'])} 2>&1 < /dev/null & echo $! > {shell_path(paths['pid'])}"
-    )
-    shell.run_script(f"bash -c {shlex.quote(inner)}", check=True, what="ray start")
-    return "launched"
-
-
-def _node_alive(shell: RemoteShell, paths: dict[str, str]) -> bool:
-    return shell.run_script(f'kill -0 "$(cat {shell_path(paths["pid"])} 2>/dev/null)" 2>/dev/null').ok
-
-
-def _log_tail(shell: RemoteShell, paths: dict[str, str]) -> str:
-    """The last lines of the node's log, joined into one line."""
-    out = shell.run_script(f"tail -n {LOG_TAIL_LINES} {shell_path(paths['log'])} 2>/dev/null").stdout
-    lines = [ln.strip() for ln in ANSI_RE.sub("", out).splitlines() if ln.strip()]
-    return " | ".join(lines) or "(empty)"
-
-
-def registration(nodes: list[dict[str, Any]], host: HostSpec) -> tuple[bool, str]:
-    """Whether `host`'s node is alive in Ray's node table with its labels and a GPU slot.
-
-    Returns:
-        (joined, why not): the reason names a node of that host registered with other labels.
-    """
-    want = node_labels(host)
-    why = ""
-    for node in nodes:
-        labels = node.get("Labels") or {}
-        if not node.get("Alive") or labels.get("host") != host.name:
-            continue
-        wrong = {k: labels.get(k) for k, v in want.items() if labels.get(k) != v}
-        slot = (node.get("Resources") or {}).get("gpu_slot")
-        if not wrong and slot:
-            return True, ""
-        expected = {k: want[k] for k in wrong}
-        why = f"a node registered as host {host.name!r} with " + (
-            f"labels {wrong} where {expected} was expected" if wrong else "no gpu_slot"
-        )
-    return False, why
-
-
-class NodeTable:
-    """Ray's node table as the head's GCS holds it, in `ray.nodes()`'s shape, read without joining
-    the cluster as a driver.
-
-    `ray.init` as a driver takes seconds and prints every node death the GCS announces into our
-    output; Ray's own GCS client (`ray._raylet.GcsClient`, internal: Ray is pinned) reads the
-    table in about a millisecond. `refresh` is called from one thread.
-    """
-
-    def __init__(self, inventory: InventorySpec) -> None:
-        from ray._raylet import GcsClient  # type: ignore[attr-defined]
-
-        connect_env(inventory)  # the token, and TLS where the head uses it
-        self.address = head_address(inventory)
-        try:
-            self._client = GcsClient(address=self.address)
-        except Exception as exc:  # as in refresh
-            raise InfrastructureError(f"cannot reach the Ray head at {self.address}: {exc}") from None
-        self.nodes: list[dict[str, Any]] = []
-
-    def refresh(self) -> None:
-        from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
-
-        try:
-            infos = self._client.get_all_node_info(timeout=10)
-        except Exception as exc:  # the GCS client raises Ray's RpcError and plain RuntimeErrors
-            raise InfrastructureError(f"cannot read the node table of the Ray head at {self.address}: {exc}") from None
-        self.nodes = [
-            {
-                "Alive": info.state == GcsNodeInfo.GcsNodeState.ALIVE,
-                "Labels": dict(info.labels),
-                "Resources": dict(info.resources_total),
-                "NodeManagerAddress": info.node_manager_address,
-            }
-            for info in infos.values()
-        ]
-
-
-def _join(
-    shell: RemoteShell, host: HostSpec, state: HostState, table: NodeTable, timeout: float, deadline: float
-) -> None:
-    """Wait until the host's node is in the node table; else say why not, with its log's last lines."""
-    assert state.probe is not None
-    paths = _paths(host, state.probe.home)
-    launched = state.node == "launched"
-    checked = 0.0
-    while True:
-        joined, why = registration(table.nodes, host)
-        if joined:
-            state.node = "started" if launched else "running"
-            return
-        now = time.monotonic()
-        if now - checked >= 2.0:  # a node whose `ray start` exited will never join
-            checked = now
-            if not _node_alive(shell, paths):
-                state.node = "failed"
-                state.notes.append(f"ray start exited; last lines of {paths['log']}: {_log_tail(shell, paths)}")
-                return
-        if now > deadline:
-            state.node = "not joined"
-            reason = why or f"not registered with the head within {timeout:g} s"
-            state.notes.append(f"{reason}; last lines of {paths['log']}: {_log_tail(shell, paths)}")
-            return
-        time.sleep(POLL_S)
-
-
-def _stop_node(shell: RemoteShell, host: HostSpec, home: str, grace: float) -> str:
-    """Stop the node `up` started (never a process that reused a stale pid file's pid), then remove
-    the host's token and TLS files."""
-    paths = _paths(host, home)
-    pid = shell_path(paths["pid"])
-    forget = f"rm -rf {shell_path(paths['token'])} {shell_path(paths['tls'])}"
-    script = (
-        f"{forget}; [ -e {pid} ] || exit 3; "
-        f'if ! {_our_node_script(paths)}; then kill -0 "$p" 2>/dev/null && c=5 || c=4; rm -f {pid}; exit $c; fi; '
-        f'rm -f {pid}; kill -TERM "$p"; n=0; while kill -0 "$p" 2>/dev/null && [ $n -lt {int(grace * 10)} ]; '
-        "do sleep 0.1; n=$((n+1)); done; "
-        f'kill -9 -"$p" 2>/dev/null; exit 0'
-    )
-    code = shell.run_script(f"sh -c {shlex.quote(script)}", timeout=grace + 30, what="stopping the Ray node").exit_code
-    states = {0: "stopped", 3: "not started here", 4: "not running", 5: "stale pid file (its pid is another process)"}
-    return states.get(code, f"stop failed (exit {code})")
 
 
 # ------------------------------------------------------------------------------- the operations
@@ -351,7 +124,23 @@ def check_hosts(inventory: InventorySpec, *, install_from: Path | None = None, l
             log(f"{host.name}: installed" if not state.notes else f"{host.name}: still {'; '.join(state.notes)}")
         return state
 
-    states = _each_host(inventory, check)
+    def check_gpus(host: HostSpec, state: HostState) -> None:
+        if host.gpus is None or state.notes:
+            return
+        try:
+            state.gpus = select_gpus(host.gpus, list_host_gpus(host), backend=host.backend)
+        except GpuListError as exc:
+            state.notes.append(str(exc))
+            return
+        if not state.gpus:
+            state.notes.append(f'gpus = "all": the host lists no {host.backend} GPU')
+
+    def check_all(host: HostSpec) -> HostState:
+        state = check(host)
+        check_gpus(host, state)
+        return state
+
+    states = _each_host(inventory, check_all)
     bad = [s for s in states if s.notes]
     if bad:
         detail = "; ".join(f"{s.name}: {', '.join(s.notes)}" for s in bad)
@@ -404,13 +193,24 @@ def cluster_up(
     def up(host: HostSpec, deadline: float) -> HostState:
         state = by_name[host.name]
         assert state.probe is not None
+        gpus: list[GpuInfo | None] = list(state.gpus) if state.gpus is not None else [None]
+        outcomes: list[str] = []
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
-                state.node = _launch_node(shell, host, inventory, state.probe)
-                _join(shell, host, state, table, join_timeout, deadline)
+                stop_other_nodes(shell, host, state.probe.home, gpus)
+                for gpu in gpus:  # every GPU's node launched first, then each one's join awaited
+                    slots = None if gpu is None else len(gpus)
+                    state.node = launch_node(shell, host, inventory, state.probe, gpu, slots)
+                    outcomes.append(state.node)
+                for i, gpu in enumerate(gpus):
+                    state.node = outcomes[i]
+                    join_node(shell, host, state, table, join_timeout, deadline, gpu)
+                    outcomes[i] = state.node
         except InfrastructureError as exc:
-            state.node = "failed"
+            outcomes.append("failed")
             state.notes.append(exc.message)
+        state.node = node_summary(outcomes, [None if g is None else g.index for g in gpus])
+        state.joined = len(outcomes) == len(gpus) and all(o in ("started", "running") for o in outcomes)
         log(f"{host.name}: {state.node}")
         return state
 
@@ -421,7 +221,7 @@ def cluster_up(
             table.refresh()
             time.sleep(POLL_S)
         states = [f.result() for f in futures]
-    missing = [s for s in states if s.node not in ("started", "running")]
+    missing = [s for s in states if not s.joined]
     if missing:
         detail = "; ".join(f"{s.name}: {s.node}: {'; '.join(s.notes)}" for s in missing)
         raise ClusterCheckError(
@@ -440,7 +240,9 @@ def cluster_down(inventory: InventorySpec, *, grace: float = 5.0, log: Log = _qu
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
-                state.node = _stop_node(shell, host, home, grace)
+                nodes = node_gpus(shell, host, home) or [None]
+                stopped = [stop_node(shell, host, home, grace, gpu) for gpu in nodes]
+                state.node = node_summary(stopped, nodes)
         except InfrastructureError as exc:
             state.node = "unreachable"
             state.notes.append(exc.message)
@@ -460,20 +262,33 @@ def spool_dir(host: HostSpec, home: str) -> str:
     return home + raw[1:] if raw.startswith("~") else raw
 
 
-def ray_nodes(inventory: InventorySpec) -> dict[str, bool] | None:
-    """Ray's view from the head: inventory host name -> node alive (None: no head answers)."""
+def ray_nodes(inventory: InventorySpec) -> dict[str, str] | None:
+    """Ray's view from the head: inventory host name -> `alive`, `dead`, or for a host with
+    several GPUs' nodes `alive 3/4 GPUs (gpu2 dead)` (None: no head answers)."""
     head = inventory.head
     assert head.address is not None
     if not listening(head.address, head.ray_port):
         return None
     table = NodeTable(inventory)
     table.refresh()
-    seen: dict[str, bool] = {}
+    seen: dict[str, dict[str | None, bool]] = {}  # host -> gpu index label -> any such node alive
     for node in table.nodes:
-        name = (node.get("Labels") or {}).get("host")
+        labels = node.get("Labels") or {}
+        name = labels.get("host")
         if name:
-            seen[name] = seen.get(name, False) or bool(node.get("Alive"))
-    return seen
+            per = seen.setdefault(name, {})
+            gpu = labels.get("gpu-index")
+            per[gpu] = per.get(gpu, False) or bool(node.get("Alive"))
+    out = {}
+    for name, per in seen.items():
+        alive = sum(per.values())
+        if None in per and len(per) == 1:
+            out[name] = "alive" if alive else "dead"
+        else:
+            dead = ", ".join(f"gpu{g} dead" for g, ok in sorted(per.items(), key=lambda kv: str(kv[0])) if not ok)
+            word = "alive" if alive else "dead"
+            out[name] = f"{word} {alive}/{len(per)} GPUs" + (f" ({dead})" if dead and alive else "")
+    return out
 
 
 def cluster_status(inventory: InventorySpec) -> list[HostState]:
@@ -486,7 +301,7 @@ def cluster_status(inventory: InventorySpec) -> list[HostState]:
         if nodes is None:
             state.node = "no head"
         else:
-            state.node = {True: "alive", False: "dead"}.get(nodes.get(host.name), "not joined")  # type: ignore[arg-type]
+            state.node = nodes.get(host.name, "not joined")
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 state.probe = probe(shell, host)
@@ -515,13 +330,16 @@ def cluster_logs(inventory: InventorySpec, out: Path) -> list[HostState]:
         try:
             with RemoteShell.connect(SshTarget.from_host(host)) as shell:
                 home = shell.run(["sh", "-c", 'printf %s "$HOME"']).stdout
-                paths = _paths(host, home)
-                logs = f"{paths['workdir']}/ray/session_latest/logs"
-                wanted = [paths["log"], *(f"{logs}/{name}" for name in NODE_LOGS)]
+                wanted: list[tuple[str, str]] = []  # (remote path, local name)
+                for gpu in node_gpus(shell, host, home) or [None]:
+                    paths = node_paths(host, home, gpu)
+                    prefix = "" if gpu is None else f"gpu{gpu}-"
+                    logs = f"{paths['temp']}/session_latest/logs"
+                    wanted.append((paths["log"], paths["log"].rsplit("/", 1)[-1]))
+                    wanted += [(f"{logs}/{name}", prefix + name) for name in NODE_LOGS]
                 (out / host.name).mkdir(parents=True, exist_ok=True)
                 fetched = []
-                for remote in wanted:
-                    name = remote.rsplit("/", 1)[-1]
+                for remote, name in wanted:
                     try:
                         shell.get(remote, out / host.name / name)
                         fetched.append(name)

@@ -1,9 +1,17 @@
 """The Ray executor: one Ray task per job, scheduled by device kind.
 
 Each worker node carries the labels `device-kind`, `backend` and `host` and offers exactly one
-`gpu_slot`, so Ray runs one GPU job per host at a time and only on hosts of the job's kind. With
-an embedded inventory, Ray is started here (`ray.init(address="local", ...)`) with this machine's
-labels from `inventories/local.toml`.
+`gpu_slot`, so Ray runs one GPU job per node at a time and only on nodes of the job's kind. A host
+with several GPUs (`gpus` in the inventory) is one node per GPU, labelled `gpu-index` too: Ray
+spreads a sweep's jobs over every GPU of every host of the kind, and the task pins its job to its
+node's GPU (`workers.task`). With an embedded inventory, Ray is started here
+(`ray.init(address="local", ...)`, plus a node per further GPU: `orchestrator.embedded`) with this
+machine's labels from `inventories/local.toml`.
+
+A job whose node (a host, or one GPU's node) or worker process is lost mid-job is retried by Ray
+(`max_retries`) on a live node of its kind: another GPU when its node is gone; any free slot,
+which may be the same GPU, when only its worker process died. Its finished rows are never lost:
+each job's rows are stored as it finishes, and a rerun skips the stored jobs.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from orchestrator.embedded import GpuNodes, local_gpus, node_labels
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
+from workers.gpus import GPU_SLOTS_ENV, GpuInfo
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -74,9 +84,14 @@ def lost_job_table(job: JobSpec, error: str) -> pa.Table:
 class RayExecutor:
     """Runs jobs as Ray tasks on the inventory's cluster (or an embedded local instance)."""
 
-    def __init__(self, inventory: InventorySpec, *, job_timeout: float | None = None) -> None:
+    def __init__(
+        self, inventory: InventorySpec, *, job_timeout: float | None = None, gpus: list[GpuInfo] | None = None
+    ) -> None:
+        """`gpus`: the embedded host's GPUs when the caller resolved them already (`local_gpus`)."""
         self.inventory = inventory
         self.job_timeout = job_timeout
+        self._gpus = gpus
+        self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()
 
@@ -103,15 +118,21 @@ class RayExecutor:
                 # Ray's node processes inherit this: the probes on this host know them as ours
                 os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
                 host = self.inventory.hosts[0]
+                gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
                 use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
-                ray.init(
+                if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
+                    os.environ[GPU_SLOTS_ENV] = str(len(gpus))
+                context = ray.init(
                     address="local",
-                    labels={"device-kind": host.device, "backend": host.backend, "host": host.name},
+                    labels=node_labels(host, gpus[0] if gpus else None),
                     resources={"gpu_slot": 1},
                     num_cpus=os.cpu_count() or 1,
                     include_dashboard=False,
                     **common,
                 )
+                self._started = True
+                if len(gpus) > 1:
+                    self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
             else:
                 from orchestrator.head import connect_env, require_head
 
@@ -120,8 +141,12 @@ class RayExecutor:
                 connect_env(self.inventory)  # the head's token (`orchestrate cluster up` made it), TLS
                 ray.init(address=f"{head.address}:{head.ray_port}", **common)
         except (ConnectionError, RuntimeError, ValueError, RayError) as exc:
+            self.shutdown()
             hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"
             raise InfrastructureError(f"cannot start or reach Ray: {exc}{hint}") from None
+        except InfrastructureError:
+            self.shutdown()  # an extra GPU node that did not join: stop what did start
+            raise
         self._started = True
         self._signals.install()
 
@@ -135,6 +160,7 @@ class RayExecutor:
         import ray
 
         try:
+            self._nodes.stop()  # before the instance they joined: they stop in about a second then
             if self._started and ray.is_initialized():
                 ray.shutdown()
         finally:

@@ -84,8 +84,21 @@ def version_problems(found: HostProbe, head_python: str, head_ray: str) -> list[
 
 
 def lock_holder(shell: RemoteShell, host: HostSpec) -> str:
-    """Who holds the host's GPU lock, from `<lock>.holder` (`free` when there is none)."""
-    res = shell.run_script(f"cat {shell_path(host.lock + '.holder')} 2>/dev/null")
+    """Who holds the host's GPU lock, from `<lock>.holder` (`free` when there is none); on a host
+    with `gpus`, who holds each GPU's (`gpu1: pid 123 (job: ...)`; `free` when none is held)."""
+    if host.gpus is None:
+        return _holder(shell, host.lock + ".holder")
+    listed = shell.run_script(f"ls -1 {shell_path(host.lock)}.gpu*.holder 2>/dev/null").stdout.split()
+    held = []
+    for path in sorted(listed, key=lambda p: (len(p), p)):
+        index = path.removeprefix(host.lock + ".gpu").removesuffix(".holder")
+        if index.isdigit():
+            held.append(f"gpu{index}: {_holder(shell, path)}")
+    return "; ".join(held) or "free"
+
+
+def _holder(shell: RemoteShell, path: str) -> str:
+    res = shell.run_script(f"cat {shell_path(path)} 2>/dev/null")
     if not res.ok or not res.stdout.strip():
         return "free"
     fields = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)

@@ -3,12 +3,16 @@
 An inventory means what it says: without a `[head]` it is this machine alone (`orchestrator.reach`
 says which hosts are this machine), and a host that is another machine needs a head whose cluster
 it joins. ProxyJump chains are resolved through the inventory at load.
+
+A host may name its GPUs (`gpus = [0, 1, 2, 3]` or `gpus = "all"`): it is then one Ray node per
+GPU, each job pinned to one. The field is checked here (non-negative, unique integers, or
+"all"); which GPUs exist is the host's to say (`workers.gpus`), when its nodes start.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
@@ -16,6 +20,8 @@ from kernels.registry import did_you_mean
 from orchestrator.names import BACKENDS, Strict, check_env, check_ip, check_label, check_safe
 from orchestrator.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
 from orchestrator.tomlfile import load_model
+
+MAX_GPUS = 64  # GPUs one host may name: each is a Ray node of its own
 
 
 class HeadSpec(Strict):
@@ -59,6 +65,7 @@ class HostSettings(Strict):
     env: dict[str, str] = Field(default_factory=dict)
     num_cpus: int | None = Field(default=None, ge=1)  # CPUs the Ray node offers (default: Ray's count)
     memory_gib: float | None = Field(default=None, gt=0)  # the device's memory for one job (unified: the RAM)
+    gpus: list[int] | Literal["all"] | None = None  # one Ray node, slot and lock per GPU (workers.gpus)
 
     @field_validator("user", "identity_file", "known_hosts", "python", "workdir", "lock")
     @classmethod
@@ -69,6 +76,25 @@ class HostSettings(Strict):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return check_env(v)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if v is None or v == "all":
+            return v
+        if isinstance(v, str):
+            raise ValueError(f'gpus {v!r} is neither "all" nor a list of GPU indices such as [0, 1]')
+        if not isinstance(v, list) or not v:
+            raise ValueError(f'gpus must be "all" or a non-empty list of GPU indices such as [0, 1], not {v!r}')
+        for i in v:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(f"gpus {v!r}: {i!r} is not a GPU index (a whole number >= 0)")
+        if len(v) > MAX_GPUS:
+            raise ValueError(f"gpus names {len(v)} GPUs; a host has at most {MAX_GPUS} (one Ray node each)")
+        dup = sorted({i for i in v if v.count(i) > 1})
+        if dup:
+            raise ValueError(f"gpus {v!r} names GPU {dup[0]} twice")
+        return v
 
     @field_validator("lock")
     @classmethod
@@ -150,7 +176,7 @@ class HostSpec(HostSettings):
         for key, value in v.items():
             check_label(key, "label")
             check_label(value, f"value of label {key}")
-            if key in ("device-kind", "backend", "host"):
+            if key in ("device-kind", "backend", "host", "gpu-index", "gpu-uuid"):
                 raise ValueError(f"label {key!r} is set by orchestrate itself (from the host's fields)")
         return v
 

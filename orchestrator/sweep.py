@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from orchestrator.embedded import local_gpus
 from orchestrator.executor import Interrupted, RayExecutor
 from orchestrator.plan import code_version, expand, new_run_id
 from orchestrator.specs import InventorySpec, SweepSpec, check_sweep_against_inventory
@@ -130,6 +131,7 @@ def run_sweep(
     """Run every job of `sweep` not already complete in `store`; return what happened."""
     t0 = time.perf_counter()
     kinds = check_sweep_against_inventory(sweep, inventory, sweep_where)
+    gpus = local_gpus(inventory) if inventory.embedded else None  # a `gpus` this machine lacks: exit 2 here
     store.ensure_writable()
     # one run per sweep and results dir: a second one waits, then resumes
     hold_store(store.root, sweep.name, store.side / LOCK_DIR)
@@ -164,7 +166,7 @@ def run_sweep(
     if progress:
         progress("starting", todo[0], None)
     try:
-        with RayExecutor(inventory, job_timeout=job_timeout) as executor:
+        with RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus) as executor:
             executor.check_kinds({j.device for j in todo})
             last_done = time.perf_counter()
             summary.startup_seconds = last_done - t0

@@ -6,6 +6,11 @@ The Parquet file is written atomically (temp file, then rename): it is either wh
 `python -m workers device` prints this machine's device kind and backend as MLX runs here, as
 JSON (`{"device": "h200", "backend": "cuda"}`): the head asks it of a short-lived process, so that
 the head itself never opens a GPU context (which the GPU-user probes would see during every job).
+
+`python -m workers gpus BACKEND` prints this host's GPUs of that backend as JSON (`[{"index": 0,
+"uuid": "GPU-...", "name": "NVIDIA H200"}, ...]`, from `nvidia-smi` or the KFD topology, no device
+context; `workers.gpus`): `orchestrate cluster up` asks it of a host whose inventory entry has
+`gpus`. Exit 3 when the backend's GPUs cannot be listed.
 """
 
 from __future__ import annotations
@@ -29,7 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job", type=Path, help="the job, as JSON (workers.contract.JobSpec)")
     run.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
     sub.add_parser("device", help="print this machine's device kind and backend as JSON")
+    gpus = sub.add_parser("gpus", help="print this host's GPUs of a backend as JSON")
+    gpus.add_argument("backend", choices=["cpu", "cuda", "metal", "rocm"])
     args = parser.parse_args(argv)
+    if args.verb == "gpus":
+        from workers.gpus import GpuListError, list_gpus
+
+        try:
+            found = list_gpus(args.backend)
+        except GpuListError as exc:
+            print(f"workers: error: {exc}", file=sys.stderr)
+            return 3
+        print(json.dumps([g.model_dump(exclude_none=True) for g in found]))
+        return 0
     if args.verb == "device":
         from workers.fingerprint import local_device
 

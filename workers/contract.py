@@ -60,6 +60,19 @@ class LockSettings(BaseModel):
     cpu_busy_threshold: float = Field(default=50.0, ge=0)  # percent of one core, CPU/Metal gate
 
 
+class GpuPin(BaseModel):
+    """The one GPU a job runs on, on a host with several (`gpus` in the inventory; `workers.gpus`).
+
+    `index` is the backend tool's (nvidia-smi's, PCI order; ROCm: KFD topology order), `uuid` the
+    driver's (None where there is none: Metal).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    uuid: str | None = None
+
+
 class JobSpec(BaseModel):
     """One job: one case at one parameter point, all its arms, on one device kind."""
 
@@ -84,6 +97,7 @@ class JobSpec(BaseModel):
     code_version: str = "unknown"
     lock: LockSettings = Field(default_factory=LockSettings)
     spool_dir: str | None = None
+    gpu: GpuPin | None = None  # set on the worker from its node's labels (`workers.task.localise`)
 
 
 class HostFingerprint(BaseModel):
@@ -105,16 +119,20 @@ class HostFingerprint(BaseModel):
     blas: str | None = None
     threads: int
     fingerprint_id: str
+    gpu_index: int | None = None  # the job's GPU on a host with several (else None)
+    gpu_uuid: str | None = None
 
     def with_id(self) -> HostFingerprint:
         """This fingerprint with `fingerprint_id` hashed from everything a number depends on
         besides the code: host name, OS release, hardware, GPU and driver, backend, MLX version
-        (a new driver, kernel, OS or MLX, another machine: another fingerprint; peaks are probed
-        again and the history reports the change as such)."""
+        (a new driver, kernel, OS or MLX, another machine, another GPU of a host with several:
+        another fingerprint; peaks are probed again and the history reports the change as such)."""
         stable = "|".join(
             [self.hostname, self.os, self.machine, self.cpu, str(self.memory_bytes), self.gpu or "",
              self.gpu_driver or "", self.backend, self.mlx_version]
         )  # fmt: skip
+        if self.gpu_index is not None:  # one fingerprint per GPU of a host with several (unpinned ids unchanged)
+            stable += f"|gpu {self.gpu_index} {self.gpu_uuid or ''}"
         return self.model_copy(update={"fingerprint_id": hashlib.sha256(stable.encode()).hexdigest()[:16]})
 
     @classmethod
@@ -168,6 +186,8 @@ SCHEMA = pa.schema(
         pa.field("memory_bytes", pa.int64()),
         pa.field("gpu", pa.string()),
         pa.field("gpu_driver", pa.string()),
+        pa.field("gpu_index", pa.int32()),  # the job's GPU on a host with several (`gpus` in the inventory)
+        pa.field("gpu_uuid", pa.string()),
         pa.field("mlx_device", pa.string()),
         pa.field("blas", pa.string()),
         pa.field("threads", pa.int32()),
@@ -356,6 +376,8 @@ class RowBuilder:
             "memory_bytes": fp.memory_bytes,
             "gpu": fp.gpu,
             "gpu_driver": fp.gpu_driver,
+            "gpu_index": fp.gpu_index,
+            "gpu_uuid": fp.gpu_uuid,
             "mlx_device": fp.mlx_device,
             "blas": fp.blas,
             "threads": fp.threads,

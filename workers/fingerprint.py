@@ -4,7 +4,9 @@ Stated plainly in every row: the host name, the OS (kernel release and distribut
 model, memory, GPU name and driver where known, the MLX version, MLX's default device and the
 backend it really runs on, the BLAS that MLX's CPU backend ships with, and the thread count the
 job ran with. `fingerprint_id` hashes the host name, OS release, hardware, GPU driver, backend
-and MLX version: any of them changing is a new fingerprint.
+and MLX version: any of them changing is a new fingerprint. On a host with several GPUs the job's
+own GPU (`gpu_index`, `gpu_uuid`; its name and driver from `nvidia-smi --id`) is part of it, so
+each GPU has its own fingerprint (and its own measured peaks).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from workers.contract import HostFingerprint
+from workers.contract import GpuPin, HostFingerprint
 
 
 def _cpu_model() -> str:
@@ -53,8 +55,10 @@ def _command(argv: list[str]) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
-def _nvidia_gpu() -> tuple[str | None, str | None]:
-    out = _command(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
+def _nvidia_gpu(gpu: str | None = None) -> tuple[str | None, str | None]:
+    """(name, driver) of the first NVIDIA GPU, or of `gpu` (an index or UUID)."""
+    which = [f"--id={gpu}"] if gpu else []
+    out = _command(["nvidia-smi", *which, "--query-gpu=name,driver_version", "--format=csv,noheader"])
     if not out:
         return None, None
     name, _, driver = out.splitlines()[0].partition(",")
@@ -138,10 +142,20 @@ def _static_facts() -> tuple[str, int, str | None, str | None]:
     return _cpu_model(), _memory_bytes(), gpu, driver
 
 
-def static_fingerprint(backend: str, *, mlx_version: str | None = None, mlx_device: str = "unknown") -> HostFingerprint:
+@functools.lru_cache(maxsize=8)
+def _pinned_gpu(gpu: str) -> tuple[str | None, str | None]:
+    return _nvidia_gpu(gpu)
+
+
+def static_fingerprint(
+    backend: str, *, mlx_version: str | None = None, mlx_device: str = "unknown", pin: GpuPin | None = None
+) -> HostFingerprint:
     """This host as it is known without opening a device: for a process that must not hold a
-    GPU context (the head, a Ray worker) and as the base of `host_fingerprint`."""
+    GPU context (the head, a Ray worker) and as the base of `host_fingerprint`. `pin`: the job's
+    GPU on a host with several."""
     cpu, memory, gpu, driver = _static_facts()
+    if pin is not None and backend == "cuda":
+        gpu, driver = _pinned_gpu(pin.uuid or str(pin.index))
     if backend == "metal":
         gpu, driver = gpu or "Apple GPU", f"macOS {platform.mac_ver()[0]}"
     elif backend != "cuda":
@@ -165,16 +179,19 @@ def static_fingerprint(backend: str, *, mlx_version: str | None = None, mlx_devi
         blas=_blas() if backend == "cpu" else None,
         threads=threads,
         fingerprint_id="",
+        gpu_index=None if pin is None else pin.index,
+        gpu_uuid=None if pin is None else pin.uuid,
     ).with_id()
 
 
-def host_fingerprint() -> HostFingerprint:
-    """Fingerprint this host as MLX sees it now (opens MLX's device: worker processes only)."""
+def host_fingerprint(pin: GpuPin | None = None) -> HostFingerprint:
+    """Fingerprint this host as MLX sees it now (opens MLX's device: worker processes only); `pin`:
+    the job's GPU on a host with several (its process sees only that one)."""
     import mlx.core as mx
 
     backend = detect_backend()
     fp = static_fingerprint(
-        backend, mlx_version=str(getattr(mx, "__version__", "unknown")), mlx_device=str(mx.default_device())
+        backend, mlx_version=str(getattr(mx, "__version__", "unknown")), mlx_device=str(mx.default_device()), pin=pin
     )
     if backend == "metal":
         info = mx.metal.device_info()

@@ -27,6 +27,15 @@ deadlocking. The variable is honoured only for the lock it stands for: the named
 between it and the requester, must hold an flock on this very file (same device and inode; Linux
 reads `/proc/<pid>/fdinfo`, macOS asks `lsof` whether the process has the file open). A stale
 export, a reused pid, or an export made for another lock file is ignored.
+
+A host with several GPUs (`SlotLock`): a job on GPU i takes the host's lock *shared*, then
+`<lock>.gpu<i>` exclusively. Jobs on different GPUs run side by side; two on one GPU exclude each
+other; and whoever takes the host's lock itself, exclusively as `flock(1)` and the shell guard do
+(or `orchestrate lock hold` without `--gpu`, or an orchestrate of a host without `gpus`), waits
+for every GPU's job and keeps all of them out: the lock file the shell guard shares keeps its
+meaning, the whole host. Both are taken in that order (host, then GPU), so no two holders wait
+on each other. `flock(1)` cannot tell a waiting exclusive holder from none, so a host kept busy
+on every GPU can make it wait for long: give such a guard a `--max-wait`.
 """
 
 from __future__ import annotations
@@ -139,8 +148,9 @@ class LockStatus:
     """The lock's state for `orchestrate lock status`.
 
     Attributes:
-        state: `free`, `held`, or `stale` (a holder file naming a process that is gone, or that
-            no longer holds the lock).
+        state: `free`, `held`, `shared` (held shared: by the jobs of a host with several GPUs,
+            each on its own `<lock>.gpu<i>`), or `stale` (a holder file naming a process that is
+            gone, or that no longer holds the lock).
         busy: Whether some process holds the flock right now.
         holder: The holder file's content, if any.
         lockers: Pids the kernel lists as holding the flock (Linux `/proc/locks`); for a lock taken
@@ -157,6 +167,9 @@ class LockStatus:
         """One line: the state word first, then who and what."""
         if self.state == "free":
             return f"free: {self.path}"
+        if self.state == "shared":
+            who = ", ".join(f"pid={p} ({process_name(p)})" for p in self.lockers)
+            return f"shared: {self.path}; held shared by {who} (jobs on single GPUs: see {self.path}.gpu<i>)"
         parts = [f"{self.state}: {self.path}"]
         if self.holder is not None and self.state == "held":
             parts.append(f"held by {self.holder.describe()}")
@@ -195,8 +208,9 @@ def read_holder(path: str) -> Holder | None:
     )
 
 
-def _kernel_lockers(fd: int) -> list[int]:
-    """Pids `/proc/locks` shows holding an flock on this file (Linux only; else empty)."""
+def _kernel_lockers(fd: int, kind: str | None = None) -> list[int]:
+    """Pids `/proc/locks` shows holding an flock on this file (Linux only; else empty); `kind`:
+    only `READ` (shared) or `WRITE` (exclusive) ones."""
     info = os.fstat(fd)
     try:
         with open("/proc/locks", encoding="ascii", errors="replace") as f:
@@ -206,7 +220,7 @@ def _kernel_lockers(fd: int) -> list[int]:
     pids = []
     for line in lines:
         fields = line.split()
-        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK":
+        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK" or kind not in (None, fields[3]):
             continue
         dev_inode = fields[5].split(":")
         if len(dev_inode) == 3 and dev_inode[2].isdigit() and int(dev_inode[2]) == info.st_ino:
@@ -227,13 +241,17 @@ def lock_status(path: str) -> LockStatus:
         fd = open_lock_file(path, create=False)
     except FileNotFoundError:
         return LockStatus(path, "stale" if holder is not None else "free", False, holder)
+    sharers: list[int] = []
     try:
         busy = not _try_flock(fd, fcntl.LOCK_SH)  # a shared probe; let go at once
         lockers = _kernel_lockers(fd) if busy else []
         if not busy:
             fcntl.flock(fd, fcntl.LOCK_UN)
+            sharers = _kernel_lockers(fd, "READ")  # our own probe has let go already
     finally:
         os.close(fd)
+    if not busy and sharers:
+        return LockStatus(path, "shared", True, holder, sharers)
     if holder is None:
         return LockStatus(path, "held" if busy else "free", busy, None, lockers)
     if busy and holder.alive:
@@ -362,6 +380,8 @@ class GpuLock:
         on_wait: Called once with the lock's status when the lock is found busy.
         export_env: Set `ROCM_GPU_GUARD_LOCK_HELD` in `os.environ` while held, so the children of
             this process nest inside the lock.
+        shared: Take a shared flock (many holders at once; an exclusive one waits for them all),
+            and write no holder file.
 
     Attributes:
         wait_s: Seconds spent waiting for the lock.
@@ -383,8 +403,11 @@ class GpuLock:
         on_wait: Callable[[LockStatus], None] | None = None,
         export_env: bool = True,
         poll_interval: float = 0.05,
+        shared: bool = False,
     ) -> None:
         self.path = os.fspath(path)
+        self.shared = shared  # a shared flock (the host lock under a `SlotLock`): no holder file
+        self._op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self.max_wait = max(0.0, float(max_wait))
         self.mode = mode
         self.cmd = " ".join(cmd.split())  # one line in the holder file
@@ -428,7 +451,7 @@ class GpuLock:
         while True:
             fd = open_lock_file(self.path)
             try:
-                if not _try_flock(fd, fcntl.LOCK_EX):
+                if not _try_flock(fd, self._op):
                     outer = nesting_pid(fd)
                     if outer is not None:
                         os.close(fd)
@@ -453,11 +476,11 @@ class GpuLock:
 
     def _wait(self, fd: int, start: float) -> None:
         if self.max_wait == 0:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # blocking: the kernel wakes waiters in turn
+            fcntl.flock(fd, self._op)  # blocking: the kernel wakes waiters in turn
             return
         delay = min(0.01, self.poll_interval)
         while True:
-            if _try_flock(fd, fcntl.LOCK_EX):
+            if _try_flock(fd, self._op):
                 return
             waited = time.monotonic() - start
             if waited >= self.max_wait:
@@ -509,7 +532,7 @@ class GpuLock:
             except (GpuLockError, OSError) as exc:
                 log.warning("GPU lock %s was deleted or replaced while held and cannot be re-made: %s", self.path, exc)
                 continue
-            if _try_flock(fd, fcntl.LOCK_EX) and _names_file(fd, self.path):
+            if _try_flock(fd, self._op) and _names_file(fd, self.path):
                 self._extra.append(fd)
                 log.warning("GPU lock %s was deleted or replaced while held; locked the new file too", self.path)
                 self._write_holder()
@@ -519,7 +542,13 @@ class GpuLock:
                     log.error("GPU lock %s was replaced while held and another process holds the new file", self.path)
                 self.intact = False
 
+    def inherited_fds(self) -> tuple[int, ...]:
+        """The descriptors a workload inherits to hold this lock (none when running nested)."""
+        return () if self._fd is None else (self._fd,)
+
     def _write_holder(self) -> None:
+        if self.shared:  # many hold it at once: the GPU locks' holder files say who
+            return
         target = holder_path(self.path)
         start = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         text = f"pid={os.getpid()}\nstart={start}\nmode={self.mode}\ncmd={self.cmd}\n"

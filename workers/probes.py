@@ -5,11 +5,14 @@ implementation per backend:
 
 * ROCm: `KfdProbe`, the KFD process list (`/sys/class/kfd/kfd/proc`, one directory per process
   with a GPU context). Entries whose process is gone are ignored (KFD drops an entry only after
-  the process is reaped).
+  the process is reaped). Pinned to one GPU, a process counts when its directory has that GPU's
+  files (`vram_<gpu_id>`, `stats_<gpu_id>`, ...; the gpu_id from the KFD topology) or no per-GPU
+  files at all (an older kernel: it cannot be told apart, so it counts).
 * CUDA: `NvmlProbe`, compute processes through NVML (nvidia-ml-py), else `NvidiaSmiProbe`,
   `nvidia-smi --query-compute-apps`. Their pids are not checked for liveness here: NVML lists
   only running processes, and a pid invisible here belongs to another pid namespace (a container),
-  which is exactly a foreign user.
+  which is exactly a foreign user. Pinned to one GPU (a host with several), only that GPU's
+  processes count (NVML by UUID, `nvidia-smi --id`): a job on the next GPU is not contention.
 * CPU and Metal: `CpuQuietProbe`, a CPU-quiet gate: the busiest foreign process must stay under a
   threshold (percent of one core). Metal exposes no per-process GPU list to an unprivileged user.
 
@@ -30,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from workers.contract import LockSettings
+from workers.contract import GpuPin, LockSettings
 from workers.gpulock import LockBusyError, nesting_pid
 from workers.own_processes import OwnProcesses, own_processes
 from workers.processes import pid_alive, process_name
@@ -86,12 +89,15 @@ class KfdProbe:
 
     name = "kfd"
 
-    def __init__(self, proc_dir: str = "/sys/class/kfd/kfd/proc") -> None:
+    def __init__(self, proc_dir: str = "/sys/class/kfd/kfd/proc", gpu: GpuPin | None = None) -> None:
         if not os.path.isdir(proc_dir):
             raise ProbeUnavailableError(
                 f"KFD process list {proc_dir} is not a directory (is the amdgpu driver loaded?)"
             )
         self.proc_dir = proc_dir
+        self.gpu_id = None if gpu is None else _kfd_gpu_id(proc_dir, gpu.index)
+        if self.gpu_id is not None:
+            self.name = f"kfd gpu_id {self.gpu_id}"
 
     def prime(self) -> None:
         """Nothing to prime: the list is read fresh each time."""
@@ -108,10 +114,32 @@ class KfdProbe:
             if not entry.isdigit():
                 continue
             pid = int(entry)
-            if not pid_alive(pid) or own.contains(pid):
+            if not pid_alive(pid) or own.contains(pid) or not self._on_our_gpu(entry):
                 continue
             foreign[pid] = f"{process_name(pid)}, KFD context"
         return ProbeSample(foreign)
+
+    def _on_our_gpu(self, entry: str) -> bool:
+        if self.gpu_id is None:
+            return True
+        try:
+            names = os.listdir(os.path.join(self.proc_dir, entry))
+        except OSError:
+            return True  # unreadable: it cannot be ruled out
+        ids = {n.rpartition("_")[2] for n in names if n.rpartition("_")[2].isdigit()}
+        return not ids or str(self.gpu_id) in ids
+
+
+def _kfd_gpu_id(proc_dir: str, index: int) -> int | None:
+    """The KFD gpu_id of ROCm GPU `index`, from the topology beside the process list (None: unknown)."""
+    from workers.gpus import GpuListError, kfd_gpus
+
+    topology = os.path.join(os.path.dirname(os.path.normpath(proc_dir)), "topology", "nodes")
+    try:
+        found = kfd_gpus(topology)
+    except GpuListError:
+        return None
+    return found[index].kfd_id if index < len(found) else None
 
 
 def parse_compute_apps(text: str) -> dict[int, str]:
@@ -137,12 +165,13 @@ class NvidiaSmiProbe:
 
     name = "nvidia-smi"
 
-    def __init__(self, executable: str = "nvidia-smi", timeout: float = 10.0) -> None:
+    def __init__(self, executable: str = "nvidia-smi", timeout: float = 10.0, gpu: GpuPin | None = None) -> None:
         found = shutil.which(executable)
         if found is None:
             raise ProbeUnavailableError(f"{executable} is not on PATH")
         self.executable = found
         self.timeout = timeout
+        self.which = [] if gpu is None else [f"--id={gpu.uuid or gpu.index}"]
 
     def prime(self) -> None:
         """Nothing to prime."""
@@ -151,6 +180,7 @@ class NvidiaSmiProbe:
         """Compute processes that are not ours."""
         cmd = [
             self.executable,
+            *self.which,
             "--query-compute-apps=pid,process_name,used_memory",
             "--format=csv,noheader,nounits",
         ]
@@ -171,15 +201,20 @@ class NvmlProbe:
 
     name = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: GpuPin | None = None) -> None:
         try:
             import pynvml
         except ImportError as exc:
             raise ProbeUnavailableError("nvidia-ml-py (pynvml) is not installed") from exc
         try:
             pynvml.nvmlInit()
-            count = pynvml.nvmlDeviceGetCount()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            if gpu is None:
+                count = pynvml.nvmlDeviceGetCount()
+                self._handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)}
+            elif gpu.uuid:  # NVML's own indices are nvidia-smi's; the UUID is exact whatever the order
+                self._handles = {gpu.index: pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)}
+            else:
+                self._handles = {gpu.index: pynvml.nvmlDeviceGetHandleByIndex(gpu.index)}
         except pynvml.NVMLError as exc:
             raise ProbeUnavailableError(f"NVML: {exc}") from exc
         self._nvml = pynvml
@@ -188,10 +223,10 @@ class NvmlProbe:
         """Nothing to prime."""
 
     def sample(self) -> ProbeSample:
-        """Compute processes on any GPU of this host that are not ours."""
+        """Compute processes on any GPU of this host (or the pinned one) that are not ours."""
         own = ours()
         foreign: dict[int, str] = {}
-        for index, handle in enumerate(self._handles):
+        for index, handle in self._handles.items():
             try:
                 procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except self._nvml.NVMLError as exc:
@@ -294,8 +329,8 @@ class CpuQuietProbe:
         return ProbeSample(foreign)
 
 
-def probe_for(backend: str, settings: LockSettings) -> GpuUserProbe:
-    """The foreign-GPU-user probe for `backend` (cpu, cuda, metal, rocm).
+def probe_for(backend: str, settings: LockSettings, gpu: GpuPin | None = None) -> GpuUserProbe:
+    """The foreign-GPU-user probe for `backend` (cpu, cuda, metal, rocm); `gpu`: watch that GPU only.
 
     Raises:
         ProbeUnavailableError: This host cannot see the backend's GPU users; the message says what
@@ -303,13 +338,13 @@ def probe_for(backend: str, settings: LockSettings) -> GpuUserProbe:
         ValueError: An unknown backend.
     """
     if backend == "rocm":
-        return KfdProbe(settings.kfd_proc)
+        return KfdProbe(settings.kfd_proc, gpu)
     if backend == "cuda":
         try:
-            return NvmlProbe()
+            return NvmlProbe(gpu)
         except ProbeUnavailableError as nvml_error:
             try:
-                return NvidiaSmiProbe()
+                return NvidiaSmiProbe(gpu=gpu)
             except ProbeUnavailableError as smi_error:
                 raise ProbeUnavailableError(f"no way to see CUDA GPU users: {nvml_error}; {smi_error}") from smi_error
     if backend in ("cpu", "metal"):

@@ -71,7 +71,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     if spawned:  # set by workers.task: when the Ray task asked for this process
         spent.add("worker_start", time.time() - float(spawned))
     with spent.span("fingerprint"):
-        fp = fingerprint or host_fingerprint()
+        fp = fingerprint or host_fingerprint(job.gpu)
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
     rows = RowBuilder(job, fp, context)
     status = STATUS_FAILED
@@ -99,20 +99,27 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
 
 
 # GPU LOCK: the guarded lock around the whole job (build and measurement), with the idle gate
-# before and the contention monitor during it; a contended measurement is repeated.
+# before and the contention monitor during it; a contended measurement is repeated. A job pinned
+# to one GPU of a host with several takes that GPU's lock (`workers.slotlock`) and watches that
+# GPU only.
 def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
     if not job.lock.enabled:
         return dispatch(job, rows, context)
     from workers.gpulock import GpuLock, LockBusyError
     from workers.probes import ContentionMonitor, probe_for, wait_idle
+    from workers.slotlock import SlotLock
 
     settings = job.lock
     status = STATUS_OK
-    with GpuLock(
-        settings.path, max_wait=settings.max_wait, mode="job", cmd=f"{job.sweep}/{job.case_name}/{job.job_key}"
-    ) as lock:
+    what = f"{job.sweep}/{job.case_name}/{job.job_key}"
+    lock: GpuLock | SlotLock = (
+        GpuLock(settings.path, max_wait=settings.max_wait, mode="job", cmd=what)
+        if job.gpu is None
+        else SlotLock(settings.path, job.gpu.index, max_wait=settings.max_wait, mode="job", cmd=what)
+    )
+    with lock:
         phases.current().add("lock_wait", lock.wait_s)
-        probe = probe_for(backend, settings)
+        probe = probe_for(backend, settings, job.gpu)
         # One budget, as the shell guard's --max-wait: the lock wait and the idle wait together.
         budget = max(settings.max_wait - lock.wait_s, 1e-3) if settings.max_wait > 0 else 0.0
         with phases.span("idle_gate"):

@@ -11,6 +11,13 @@ tail for errors), never into memory. A job's timeout kills its whole process gro
 
 The Parquet file the job writes is the host's spool: it stays on the host's disk until the head
 has stored it, and `orchestrate collect` can fetch it from there.
+
+On a host with several GPUs each GPU is a Ray node of its own, labelled `gpu-index` (and
+`gpu-uuid`); the task reads its node's labels (`localise`) and pins the job's process to that
+GPU (`workers.gpus.visibility_env`: set in the process's environment before anything imports
+MLX). The warm server is kept per pin: it is started with the pinned environment, so a job is
+never forked from a server whose environment named another GPU (one Ray worker belongs to one
+node, so in practice each GPU's workers keep their own server and never switch).
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workers import forkserver
-from workers.contract import META_PHASES, JobSpec, LockSettings, failed_job_table
+from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
+from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
@@ -46,10 +54,28 @@ def spool_dir(job: JobSpec) -> Path:
     return path
 
 
+def node_pin() -> GpuPin | None:
+    """The GPU of the Ray node this task runs on (its `gpu-index` label), or None: a node of a
+    host without `gpus`, or no Ray here."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        labels: dict[str, Any] = dict(ray.get_runtime_context().get_node_labels())  # str -> str (typed as lists)
+        return pin_from_labels({k: str(v) for k, v in labels.items()})
+    except Exception:  # outside a Ray worker (a test calling execute_job directly)
+        return None
+
+
 def localise(job: JobSpec) -> JobSpec:
     """Apply this host's own settings, set when its Ray node was started: its name and its GPU
-    lock settings (`ORCHESTRATE_LOCK`, JSON), the lock path alone (`ORCHESTRATE_LOCK_PATH`) last."""
+    lock settings (`ORCHESTRATE_LOCK`, JSON), the lock path alone (`ORCHESTRATE_LOCK_PATH`) last,
+    and the node's GPU (`node_pin`)."""
     update: dict[str, Any] = {}
+    pin = node_pin()
+    if pin is not None:
+        update["gpu"] = pin
     if os.environ.get("ORCHESTRATE_HOST"):
         update["host"] = os.environ["ORCHESTRATE_HOST"]
     lock = job.lock
@@ -64,11 +90,22 @@ def localise(job: JobSpec) -> JobSpec:
     return job.model_copy(update=update) if update else job
 
 
-def job_env() -> dict[str, str]:
-    """The environment of a job's process: this worker's, with the host's thread count."""
+def job_env(job: JobSpec | None = None) -> dict[str, str]:
+    """The environment of a job's process: this worker's, with the host's thread count, pinned
+    to the job's GPU where it has one."""
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = str(cores)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if job is not None and job.gpu is not None:
+        slots = os.environ.get(GPU_SLOTS_ENV, "")
+        if slots.isdigit() and int(slots) > 1:  # the host's cores shared among its GPUs' jobs
+            env["OMP_NUM_THREADS"] = str(max(cores // int(slots), 1))
+        for key, value in visibility_env(job.backend, job.gpu).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
     return env
 
 
@@ -81,7 +118,8 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | No
     global _server, _server_key
     if not forkserver.supported() or os.environ.get(FRESH_ENV) == "1":
         return None
-    key = (job.code_version, env["OMP_NUM_THREADS"], sys.executable)
+    pin = "" if job.gpu is None else f"{job.gpu.index}:{job.gpu.uuid}"
+    key = (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
     if _server is not None and _server_key == key and _server.alive():
         return _server
     if _server is not None:
@@ -99,7 +137,7 @@ def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None
 
     A timeout kills its process group and gives exit code None.
     """
-    env = job_env()
+    env = job_env(job)
     server = warm_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
     with log.open("wb") as out:
@@ -168,4 +206,4 @@ def failed_table(job: JobSpec, error: str) -> pa.Table:
     """
     from workers.fingerprint import static_fingerprint
 
-    return failed_job_table(job, static_fingerprint(job.backend), error)
+    return failed_job_table(job, static_fingerprint(job.backend, pin=job.gpu), error)

@@ -11,6 +11,10 @@ process group, every descendant followed, also those that call `setsid`), with
 descriptor as under `flock(1)`: the lock stays taken until the last process of the command's tree
 is gone, also when this process is killed (on Linux the tree's keeper then ends the tree). What
 the command leaves running when it exits is ended too (SIGTERM, then SIGKILL after the grace).
+
+On a host with several GPUs (`gpus` in the inventory), `--gpu N` holds one GPU only, as a job
+pinned to it does (`workers.slotlock`: the host's lock shared, `<lock>.gpu<N>` exclusively);
+without it, `hold` takes the whole host. `status` shows each GPU's lock beside the host's.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import typer
 from orchestrator.errors import InputError, LockTimeoutError
 from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError, LockStatus, lock_status
 from workers.process_tree import ProcessTree
+from workers.slotlock import SlotLock, gpu_lock_path
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The node's lock (set by `cluster up`), then the shell guard's, so both tools find one lock.
 LOCK_ENVVARS = ["ORCHESTRATE_LOCK_PATH", "ROCM_GPU_GUARD_LOCK"]
 LOCK_HELP = "Lock file (share the shell guard's file to share its lock)."
+GPU_HELP = "One GPU of a host with several (its index): that GPU's lock, not the whole host's."
 GRACE_S = 5.0  # how long the command's group gets to exit after a forwarded signal before SIGKILL
 
 
@@ -92,7 +98,7 @@ def _wait_tree(tree: ProcessTree, signals: list[int], grace: float) -> int:
             return tree.wait(0) or -signal.SIGKILL
 
 
-def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
+def run_held(argv: list[str], lock: GpuLock | SlotLock, *, grace: float = GRACE_S) -> int:
     """Run `argv` under `lock` and return the exit code `orchestrate lock hold` exits with.
 
     Args:
@@ -129,7 +135,7 @@ def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
             return 128 + signals[0]
         if lock.nested:
             _say(f"GPU lock {lock.path} held by an outer holder (pid {os.environ.get('ROCM_GPU_GUARD_LOCK_HELD')})")
-        inherit = () if lock.nested else (lock.fileno(),)
+        inherit = lock.inherited_fds()
         started = ProcessTree(argv, env=lock.child_env(), pass_fds=inherit, session=False)
         try:
             tree = started.start()
@@ -162,6 +168,18 @@ def run_held(argv: list[str], lock: GpuLock, *, grace: float = GRACE_S) -> int:
             signal.signal(s, handler)
 
 
+def _gpu_locks(lock: str) -> list[str]:
+    """The per-GPU lock files beside `lock` (`LOCK.gpu<i>`), by index."""
+    folder, name = os.path.split(lock)
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(folder or "."):
+            rest = entry.removeprefix(f"{name}.gpu")
+            if rest != entry and rest.isdigit():
+                found.append((int(rest), os.path.join(folder, entry)))
+    return [path for _, path in sorted(found)]
+
+
 def _announce_wait(status: LockStatus) -> None:
     _say(f"waiting for GPU lock {status.path}: {status.describe()}")
 
@@ -174,24 +192,39 @@ def register(app: typer.Typer) -> None:
     def status(
         lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar=LOCK_ENVVARS, help=LOCK_HELP),
         as_json: bool = typer.Option(False, "--json", help="Print the status as one JSON object."),
+        gpu: int | None = typer.Option(None, "--gpu", min=0, help=GPU_HELP),
     ) -> None:
-        """Say whether the lock is free, held (by whom, since when, doing what) or stale; exit 1 if busy."""
+        """Say whether the lock is free, held (by whom, since when, doing what) or stale; exit 1 if busy.
+
+        Each GPU's lock of a host with several (`LOCK.gpu<i>`) is shown beside it; `--gpu N` shows
+        (and exits by) that GPU's alone.
+        """
         try:
-            state = lock_status(lock)
+            if gpu is not None:
+                states = [lock_status(gpu_lock_path(lock, gpu))]
+            else:
+                states = [lock_status(lock), *(lock_status(p) for p in _gpu_locks(lock))]
         except LockPathError as exc:
             raise InputError(str(exc)) from exc
-        print(json.dumps(asdict(state)) if as_json else state.describe())
-        raise typer.Exit(1 if state.busy else 0)
+        if as_json:
+            print(json.dumps(asdict(states[0]) if len(states) == 1 else [asdict(s) for s in states]))
+        else:
+            print("\n".join(s.describe() for s in states))
+        raise typer.Exit(1 if states[0].busy else 0)
 
     @lock_app.command("hold")
     def hold(
         command: list[str] = typer.Argument(..., help="The command to run under the lock (after --)."),
         lock: str = typer.Option(DEFAULT_LOCK_PATH, "--lock", envvar=LOCK_ENVVARS, help=LOCK_HELP),
         max_wait: float = typer.Option(0.0, "--max-wait", min=0, help="Seconds to wait for the lock; 0: no limit."),
+        gpu: int | None = typer.Option(None, "--gpu", min=0, help=GPU_HELP),
     ) -> None:
         """Run CMD under the lock; exit with its code, 75 if the wait ran out, 130/143 on SIGINT/SIGTERM."""
-        gpu_lock = GpuLock(
-            lock, max_wait=max_wait, mode="hold", cmd=shlex.join(command), on_wait=_announce_wait, export_env=False
+        text = shlex.join(command)
+        gpu_lock: GpuLock | SlotLock = (
+            GpuLock(lock, max_wait=max_wait, mode="hold", cmd=text, on_wait=_announce_wait, export_env=False)
+            if gpu is None
+            else SlotLock(lock, gpu, max_wait=max_wait, mode="hold", cmd=text, on_wait=_announce_wait, export_env=False)
         )
         raise typer.Exit(run_held(command, gpu_lock))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster import node_command, node_env, registration
+from orchestrator.cluster_nodes import node_command, node_env, registration
 from orchestrator.specs import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
@@ -86,9 +86,25 @@ BAD = {
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\npython = "/opt/$(id)/python"\ndevice = "x"\n',
         "field hosts.0.python: value '/opt/$(id)/python' contains shell metacharacters, spaces or control characters",
     ),
+    "gpus neither a list nor all": (
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\ngpus = "0,1"\n',
+        'field hosts.0.gpus: gpus \'0,1\' is neither "all" nor a list of GPU indices such as [0, 1]',
+    ),
+    "a GPU named twice": (
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\ngpus = [0, 1, 1]\n',
+        "field hosts.0.gpus: gpus [0, 1, 1] names GPU 1 twice",
+    ),
+    "a GPU index that is no index": (
+        '[defaults]\ngpus = [0, 1.5]\n[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\n',
+        "field defaults.gpus: gpus [0, 1.5]: 1.5 is not a GPU index (a whole number >= 0)",
+    ),
+    "the GPU label is orchestrate's": (
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nlabels = { gpu-index = "3" }\n',
+        "field hosts.0.labels: label 'gpu-index' is set by orchestrate itself (from the host's fields)",
+    ),
     "unknown field": (
-        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nbogus = 1\n',
-        "field hosts.0.bogus: unknown field 'bogus' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
+        '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\nfrobnicate = 1\n',
+        "field hosts.0.frobnicate: unknown field 'frobnicate' (allowed: " + ", ".join(HostSpec.model_fields) + ")",
     ),
 }
 
