@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from orchestrator.specs import load_sweep
@@ -173,8 +174,13 @@ def _fragments(results: Path, sweep: str) -> list[tuple[pa.Table, dict[bytes, by
     out = []
     for frag in store.fragments():
         if frag.sweep == sweep:
-            table = pq.read_table(frag.path)
-            out.append((table, dict(table.schema.metadata or {})))
+            table = pq.read_table(frag.file)
+            if frag.file != frag.path:  # a compacted file: this job's rows
+                table = table.filter(pc.equal(table.column("job_key"), frag.job_key))
+            for column in ("sweep", "date", "device"):  # schema 2 keeps the partition in the path
+                if column not in table.column_names:
+                    table = table.append_column(column, pa.array([getattr(frag, column)] * table.num_rows))
+            out.append((table, dict(frag.meta or table.schema.metadata or {})))
     return out
 
 
