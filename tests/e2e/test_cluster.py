@@ -93,8 +93,9 @@ class Cluster:
     lab: SshLab
 
     def orchestrate(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, "COLUMNS": "250"}  # host tables one line per host: the tests read them by line
         return subprocess.run(
-            [ORCHESTRATE, *args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=self.root
+            [ORCHESTRATE, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=self.root
         )
 
     def sweep(self, name: str, *, tokens: list[int], n: int, reps: int) -> Path:

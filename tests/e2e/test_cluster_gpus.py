@@ -89,8 +89,9 @@ class Lab:
         return path
 
     def orchestrate(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        env = {**self.env, "COLUMNS": "250"}  # host tables one line per host: the tests read them by line
         return subprocess.run(
-            [ORCHESTRATE, *args], capture_output=True, text=True, env=self.env, timeout=timeout, cwd=self.root
+            [ORCHESTRATE, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=self.root
         )
 
     def node_pid(self, gpu: int) -> int:
