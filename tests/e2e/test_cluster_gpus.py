@@ -23,24 +23,15 @@ import pytest
 
 from orchestrator.store import ResultStore
 from tests.conftest import BIN, child_env
+from tests.e2e.test_cluster import SWEEP  # the same two-arm qmm sweep
 from tests.sshd_hosts import SshLab, free_port, require_sshd, start_lab
 
 pytestmark = pytest.mark.slow
 
+TOKENS = [64, 65, 66, 67]
+
 ORCHESTRATE = str(BIN / "orchestrate")
 ADDRESS = "127.0.0.6"
-
-SWEEP = """
-name = "{name}"
-repetitions = {reps}
-warmup = 1
-baseline = "affine"
-
-[[cases]]
-case = "qmm"
-arms = ["native", "affine"]
-params = {{ tokens = [64, 65, 66, 67], n = 512, k = 512, dtype = "float32" }}
-"""
 
 
 def inventory(root: Path, lab: SshLab, port: int, gpus: str) -> str:
@@ -137,7 +128,7 @@ def test_one_node_per_gpu_jobs_spread_a_lost_gpu_node_is_retried_on_the_other(la
     assert "alive 2/2 GPUs" in _line(status.stdout, "g1") and "free" in _line(status.stdout, "g1"), status.stdout
 
     # A sweep spreads over both GPUs of the host; each row names its GPU.
-    (lab.root / "spread.toml").write_text(SWEEP.format(name="spread", reps=4))
+    (lab.root / "spread.toml").write_text(SWEEP.format(tokens=TOKENS, n=512, name="spread", reps=4))
     results = lab.root / "results-1"
     run = lab.orchestrate("run", "--inventory", inv, "--sweep", str(lab.root / "spread.toml"), "-r", str(results))
     assert run.returncode == 0, run.stdout + run.stderr
@@ -147,7 +138,7 @@ def test_one_node_per_gpu_jobs_spread_a_lost_gpu_node_is_retried_on_the_other(la
     assert pairs == {(0, "fake-gpu-0"), (1, "fake-gpu-1")}, pairs
 
     # GPU 1's whole node is killed while it runs a job: the job is run again, to the end, on GPU 0.
-    (lab.root / "loss.toml").write_text(SWEEP.format(name="loss", reps=20))
+    (lab.root / "loss.toml").write_text(SWEEP.format(tokens=TOKENS, n=512, name="loss", reps=20))
     results = lab.root / "results-2"
     argv = [ORCHESTRATE, "run", "--inventory", inv, "--sweep", str(lab.root / "loss.toml"), "-r", str(results)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=lab.env)

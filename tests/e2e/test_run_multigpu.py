@@ -23,9 +23,12 @@ import pytest
 
 from orchestrator.store import ResultStore
 from tests.conftest import child_env
+from tests.e2e.test_cluster import SWEEP  # the same two-arm qmm sweep
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
 pytestmark = pytest.mark.slow
+
+TOKENS = [64, 65, 66, 67, 68, 69]
 
 INVENTORY = """
 [[hosts]]
@@ -38,23 +41,11 @@ gpus = {gpus}
 cpu_busy_threshold = 1e9
 """
 
-SWEEP = """
-name = "{name}"
-repetitions = {reps}
-warmup = 1
-baseline = "affine"
-
-[[cases]]
-case = "qmm"
-arms = ["native", "affine"]
-params = {{ tokens = [64, 65, 66, 67, 68, 69], n = 512, k = 512, dtype = "float32" }}
-"""
-
 
 def _setup(tmp_path: Path, name: str, reps: int, gpus: str = "[0, 1, 2]") -> tuple[list[str], dict[str, str]]:
     lock = tmp_path / "gpu.lock"
     (tmp_path / "inv.toml").write_text(INVENTORY.format(lock=lock, gpus=gpus))
-    (tmp_path / f"{name}.toml").write_text(SWEEP.format(name=name, reps=reps))
+    (tmp_path / f"{name}.toml").write_text(SWEEP.format(tokens=TOKENS, n=512, name=name, reps=reps))
     argv = ["run", "--inventory", str(tmp_path / "inv.toml"), "--sweep", str(tmp_path / f"{name}.toml")]
     env = child_env(ORCHESTRATE_TEST_FAKE_GPUS="3", ORCHESTRATE_LOCK_PATH=str(lock))
     return [*argv, "-r", str(tmp_path / "results")], env
