@@ -65,11 +65,16 @@ def wgmma_runs_here() -> bool:
     return device is not None and device.compute_capability == (9, 0) and nvrtc.library() is not None
 
 
+def library_variant(m: int) -> str:
+    """The variant the library launches for M = m on this device (`gemm_layout.variant_for`)."""
+    return variant_for(m, wgmma_runs_here())
+
+
 @functools.cache
 def kernel_supports(m: int, n: int, k: int, dtype: str, variant: str | None = None) -> str | None:
     """Why the CUDA kernel at `variant` (default: the library's for M) cannot take this call here,
     or None when it can (cached: the answer depends on the shape and the device only)."""
-    name = variant or variant_for(m, wgmma_runs_here())
+    name = variant or library_variant(m)
     if name not in VARIANTS:
         return f"unknown GEMM variant {name!r}"
     if m < 1:
@@ -118,7 +123,7 @@ def gemm_nvfp4_cuda(
     written); `gsv`: as in `kernels.gemv_nvfp4.gemv_nvfp4`, the multiplier computed once."""
     m, k = x.shape
     n = w.shape[0]
-    name = variant or variant_for(m, wgmma_runs_here())
+    name = variant or library_variant(m)
     reason = kernel_supports(m, n, k, _dtype_name(x), name)
     if reason is not None:
         raise ValueError(f"gemm_nvfp4 kernel: {reason}")
@@ -185,7 +190,7 @@ def gemm_nvfp4(
 
 def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None = None) -> str:
     """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
-    name = variant or variant_for(m, wgmma_runs_here())
+    name = variant or library_variant(m)
     if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
         build = "precompiled sm_90a" if VARIANTS[name].wgmma else "cuda_kernel"
         return f"{build}(gemm_nvfp4:{name})"
