@@ -33,7 +33,6 @@ against the checkpoint's codes and scales read back from disk and decoded by `ke
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -46,7 +45,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import nvfp4, shapes
+from kernels import mlx_lm_classes, nvfp4, shapes
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
 ARMS = ("native", "affine", "custom")
@@ -123,7 +122,7 @@ class DecoderConfig:
 
 
 def _model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    module = mlx_lm_classes.import_models(config["model_type"])
     return module.Model, module.ModelArgs
 
 
@@ -413,9 +412,8 @@ def load_decoder(path: Path, arm: str) -> LoadedDecoder:
     if "orchestrate" in config:
         model = _load_generated(path, config)
     else:
-        from mlx_lm.utils import load_model  # a real mlx-lm checkpoint, loaded as mlx-lm does
-
-        model, config = load_model(path, lazy=True)
+        # a real mlx-lm checkpoint, loaded as mlx-lm does
+        model, config = mlx_lm_classes.import_full("utils").load_model(path, lazy=True)
     layers = _nvfp4_layers(model)
     scaled = sum(isinstance(m, TensorScaledLinear) for _, m in layers)
     if arm in ("native", "custom") and not layers:

@@ -1,8 +1,9 @@
 """A warm process that jobs and model samples are forked from: imports done, no device, no weights.
 
 A fresh `python -m workers run` pays Python's start-up and the imports of NumPy, pyarrow,
-pydantic, MLX and mlx-lm before any work (about 0.7 s on the 2-core CPU machine; 18 s on the
-H200, where transformers finds torch). The method asks for a fresh process per job and per cold
+pydantic, MLX and mlx-lm's model classes before any work (about 0.7 s on the 2-core CPU machine;
+mlx-lm's package start-up, which imports transformers and torch, is skipped everywhere:
+`kernels.mlx_lm_classes`). The method asks for a fresh process per job and per cold
 model sample, not for those imports: so each host's Ray worker keeps one server that has done the
 imports once and forks a child per job or sample. Each child is still a process of its own with
 no MLX state: the server never touches the device (no context, no arrays, no compiled kernels in
@@ -46,7 +47,7 @@ ENTRIES = {"workers": "workers.__main__", "model_runner": "workers.model_runner"
 BASE_PRELOAD = ("numpy", "pyarrow", "pyarrow.parquet", "pydantic", "workers.runner", "workers.model_runner")
 MLX_PRELOAD = (
     "mlx.core", "mlx.nn", "kernels.qmm", "kernels.moe", "kernels.mlp", "kernels.model", "kernels.dispatch",
-    "mlx_lm.models.cache",
+    "mlx_lm.models.cache", "mlx_lm.models.llama", "mlx_lm.models.gemma3_text",
 )  # fmt: skip
 DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri")
 PR_SET_PDEATHSIG = 1
@@ -88,18 +89,13 @@ def device_files_open() -> list[str]:
 
 
 def _preload(modules: tuple[str, ...]) -> None:
-    # transformers (imported by mlx-lm) imports torch when it finds it, for seconds; the samples
-    # never need it. Only this import sees the switch: children's commands get the caller's env.
-    saved = os.environ.get("USE_TORCH")
-    os.environ["USE_TORCH"] = "0"
-    try:
-        for name in modules:
-            importlib.import_module(name)
-    finally:
-        if saved is None:
-            os.environ.pop("USE_TORCH", None)
-        else:
-            os.environ["USE_TORCH"] = saved
+    # mlx-lm's model classes without its package start-up (transformers, torch): the samples
+    # never need those, and a child that does (a real checkpoint's loader) imports them itself.
+    from kernels import mlx_lm_classes
+
+    mlx_lm_classes.install()
+    for name in modules:
+        importlib.import_module(name)
 
 
 # ------------------------------------------------------------------------------------ the server

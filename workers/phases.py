@@ -14,8 +14,10 @@ by `workers.task`. Phase names:
 * `reference`: the correctness check of every arm against the reference;
 * `warmup`: calibration and warm-up calls;
 * `timed`: the timed samples themselves;
-* `sample_start`, `load`, `sample_other`: a model case's fresh sample processes: their start-up,
-  the cold loads they measure, and the rest of their life (warm-up, the layer check, exit);
+* `sample_start`, `load`, `sample_other`: a model case's fresh sample processes: their start-up
+  (fork or interpreter, and the imports before the load), the cold loads they measure, and the
+  rest of their life (reading the request, writing the result, exit); their warm-up, timed part
+  and layer check count under `warmup`, `timed` and `reference`;
 * `other`: the rest of the job's process; `task_overhead`, `spool_read`: the Ray task's own.
 """
 

@@ -5,7 +5,7 @@ an H100/H200), which rejects Hopper's arch-specific instructions (wgmma, setmaxn
 `compile_cubin` builds a whole translation unit for another target with the NVRTC library the
 machine already has (the one MLX's JIT loaded, else the CUDA toolkit's or a pip wheel's), and
 `mx.fast.precompiled_cuda_kernel` loads the cubin. Builds are cached per source and target in
-this process.
+this process and on disk (`kernels.cuda.build_cache`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+
+from kernels.cuda import build_cache
 
 NVRTC_ENV = "ORCHESTRATE_NVRTC"  # an explicit libnvrtc.so path
 
@@ -101,12 +103,22 @@ def kernel_name(stem: str, source: str, arch: str) -> str:
 def compile_cubin(source: str, arch: str) -> bytes:
     """`source` compiled by NVRTC for `arch` (e.g. "sm_90a"): the cubin's bytes.
 
+    Kept in this process and in the per-user disk cache (`kernels.cuda.build_cache`), keyed by
+    the source, the target, NVRTC's version and the compile options, so a fresh process (a cold
+    model sample) loads it instead of compiling it again.
+
     Raises:
         RuntimeError: no NVRTC, or the compile failed (with the end of NVRTC's log).
     """
     lib = library()
     if lib is None:
         raise RuntimeError(f"no NVRTC library found (tried {', '.join(_candidates()[:6])}; set {NVRTC_ENV})")
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"--include-path={d}" for d in include_dirs())]
+    key = "\0".join(["cubin", f"nvrtc {version()}", *opts, source])
+    return build_cache.cached(key, lambda: _compile(lib, source, opts, arch))
+
+
+def _compile(lib: ctypes.CDLL, source: str, opts: list[str], arch: str) -> bytes:
     prog = ctypes.c_void_p()
 
     def check(result: int, what: str) -> None:
@@ -115,7 +127,6 @@ def compile_cubin(source: str, arch: str) -> bytes:
 
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
     try:
-        opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"--include-path={d}" for d in include_dirs())]
         argv = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
         result = lib.nvrtcCompileProgram(prog, len(opts), argv)
         if result != 0:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +115,27 @@ def test_the_custom_arm_runs_our_kernels_on_every_projection_and_checks_out(tmp_
     digests = {dict(r["extra"])["greedy_digest"] for r in rows}
     assert len(digests) == 1
     assert all(10 < r["value"] < 1e7 for r in _by(rows, "custom", "prefill_tok_s"))
+
+
+def test_a_sample_process_pays_no_transformers_import(tmp_path: Path) -> None:
+    """Issue 13: mlx-lm's package start-up (transformers, and torch where installed: 18 s of each
+    fresh sample on the H200) is not in a sample; its imports are timed apart from the load."""
+    path = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "ckpt")
+    req = {"checkpoint": str(path), "arm": "native", "prompt_tokens": 8, "decode_tokens": 2, "warmup": 0,
+           "seed": 0, "check": False}  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from workers.model_runner import SampleRequest, measure_sample\n"
+        f"s = measure_sample(SampleRequest(**json.loads({json.dumps(req)!r})))\n"
+        "heavy = [m for m in ('transformers', 'torch') if m in sys.modules]\n"
+        "print(json.dumps([s.imports_seconds, s.load_seconds, heavy]))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imports, load, heavy = json.loads(out.stdout.strip().splitlines()[-1])
+    assert heavy == []
+    assert 0 < imports < 60 and 0 < load < 60
 
 
 def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_path: Path) -> None:
