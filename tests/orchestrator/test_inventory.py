@@ -88,7 +88,7 @@ BAD = {
     ),
     "gpus neither a list nor all": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\ngpus = "0,1"\n',
-        'field hosts.0.gpus: gpus \'0,1\' is neither "all" nor a list of GPU indices such as [0, 1]',
+        "field hosts.0.gpus: gpus '0,1' is neither \"all\" nor a list of GPU indices such as [0, 1]",
     ),
     "a GPU named twice": (
         '[[hosts]]\nname = "a"\nhost = "10.0.0.1"\ndevice = "x"\ngpus = [0, 1, 1]\n',
