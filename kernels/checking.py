@@ -62,14 +62,88 @@ class ReferenceSubset:
 Reference = np.ndarray | ReferenceSubset
 
 
+def _outer_axes(index: tuple[Any, ...], ndim: int) -> list[np.ndarray | None] | None:
+    """Per axis, the indices an `np.ix_`-style index (or one with `...`) keeps (None: all of the
+    axis); None for an index of any other form."""
+    parts = list(index)
+    dots = [i for i, p in enumerate(parts) if p is Ellipsis]  # `is`: `in` would compare arrays
+    if len(dots) > 1:
+        return None
+    if dots:
+        parts[dots[0] : dots[0] + 1] = [slice(None)] * (ndim - len(parts) + 1)
+    if len(parts) != ndim:
+        return None
+    axes: list[np.ndarray | None] = []
+    arrays = [np.asarray(p) for p in parts if not isinstance(p, slice)]
+    for axis, part in enumerate(parts):
+        if isinstance(part, slice):
+            if part != slice(None):
+                return None
+            axes.append(None)
+            continue
+        a = np.asarray(part)
+        outer = a.ndim == ndim and all(d == 1 for i, d in enumerate(a.shape) if i != axis)  # np.ix_'s form
+        if not (outer or (a.ndim == 1 and len(arrays) == 1)) or a.dtype.kind not in "iu":
+            return None
+        axes.append(a.ravel())
+    return axes
+
+
+def device_pick(out: Any, ref: ReferenceSubset) -> np.ndarray | None:
+    """An MLX output at `ref`'s elements, gathered on the device, as float64; None for a wrong shape.
+
+    At the seeds' shapes the whole output is hundreds of millions of elements (2.8 GB as float64
+    at 16384 x 21504): only the checked ones leave the device. A NaN or inf anywhere in the output
+    still fails the check: it is looked for over the whole output, on the device, and reported as
+    an inf in the picked values.
+    """
+    import mlx.core as mx
+
+    if tuple(out.shape) != ref.shape:
+        return None
+    axes = _outer_axes(ref.index, out.ndim)
+    if axes is None:
+        return np.array(out.astype(mx.float32), dtype=np.float64)[ref.index]
+    finite = mx.all(mx.isfinite(out))
+    picked = out
+    for axis, keep in enumerate(axes):
+        if keep is not None:
+            picked = mx.take(picked, mx.array(keep.astype(np.int32)), axis=axis)
+    values = np.array(picked.astype(mx.float32), dtype=np.float64)
+    if not bool(finite.item()):
+        values.flat[0] = math.inf
+    return values
+
+
+def _is_mlx(out: Any) -> bool:
+    return type(out).__module__.startswith("mlx")
+
+
 def relative_error(out: Any, ref: Reference) -> float:
-    """||out - ref|| / ||ref|| in float64 over what `ref` covers (NaN, inf or a wrong shape: inf)."""
+    """||out - ref|| / ||ref|| in float64 over what `ref` covers (NaN, inf or a wrong shape: inf).
+
+    `out` is a NumPy array or an MLX array; an MLX one is compared at `ref`'s subset without
+    copying the rest of it off the device (`device_pick`).
+    """
+    if isinstance(ref, ReferenceSubset) and _is_mlx(out):
+        picked = device_pick(out, ref)
+        if picked is None:
+            return math.inf
+        return _relative(picked, ref.values)
+    if _is_mlx(out):
+        import mlx.core as mx
+
+        out = np.array(out.astype(mx.float32))
     out64 = np.asarray(out, dtype=np.float64)
     if isinstance(ref, ReferenceSubset):
         picked = ref.pick(out64)
         if picked is None:
             return math.inf
         out64, ref = picked, ref.values
+    return _relative(out64, ref)
+
+
+def _relative(out64: np.ndarray, ref: np.ndarray) -> float:
     if out64.shape != ref.shape or not np.all(np.isfinite(out64)):
         return math.inf
     denom = float(np.linalg.norm(ref))

@@ -68,12 +68,6 @@ class RouteChoice:
 _CHOICES: dict[Hashable, RouteChoice] = {}
 
 
-def _as_numpy(out: Any) -> np.ndarray:
-    import mlx.core as mx
-
-    return np.array(out.astype(mx.float32)).astype(np.float64)
-
-
 def check_candidates(spec: AutoSpec, inputs: tuple[Any, ...]) -> tuple[dict[str, ArmPath], dict[str, str]]:
     """The candidates that are correct on `inputs`, and why each other one is not.
 
@@ -84,7 +78,7 @@ def check_candidates(spec: AutoSpec, inputs: tuple[Any, ...]) -> tuple[dict[str,
     rejected: dict[str, str] = {}
     for name, path in spec.candidates.items():
         try:
-            err = relative_error(_as_numpy(path.run(*inputs)), spec.reference(name, *inputs))
+            err = relative_error(path.run(*inputs), spec.reference(name, *inputs))
         except Exception as exc:  # a path that cannot run here is simply not a candidate
             rejected[name] = f"{type(exc).__name__}: {exc}"
             continue

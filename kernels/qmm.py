@@ -143,14 +143,15 @@ class ProductReference:
         cached = self._last.get(id(w))
         if cached is not None and cached[0] is x:
             return cached[1]
-        x64 = to_float64(x)
         ref: Reference
         if self.rows is None or self.cols is None:
-            ref = x64 @ w.T
+            ref = to_float64(x) @ w.T
         else:
             m, n = self.shape
             what = f"{len(self.rows)} of {m} rows x {len(self.cols)} of {n} columns"
-            ref = ReferenceSubset(x64[self.rows] @ w.T, np.ix_(self.rows, self.cols), self.shape, what)
+            # only the checked rows leave the device
+            x64 = to_float64(mx.take(x, mx.array(self.rows.astype(np.int32)), axis=0))
+            ref = ReferenceSubset(x64 @ w.T, np.ix_(self.rows, self.cols), self.shape, what)
         self._last[id(w)] = (x, ref)
         return ref
 

@@ -117,3 +117,40 @@ def test_moe_subset_catches_a_wrong_expert_scale(monkeypatch: pytest.MonkeyPatch
     hit = np.array(idx) == int(np.array(idx)[0, 0])  # every pair routed to one expert
     y[hit] *= 1.1  # that expert's global scale 10 % off
     assert relative_error(y, ref) > 10 * path.tolerance
+
+
+@pytest.mark.parametrize("layout", ["ix", "ellipsis"])
+def test_an_mlx_output_is_checked_at_the_subset_on_the_device(layout: str) -> None:
+    """The same error as the NumPy path, from the picked elements only; a NaN outside the subset
+    still fails; a wrong shape is infinitely wrong."""
+    rng = np.random.default_rng(3)
+    full = rng.standard_normal((6, 4, 40))
+    rows, cols = np.array([0, 2, 5]), np.array([0, 7, 19, 39])
+    if layout == "ix":
+        full = full[:, 0, :]
+        index: tuple[object, ...] = np.ix_(rows, cols)
+    else:
+        index = (Ellipsis, cols)
+    ref = ReferenceSubset(full[index], index, full.shape, "subset")
+    noisy = full + 1e-3 * rng.standard_normal(full.shape)
+    out = mx.array(noisy.astype(np.float32))
+    expected = relative_error(noisy.astype(np.float32), ref)
+    assert 1e-4 < expected < 1e-2
+    assert relative_error(out, ref) == pytest.approx(expected, rel=1e-6)
+    assert checking.device_pick(out, ref).shape == ref.values.shape  # type: ignore[union-attr]
+    poisoned = noisy.copy()
+    poisoned.flat[1] = np.nan  # never among the picked elements
+    assert not np.isnan(poisoned[index]).any()
+    assert relative_error(mx.array(poisoned.astype(np.float32)), ref) == math.inf
+    assert relative_error(out[:-1], ref) == math.inf
+    wrong = noisy.copy()
+    wrong[index] += 1.0
+    assert relative_error(mx.array(wrong.astype(np.float32)), ref) > 0.3
+
+
+def test_an_index_of_another_form_falls_back_to_the_whole_output() -> None:
+    full = np.arange(24, dtype=np.float64).reshape(4, 6) + 1
+    index = (np.array([0, 3]), np.array([1, 5]))  # zipped pairs, not an outer product
+    ref = ReferenceSubset(full[index], index, full.shape, "pairs")
+    assert relative_error(mx.array(full.astype(np.float32)), ref) == 0.0
+    assert checking._outer_axes(index, 2) is None
