@@ -47,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import checking, dispatch, nvfp4
+from kernels import activations, checking, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
 from kernels.registry import ArmPath, Workload, bound_path, check_point
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
@@ -352,8 +352,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     reference = ProductReference(weights, shape=(m, n), rows=rows, cols=None if rows is None else cols)
 
     def make_inputs(gen: np.random.Generator) -> tuple[Any, ...]:
-        x = gen.standard_normal((m, k), dtype=np.float32)
-        return (mx.array(x).astype(dtype),)
+        return (activations.standard_normal(gen, (m, k), dtype),)
 
     if "auto" in arms:  # the fastest correct of native, dequant-gemm and the custom kernels, measured here
         paths["auto"] = dispatch.qmm_auto_path(

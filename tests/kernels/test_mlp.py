@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import mlp, nvfp4, qmm, registry
+from kernels import checking, mlp, nvfp4, qmm, registry
+from kernels.checking import ReferenceSubset
 from kernels.registry import Workload
 from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
 from workers.measure import measure_workload, relative_error
@@ -42,6 +43,36 @@ def test_every_arm_matches_the_float64_block(dtype: str) -> None:
     if dtype == "float32":
         # Exact weights, float32 arithmetic: the error is rounding alone, far below the tolerance.
         assert all(relative_error(_out(p.run, x), ref) < 1e-5 for p in workload.arms.values())
+
+
+@pytest.mark.parametrize("which", ["gate", "down"])
+def test_over_the_full_reference_size_a_subset_still_catches_a_broken_scale(
+    monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """The seeds' regime at a CPU-sized shape: a stratified subset of tokens and output features,
+    computed once for every arm; it agrees with the whole block and catches a wrong scale."""
+    monkeypatch.setattr(checking, "FULL_REFERENCE_MACS", 1.0)
+    monkeypatch.setattr(checking, "MAX_ROWS", 4)
+    monkeypatch.setattr(checking, "MAX_COLS", 16)
+    shape = {"tokens": 32, "hidden": 128, "intermediate": 256}
+    rng = np.random.default_rng(5)
+    workload = mlp.build({**shape, "dtype": "float32"}, list(mlp.ARMS), rng)
+    (x,) = workload.make_inputs(rng)
+    ref = workload.reference("fused", x)
+    assert isinstance(ref, ReferenceSubset) and ref.values.shape == (4, 16)
+    assert ref.describe() == "4 of 32 rows x 16 of 128 columns"
+    assert workload.reference("eager", x) is ref  # one float64 product for every arm
+    assert isinstance(workload.reference, mlp.BlockReference)
+    whole = mlp.reference(workload.reference.weights, np.array(x))
+    np.testing.assert_allclose(ref.values, whole[ref.index], rtol=1e-12)
+    for arm, path in workload.arms.items():
+        assert relative_error(path.run(x), ref) <= path.tolerance, arm
+    weights = workload.reference.weights
+    proj = getattr(weights, which)
+    broken = dataclasses.replace(
+        weights, **{which: dataclasses.replace(proj, global_scale=proj.global_scale / nvfp4.MLX_GLOBAL_SCALE_DIVISOR)}
+    )
+    assert relative_error(mlp.arm_function("fused", broken)(x), ref) > 0.5
 
 
 def test_reference_weights_are_what_mlx_decodes() -> None:
