@@ -61,7 +61,7 @@ for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one file per sweep
     orchestrate check --sweep "$sweep" 2>&1
     echo "exit $?"
     echo "== orchestrate phases --sweep $sweep"
-    orchestrate phases --sweep "$sweep" 2>&1
+    COLUMNS=320 orchestrate phases --sweep "$sweep" 2>&1  # one column per phase: wide
   } >"$out/summary-$sweep.txt"
 done
 for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # the report takes one sweep

@@ -36,11 +36,10 @@ from kernels.cuda import (
     cuda_device,
     nvrtc,
     precompiled_launch,
-    precompiled_source,
     single_output_launch,
 )
 from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, variant_for
-from kernels.gemv_nvfp4 import TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
+from kernels.gemv_nvfp4 import SIGNATURE, TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
 
 GEMM_SOURCE = CudaKernelSource(
     body_file="gemm_nvfp4.cu",
@@ -158,19 +157,12 @@ def _dtype_name_of(dtype: mx.Dtype) -> str:
     return str(dtype).removeprefix("mlx.core.")
 
 
-SIGNATURE = {"x": "", "w": "uint32", "scales": "uint8", "gsv": "float32"}
-
-
 @functools.cache
 def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
-    """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once."""
-    cfg = VARIANTS[name]
-    template: dict[str, int | bool | str] = {"T": dtype, **cfg.template(n, k, dtype == "float16")}
-    inputs, outputs = {**SIGNATURE, "x": dtype}, {"y": dtype}
-    placeholder = precompiled_source(GEMM_SOURCE, inputs, outputs, template, "KERNEL", prelude=nvrtc.PRELUDE)
-    fn = nvrtc.kernel_name("gemm_nvfp4_wgmma", placeholder, "sm_90a")
-    source = precompiled_source(GEMM_SOURCE, inputs, outputs, template, fn, prelude=nvrtc.PRELUDE)
-    return fn, nvrtc.compile_cubin(source, "sm_90a")
+    """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once per
+    host (`nvrtc.build`: kept in the disk cache for the next process)."""
+    template = (("T", dtype), *VARIANTS[name].template(n, k, dtype == "float16").items())
+    return nvrtc.build(GEMM_SOURCE, (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a")
 
 
 def gemm_nvfp4(

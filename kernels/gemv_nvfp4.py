@@ -36,7 +36,9 @@ from kernels.cuda import (
     compiled_kernel,
     cuda_backend_available,
     cuda_device,
+    nvrtc,
     off_small_pool,
+    precompiled_launch,
     single_output_launch,
 )
 from kernels.cuda.layout import stream_smem_bytes
@@ -44,6 +46,7 @@ from kernels.nvfp4 import E2M1_VALUES, MLX_GLOBAL_SCALE_DIVISOR, decode_e4m3
 
 GEMV_SOURCE = CudaKernelSource(body_file="gemv_nvfp4.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
 KSPLIT_SOURCE = CudaKernelSource(body_file="gemv_nvfp4_ksplit.cu", inputs=("x", "w", "scales", "gsv"), outputs=("y",))
+SIGNATURE = (("w", "uint32"), ("scales", "uint8"), ("gsv", "float32"))  # after x, in call order
 MAX_ROWS = 8  # the MMA's column count: M <= 8 activation rows per call
 # Largest relative error (against a float64 reference) of the kernel and the twin: bf16 activations
 # give about 2e-3; hi + lo pairs (float32/float16 inputs) about 1e-5 plus the output's rounding.
@@ -276,22 +279,35 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
     """The kernel call for one shape, traced once by `mx.compile`: later calls replay the traced
     graph instead of re-assembling the kernel source in Python and C++ (tens of microseconds a
     call, more than the kernel itself takes at decode sizes)."""
-    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
+    template: list[tuple[str, int | bool]] = []
     if cfg.kernel == "stream":
         device = cuda_device()
         assert device is not None  # stream_supports checked
         consts, smem = stream_constants(m, n, k, cfg, device.multiprocessors, dtype == mx.float16)
-        kernel = compiled_kernel(GEMV_SOURCE, smem)
+        source = GEMV_SOURCE
         template += consts.items()
         threads = 32 * int(consts["WARPS"])
         grid = int(consts["BLOCKS"]) * threads
     else:
-        kernel = compiled_kernel(KSPLIT_SOURCE)
+        source, smem = KSPLIT_SOURCE, 0
         template += [("N", n), ("K", k), ("M", m)]
         template += [("WARPS", cfg.warps), ("UNROLL", cfg.unroll), ("SPLIT", dtype != mx.bfloat16)]
         template += [("CVT_SCALES", cfg.cvt_scales)]
         grid, threads = n // 16 * 32 * cfg.warps, 32 * cfg.warps
-    return single_output_launch(kernel, template, (grid, 1, 1), (threads, 1, 1), (m, n), dtype, compiled=COMPILE_LAUNCH)
+    arch = nvrtc.device_arch()
+    if arch is not None:  # our NVRTC build, from the disk cache after the first process (nvrtc.build)
+        name = str(dtype).removeprefix("mlx.core.")
+        fn, cubin = nvrtc.build(
+            source, (("x", name), *SIGNATURE), (("y", name),), (("T", name), *template), arch
+        )  # fmt: skip
+        return precompiled_launch(
+            fn, cubin, (grid, 1, 1), (threads, 1, 1), (m, n), dtype, shared_memory=smem, scalars=[],
+            compiled=COMPILE_LAUNCH,
+        )  # fmt: skip
+    kernel = compiled_kernel(source, smem)
+    return single_output_launch(
+        kernel, [("T", dtype), *template], (grid, 1, 1), (threads, 1, 1), (m, n), dtype, compiled=COMPILE_LAUNCH
+    )
 
 
 COMPILE_LAUNCH = True  # False: assemble the kernel call afresh every call (the benchmark compares)
@@ -324,7 +340,8 @@ def route(m: int, n: int, k: int, dtype: str = "bfloat16", kernel: str | None = 
     if cuda_backend_available():
         cfg = choose_config(m, n, k, dtype, kernel)
         if config_supports(cfg, m, n, k, dtype) is None:
-            return f"cuda_kernel(gemv_nvfp4_{cfg.kernel})"
+            arch = nvrtc.device_arch()
+            return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(gemv_nvfp4_{cfg.kernel})"
     return "mlx-twin(dequantize_exact @ x)"
 
 

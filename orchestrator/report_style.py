@@ -150,9 +150,10 @@ class XAxis:
 
     def pos(self, x: float, slot: int = 0, slots: int = 1) -> float:
         """Where a point of series `slot` of `slots` goes: dodged around its x value."""
+        slots = max(slots, 1)  # 0: a bound drawn where no series is shown
         offset = slot - (slots - 1) / 2
         if self.kind == "category":
-            return self.values.index(x) + offset * min(0.6 / max(slots, 1), 0.16)
+            return self.values.index(x) + offset * min(0.6 / slots, 0.16)
         if slots == 1 or len(self.values) < 2:
             return x
         if self.kind == "log":

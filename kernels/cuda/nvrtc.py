@@ -18,8 +18,12 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kernels.cuda import build_cache
+
+if TYPE_CHECKING:
+    from kernels.cuda import CudaKernelSource, TemplateValue
 
 NVRTC_ENV = "ORCHESTRATE_NVRTC"  # an explicit libnvrtc.so path
 
@@ -92,6 +96,40 @@ def include_dirs() -> list[str]:
     except ImportError:
         pass
     return [d for d in dirs if Path(d).is_dir()]
+
+
+def device_arch() -> str | None:
+    """The SASS target of device 0 (e.g. "sm_90"), where a CUDA device and NVRTC are both here."""
+    from kernels.cuda import cuda_device
+
+    device = cuda_device()
+    if device is None or library() is None:
+        return None
+    major, minor = device.compute_capability
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def build(
+    source: CudaKernelSource,
+    inputs: tuple[tuple[str, str], ...],
+    outputs: tuple[tuple[str, str], ...],
+    template: tuple[tuple[str, TemplateValue], ...],
+    arch: str,
+) -> tuple[str, bytes]:
+    """(kernel name, cubin) of `source` at `template` for `arch`, for `precompiled_launch`.
+
+    MLX's `mx.fast.cuda_kernel` compiles a kernel again in every process (its on-disk cache holds
+    MLX's own kernels): seconds per shape, paid by every cold model sample's warm-up. This build
+    goes through `compile_cubin`'s disk cache instead. `inputs`/`outputs`: (name, dtype name)
+    pairs in call order; `template`: the constants MLX would declare.
+    """
+    from kernels.cuda import precompiled_source
+
+    args = (source, dict(inputs), dict(outputs), dict(template))
+    placeholder = precompiled_source(*args, "KERNEL", prelude=PRELUDE)
+    fn = kernel_name(Path(source.body_file).stem, placeholder, arch)
+    return fn, compile_cubin(precompiled_source(*args, fn, prelude=PRELUDE), arch)
 
 
 def kernel_name(stem: str, source: str, arch: str) -> str:

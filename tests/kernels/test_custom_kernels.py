@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kernels import dispatch, moe, nvfp4, qmm
-from kernels.cuda import cuda_backend_available, read_source
+from kernels.cuda import cuda_backend_available, nvrtc, precompiled_source, read_source
 from kernels.gemv_nvfp4 import (
     GEMV_SOURCE,
     KSPLIT_SOURCE,
@@ -355,6 +355,30 @@ def test_kernels_compile_for_sm90_as_mlx_assembles_them(dtype: str, cvt_scales: 
         assert "0 bytes spill stores" in res.stderr, res.stderr  # no register spills
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) for the offline compile check")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_gemv_kernels_compile_as_our_nvrtc_builds_them(dtype: str, tmp_path: Path) -> None:
+    """What `nvrtc.build` hands NVRTC on a GPU host (the whole `extern "C"` unit with NVRTC's
+    prelude, no MLX around it): it compiles for sm_90 without spills, for each kernel and shape."""
+    sig = ({"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": dtype})
+    ksplit = {"T": dtype, "N": 21504, "K": 5376, "M": 8, "WARPS": 2, "UNROLL": 3, "SPLIT": dtype != "bfloat16"}
+    units = {"ksplit": precompiled_source(KSPLIT_SOURCE, *sig, {**ksplit, "CVT_SCALES": False}, "k", nvrtc.PRELUDE)}
+    if dtype != "float32":
+        for m in (1, 8):
+            consts, _ = stream_constants(m, 21504, 5376, STREAM_CONFIG, 132, False)
+            units[f"stream_m{m}"] = precompiled_source(GEMV_SOURCE, *sig, {"T": dtype, **consts}, "k", nvrtc.PRELUDE)
+    for name, text in units.items():
+        src = tmp_path / f"{name}.cu"
+        src.write_text(text)
+        cubin = str(src.with_suffix(".cubin"))
+        res = subprocess.run(
+            ["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", str(src), "-o", cubin],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "0 bytes spill stores" in res.stderr, res.stderr
+
+
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 5, 8])
@@ -394,7 +418,7 @@ def test_stream_kernel_matches_its_twin_on_cuda(
     rng = np.random.default_rng(m * 7 + n)
     wq, sc, _ = _nvfp4_mlx(rng.standard_normal((n, k)).astype(np.float32), 12.0)
     x = (mx.array(rng.standard_normal((m, k)).astype(np.float32)) * x_scale).astype(dtype)
-    assert route(m, n, k, str(dtype).removeprefix("mlx.core.")) == "cuda_kernel(gemv_nvfp4_stream)"
+    assert route(m, n, k, str(dtype).removeprefix("mlx.core.")) == _our_build("gemv_nvfp4_stream")
     got = gemv_nvfp4_cuda(x, wq, sc, 12.0, cfg)
     want = gemv_nvfp4_twin(x, wq, sc, 12.0)
     g = np.array(got.astype(mx.float32)).astype(np.float64)
@@ -419,6 +443,13 @@ def test_moe_kernel_matches_its_twin_on_cuda() -> None:
 # ------------------------------------------------------------------- dispatch and case arms
 
 
+def _our_build(kernel: str) -> str:
+    """A GEMV route on this host: our NVRTC build where a device and NVRTC are here (kept in the
+    disk cache), else MLX's JIT."""
+    arch = nvrtc.device_arch()
+    return f"{'precompiled ' + arch if arch else 'cuda_kernel'}({kernel})"
+
+
 @pytest.mark.parametrize("tokens", [2, 12])
 def test_qmm_custom_and_auto_arms_are_within_tolerance_and_say_what_ran(tokens: int) -> None:
     rng = np.random.default_rng(tokens)
@@ -431,7 +462,7 @@ def test_qmm_custom_and_auto_arms_are_within_tolerance_and_say_what_ran(tokens: 
         assert err <= path.tolerance, (arm, err)
     route = wl.arms["custom"].route
     if tokens <= 8:
-        assert route in ("cuda_kernel(gemv_nvfp4_stream)", "mlx-twin(dequantize_exact @ x)")
+        assert route in (_our_build("gemv_nvfp4_stream"), "mlx-twin(dequantize_exact @ x)")
     else:  # float32: the GEMM twin here; on CUDA the one-expert MoE kernel (the GEMM takes 16-bit x)
         assert route in ("mlx-twin(x @ dequantize_exact)", "cuda_kernel(moe_nvfp4_expert_batched)[one expert]")
     auto = wl.arms["auto"].auto

@@ -264,7 +264,7 @@ def test_config_validation() -> None:
 def test_custom_runs_our_cuda_kernels_and_checks_out_on_cuda(tmp_path: Path) -> None:
     dest = write_checkpoint(DecoderConfig(architecture="gemma", dtype="bfloat16", **TINY), 0, tmp_path / "ckpt")
     custom = load_decoder(dest, "custom")
-    assert "cuda_kernel(gemv_nvfp4" in custom.route and "(gemm_nvfp4:" in custom.route, custom.route
+    assert "(gemv_nvfp4_" in custom.route and "(gemm_nvfp4:" in custom.route, custom.route
     check = check_layers(custom.model, dest, "custom", np.random.default_rng(0))
     assert check.layers == 2 * 7 * 2 and check.rel_error <= check.tolerance
     first, again = _logits(custom.model, LONG_PROMPT), _logits(load_decoder(dest, "custom").model, LONG_PROMPT)

@@ -449,3 +449,15 @@ def test_one_precision_in_a_column_trailing_zeros_kept() -> None:
     eight, seven = format_value("seconds", 8e-3), format_value("seconds", 7.75e-3)
     assert eight.split()[1:] == seven.split()[1:] == ["ms"] and digits(eight) == digits(seven)  # not `8` and `7.75`
     assert digits(format_value("gb_per_s", 4.0)) == digits(format_value("gb_per_s", 1.838))
+
+
+@pytest.mark.parametrize("kind", ["log", "linear", "category"])
+def test_a_bound_where_no_series_is_shown_sits_on_its_points(kind: str) -> None:
+    """A criterion's bound on a panel whose arm has no clean series yet (a sweep half run) has
+    zero series to dodge among: it is drawn at its points, not a ZeroDivisionError."""
+    from orchestrator.report_style import XAxis
+
+    axis = XAxis("tokens", (512.0, 1024.0, 2048.0), kind)
+    want = {"log": 1024.0, "linear": 1024.0, "category": 1.0}[kind]
+    assert axis.pos(1024.0, 0, 0) == pytest.approx(want)
+    assert axis.pos(1024.0, 0, 2) < want < axis.pos(1024.0, 1, 2)
