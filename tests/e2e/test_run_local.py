@@ -7,6 +7,7 @@ of this package, and must give the row count `orchestrate results` reports.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -70,6 +71,8 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     contended = sum(int(m) for r in runs[:-1] for m in re.findall(r"(\d+) contended\)", r.stdout))
     assert len(fragments) == n_jobs + contended
     assert all("sweep=smoke" in str(f) and "device=cpu" in str(f) for f in fragments)
+    # the embedded node tells Ray of one CPU (one worker started ahead); the jobs still use every core
+    assert set(ResultStore(work / "results").read().column("threads").to_pylist()) == {os.cpu_count()}
 
     again = _run([orchestrate_bin, "run"], work)
     assert again.returncode == 0, again.stderr
