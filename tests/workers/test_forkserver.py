@@ -89,6 +89,22 @@ def test_a_client_that_goes_away_takes_its_child_with_it(server: forkserver.Fork
     assert _gone(proc.pid)
 
 
+def test_a_childs_exit_reaches_its_client_at_once(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    """The server hears of a child's exit from SIGCHLD, not from its once-a-second poll: one after
+    the other, short children would each wait for the next poll (a second) if the wakeup broke."""
+    trips = []
+    with (tmp_path / "log").open("wb") as fh:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            code, _ = forkserver.run_entry(
+                "workers", ["--help"], env={}, changes={}, stdout=fh.fileno(), stderr=fh.fileno(), timeout=60,
+                server=server,
+            )  # fmt: skip
+            trips.append(time.perf_counter() - t0)
+            assert code == 0
+    assert sorted(trips)[2] < forkserver.WAKE_POLL_S / 2, trips
+
+
 def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from workers.forkserver import ForkServer; "
