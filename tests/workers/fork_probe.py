@@ -1,7 +1,7 @@
 """A test-only entry for a fork server's child: reports what the child inherited, and can leave
 state behind (an env variable, an MLX array, a phase, a module global) for the next child to see.
 
-    main(["look" | "dirty" | "fingerprint", OUT.json])
+    main(["look" | "dirty" | "fingerprint" [pinned] | "job" JOB.json, OUT.json])
 """
 
 from __future__ import annotations
@@ -41,7 +41,15 @@ def main(argv: list[str]) -> int:
         mx.eval(array)
         _kept.append(array)
         phases.current().add("leak", 1.0)
-    if what == "fingerprint":
+    if what == "job":  # run a job (JSON at argv[2]) in this child; report the modules it imported anew
+        from workers.contract import JobSpec
+        from workers.runner import run_job
+
+        before = set(sys.modules)
+        table = run_job(JobSpec.model_validate_json(open(argv[2]).read()))
+        status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"").decode()
+        report = {"status": status, "imported": sorted(set(sys.modules) - before)}
+    elif what == "fingerprint":
         from workers.contract import GpuPin
         from workers.fingerprint import static_fingerprint
 

@@ -248,3 +248,17 @@ def test_host_facts_are_read_once_per_server_and_per_job_facts_in_each_job(
     pinned = _probe(srv, tmp_path, "fingerprint", "pinned")
     assert (pinned["gpu"], pinned["driver"]) == ("NVIDIA FAKE-1", "2.0")  # the job's own GPU: read in the job
     assert _probe(probe_server(env), tmp_path, "fingerprint")["driver"] == "2.0"
+
+
+def test_a_job_forked_from_the_server_imports_nothing_it_could_have_preloaded(
+    probe_server: Callable, tmp_path: Path
+) -> None:
+    """Each module a job imports anew costs every job its import (pandas, which pyarrow imports on
+    a job's first table, was 0.45 s of each trivial job): the server imports them once. Only
+    kernel modules that make MLX arrays at import may be left to the job."""
+    srv = probe_server(child_env())
+    job = tmp_path / "job.json"
+    job.write_text(_job(tmp_path).model_dump_json())
+    out = _probe(srv, tmp_path, "job", str(job))
+    assert out["status"] == "ok"
+    assert [m for m in out["imported"] if not m.startswith("kernels.")] == []
