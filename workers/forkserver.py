@@ -51,7 +51,7 @@ BASE_PRELOAD = (
     "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute", "pydantic", "workers.__main__", "workers.runner",
     "workers.model_runner", "workers.gpulock", "workers.slotlock", "workers.probes", "workers.peaks",
 )  # fmt: skip
-OPTIONAL_PRELOAD = ("pandas", "pyarrow.pandas_compat")  # what pyarrow imports when pandas is installed
+OPTIONAL_PRELOAD = ("pandas", "pyarrow.pandas_compat", "pyarrow.vendored.version")  # pyarrow with pandas
 MLX_PRELOAD = (
     "mlx.core", "mlx.nn", "kernels.qmm", "kernels.moe", "kernels.mlp", "kernels.model", "kernels.dispatch",
     "mlx_lm.models.cache", "mlx_lm.models.llama", "mlx_lm.models.gemma3_text",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
         from workers.runner import run_job
 
         before = set(sys.modules)
-        table = run_job(JobSpec.model_validate_json(open(argv[2]).read()))
+        table = run_job(JobSpec.model_validate_json(Path(argv[2]).read_text()))
         status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"").decode()
         report = {"status": status, "imported": sorted(set(sys.modules) - before)}
     elif what == "fingerprint":
