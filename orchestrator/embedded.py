@@ -35,6 +35,12 @@ JOIN_TIMEOUT_S = 180.0  # a raylet's start on a loaded 2-core machine takes seco
 NODE_OBJECT_STORE_BYTES = 2**30  # per extra node: rows are small, and N nodes share one /dev/shm
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 5
+# The CPUs each embedded node tells Ray it has. Our tasks take none (`num_cpus=0`, one `gpu_slot`)
+# and set the job's thread count themselves (`workers.task.job_env`), so the count only decides
+# how many Python workers Ray starts ahead when the run's driver connects: one per CPU. A slot runs
+# one job at a time and needs one; each further one was Ray's import (about a CPU second) competing
+# with the first job's start (16 of them per node on the H200's 16 cores).
+NODE_CPUS = 1
 
 
 def local_gpus(inventory: InventorySpec) -> list[GpuInfo]:
@@ -99,7 +105,7 @@ class GpuNodes:
                 # session directory pick the same socket and log names and fail to bind
                 "--temp-dir", f"{session.parent}-gpu{gpu.index}",
                 "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
-                "--resources", json.dumps({"gpu_slot": 1}), "--num-cpus", str(os.cpu_count() or 1),
+                "--resources", json.dumps({"gpu_slot": 1}), "--num-cpus", str(NODE_CPUS),
                 "--object-store-memory", str(NODE_OBJECT_STORE_BYTES),
                 "--disable-usage-stats", "--dashboard-agent-listen-port", "0",
             ]  # fmt: skip

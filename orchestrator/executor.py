@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.embedded import GpuNodes, local_gpus, node_labels
+from orchestrator.embedded import NODE_CPUS, GpuNodes, local_gpus, node_labels
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
@@ -126,7 +126,7 @@ class RayExecutor:
                     address="local",
                     labels=node_labels(host, gpus[0] if gpus else None),
                     resources={"gpu_slot": 1},
-                    num_cpus=os.cpu_count() or 1,
+                    num_cpus=NODE_CPUS,  # one Python worker started ahead: the one the slot needs
                     include_dashboard=False,
                     **common,
                 )

@@ -137,9 +137,18 @@ def _mlx_version() -> str:
 @functools.lru_cache(maxsize=1)
 def _static_facts() -> tuple[str, int, str | None, str | None]:
     """(CPU model, memory, NVIDIA GPU name, driver): read once per process (a fork server's
-    children inherit them)."""
+    children inherit them: `warm_static_facts`)."""
     gpu, driver = _nvidia_gpu()
     return _cpu_model(), _memory_bytes(), gpu, driver
+
+
+def warm_static_facts() -> None:
+    """Read the host facts that cannot change within a run (CPU model, memory, GPU name, driver)
+    now, in a fork server, so that each job forked from it inherits them instead of reading them
+    again (`nvidia-smi` is tens of milliseconds). Nothing that can change per job is cached: the
+    thread count, MLX's device and backend, the job's own GPU and every probe are read in the job.
+    A server lives as long as its Ray worker, one run; the next run reads the facts again."""
+    _static_facts()
 
 
 @functools.lru_cache(maxsize=8)

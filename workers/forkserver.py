@@ -44,13 +44,23 @@ FORKED_ENV = "ORCHESTRATE_FORKED"  # set in a forked child: "1"
 PARENT_ENV = "ORCHESTRATE_PARENT_PID"  # a fresh interpreter ends with this process (`die_with_parent`)
 # Entry points a child may run: name -> module whose `main(argv) -> int` it calls.
 ENTRIES = {"workers": "workers.__main__", "model_runner": "workers.model_runner"}
-BASE_PRELOAD = ("numpy", "pyarrow", "pyarrow.parquet", "pydantic", "workers.runner", "workers.model_runner")
+# Everything a job's process imports on its way (a module first imported in the child costs every
+# job its import: pandas alone, which pyarrow imports on a job's first `Table.from_pylist`, was
+# 0.45 s of each trivial job on the 2-core CPU machine).
+BASE_PRELOAD = (
+    "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute", "pydantic", "workers.__main__", "workers.runner",
+    "workers.model_runner", "workers.gpulock", "workers.slotlock", "workers.probes", "workers.peaks",
+)  # fmt: skip
+OPTIONAL_PRELOAD = ("pandas", "pyarrow.pandas_compat", "pyarrow.vendored.version")  # pyarrow with pandas
 MLX_PRELOAD = (
     "mlx.core", "mlx.nn", "kernels.qmm", "kernels.moe", "kernels.mlp", "kernels.model", "kernels.dispatch",
     "mlx_lm.models.cache", "mlx_lm.models.llama", "mlx_lm.models.gemma3_text",
 )  # fmt: skip
+# Not preloaded: modules that make MLX arrays when imported (`kernels.gemv_nvfp4`'s lookup tables,
+# and what imports it), which every child would inherit (tests/workers/test_forkserver.py checks).
 DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri")
 PR_SET_PDEATHSIG = 1
+WAKE_POLL_S = 1.0  # the server's loop also looks for ended children this often (a missed wakeup)
 
 
 def supported() -> bool:
@@ -88,7 +98,7 @@ def device_files_open() -> list[str]:
     return sorted(set(found))
 
 
-def _preload(modules: tuple[str, ...]) -> None:
+def _preload(modules: tuple[str, ...], *, optional: tuple[str, ...] = ()) -> None:
     # mlx-lm's model classes without its package start-up (transformers, torch): the samples
     # never need those, and a child that does (a real checkpoint's loader) imports them itself.
     from kernels import mlx_lm_classes
@@ -96,6 +106,9 @@ def _preload(modules: tuple[str, ...]) -> None:
     mlx_lm_classes.install()
     for name in modules:
         importlib.import_module(name)
+    for name in optional:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 # ------------------------------------------------------------------------------------ the server
@@ -135,6 +148,7 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]
     """In the forked child: become the requested process, run its entry, exit. Never returns."""
     code = 1
     try:
+        signal.set_wakeup_fd(-1)  # the server's: not the child's
         for sock in closing:
             sock.close()
         os.setpgid(0, 0)
@@ -190,7 +204,12 @@ def serve(path: str, preload_mlx: bool) -> int:
     """Run the server at socket `path` until its parent dies or it is told to stop (SIGTERM)."""
     _die_with_parent()
     t0 = time.perf_counter()
-    _preload(BASE_PRELOAD)
+    _preload(BASE_PRELOAD, optional=OPTIONAL_PRELOAD)
+    # The host facts that cannot change within a run (CPU model, memory, GPU name and driver),
+    # read once here and inherited by every child; what can change per job stays per job.
+    from workers.fingerprint import warm_static_facts
+
+    warm_static_facts()
     mlx_note = "mlx not preloaded"
     if preload_mlx:
         _preload(MLX_PRELOAD)
@@ -213,9 +232,21 @@ def serve(path: str, preload_mlx: bool) -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nobody reads the pipe the ready line went to
     os.close(devnull)
+    # A child's exit wakes the loop (SIGCHLD through Python's wakeup fd), so its client hears of it
+    # at once rather than at the next poll (a 20 ms poll was a fifth of a trivial job's overhead).
+    wake, waker = socket.socketpair()
+    for end in (wake, waker):
+        end.setblocking(False)
+    signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     while True:
-        readable, _, _ = select.select([listener, *conns], [], [], 0.02)
+        readable, _, _ = select.select([listener, wake, *conns], [], [], WAKE_POLL_S)
         for sock in readable:
+            if sock is wake:
+                with contextlib.suppress(BlockingIOError):
+                    while wake.recv(4096):
+                        pass
+                continue
             if sock is listener:
                 conn, _ = listener.accept()
                 conns.add(conn)
@@ -241,7 +272,7 @@ def serve(path: str, preload_mlx: bool) -> int:
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
-                _child(request, fds, [listener, *conns])
+                _child(request, fds, [listener, wake, waker, *conns])
             for fd in fds:
                 os.close(fd)
             clients[pid] = sock

@@ -7,6 +7,7 @@ of this package, and must give the row count `orchestrate results` reports.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from orchestrator.plan import expand
@@ -124,3 +126,33 @@ def test_an_inventory_naming_this_machine_runs_here_and_starts_ray(
         shutil.rmtree(ray_tmp, ignore_errors=True)
     table = ResultStore(results).read(sweep="tiny")
     assert set(table.column("host").to_pylist()) == {"here"} and set(table.column("status").to_pylist()) == {"ok"}
+
+
+def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestrate_bin: str) -> None:
+    """The embedded node offers Ray one CPU (one worker started ahead, the one its slot needs);
+    the jobs still run with the host's cores, each forked from the warm server. (The quiet gate is
+    set out of reach: this test is about the process, not the contention, so it cannot be skipped.)"""
+    inv = tmp_path / "here.toml"
+    inv.write_text(
+        '[[hosts]]\nname = "here"\ndevice = "cpu"\nbackend = "cpu"\n'
+        f'lock = "{tmp_path / "gpu.lock"}"\ncpu_busy_threshold = 1e9\n'
+    )
+    sweep = tmp_path / "tiny.toml"
+    sweep.write_text(
+        'name = "tiny"\nrepetitions = 2\nwarmup = 0\n[[cases]]\ncase = "qmm"\narms = ["native"]\n'
+        "params = { tokens = [1, 2], n = 32, k = 64 }\n"
+    )
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [orchestrate_bin, "run", "--inventory", str(inv), "--sweep", str(sweep), "--results", str(results)],
+        capture_output=True, text=True, env=child_env(), timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    store = ResultStore(results)
+    table = store.read(sweep="tiny")
+    assert set(table.column("threads").to_pylist()) == {os.cpu_count()}
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    processes = [
+        json.loads(pq.read_metadata(f).metadata[b"orchestrate.phases"])["process"] for f in store.fragment_files()
+    ]
+    assert len(processes) == 2 and all(p.startswith("forked from a warm server (mlx preloaded") for p in processes)

@@ -8,8 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -86,6 +89,22 @@ def test_a_client_that_goes_away_takes_its_child_with_it(server: forkserver.Fork
     assert _gone(proc.pid)
 
 
+def test_a_childs_exit_reaches_its_client_at_once(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    """The server hears of a child's exit from SIGCHLD, not from its once-a-second poll: one after
+    the other, short children would each wait for the next poll (a second) if the wakeup broke."""
+    trips = []
+    with (tmp_path / "log").open("wb") as fh:
+        for _ in range(5):
+            t0 = time.perf_counter()
+            code, _ = forkserver.run_entry(
+                "workers", ["--help"], env={}, changes={}, stdout=fh.fileno(), stderr=fh.fileno(), timeout=60,
+                server=server,
+            )  # fmt: skip
+            trips.append(time.perf_counter() - t0)
+            assert code == 0
+    assert sorted(trips)[2] < forkserver.WAKE_POLL_S / 2, trips
+
+
 def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from workers.forkserver import ForkServer; "
@@ -149,3 +168,97 @@ def test_a_timed_out_sample_is_ended_with_what_left_its_group(tmp_path: Path) ->
     forkserver._end_tree(root.pid)
     assert root.wait(timeout=30) == -signal.SIGKILL
     assert _gone(helper)
+
+
+# ------------------------------------------------------- what one child leaves for the next: nothing
+
+
+@pytest.fixture
+def probe_server() -> Iterator[Callable[[dict[str, str]], forkserver.ForkServer]]:
+    """Start real fork servers that also offer the test entry `probe` (tests/workers/fork_probe.py)."""
+    started: list[forkserver.ForkServer] = []
+
+    def start(env: dict[str, str]) -> forkserver.ForkServer:
+        path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
+        code = (
+            "import sys; from workers import forkserver; "
+            "forkserver.ENTRIES['probe'] = 'tests.workers.fork_probe'; sys.exit(forkserver.main(sys.argv[1:]))"
+        )
+        proc = subprocess.Popen([sys.executable, "-c", code, path, "mlx"], cwd=REPO, env=env, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert line.startswith("ready"), line
+        started.append(forkserver.ForkServer(path, proc, line.split(" ", 3)[-1].strip()))
+        return started[-1]
+
+    yield start
+    for srv in started:
+        srv.close()
+
+
+def _probe(
+    srv: forkserver.ForkServer, tmp_path: Path, *args: str, changes: dict[str, str | None] | None = None
+) -> dict[str, Any]:
+    out = tmp_path / f"probe-{time.monotonic_ns()}.json"
+    with (tmp_path / "probe.log").open("ab") as log:
+        proc = srv.spawn("probe", [args[0], str(out), *args[1:]], env=changes or {}, stdout=log.fileno(),
+                         stderr=log.fileno())  # fmt: skip
+        assert proc.wait(timeout=120) == 0, (tmp_path / "probe.log").read_text()
+    return json.loads(out.read_text())
+
+
+def test_a_job_forked_after_another_sees_none_of_its_state(probe_server: Callable, tmp_path: Path) -> None:
+    """The warm server keeps imports, never state: a second child of the same server sees no MLX
+    array, memory, environment variable, phase or module global that the first one left."""
+    srv = probe_server(child_env())
+    assert srv.note == "mlx preloaded"
+    first = _probe(srv, tmp_path, "dirty")
+    assert first["env"] == "1" and first["active"] > 0 and first["kept"] == 1 and "leak" in first["phases"]
+    second = _probe(srv, tmp_path, "look")
+    assert second["pid"] != first["pid"]
+    assert second["env"] is None and second["kept"] == 0 and "leak" not in second["phases"]
+    assert second["active"] == 0 and second["peak"] == 0  # no MLX allocation ever, in the server either
+
+
+def test_host_facts_are_read_once_per_server_and_per_job_facts_in_each_job(
+    probe_server: Callable, tmp_path: Path
+) -> None:
+    """The facts that cannot change within a run (GPU name, driver, CPU, memory) come from the
+    server, read when it started; the job's thread count and its own GPU are read in each job,
+    and a new server (the next run) reads the facts again. (`nvidia-smi` here is a fake, as the
+    machine has no NVIDIA GPU: it answers from a file.)"""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    driver = tmp_path / "driver"
+    driver.write_text("1.0")
+    (fake / "nvidia-smi").write_text(
+        f'#!/bin/sh\ncase "$*" in\n*--id=*) echo "NVIDIA FAKE-1, $(cat {driver})";;\n'
+        f'*) echo "NVIDIA FAKE-0, $(cat {driver})";;\nesac\n'
+    )
+    (fake / "nvidia-smi").chmod(0o755)
+    env = child_env(PATH=f"{fake}:{os.environ['PATH']}")
+    srv = probe_server(env)
+    assert _probe(srv, tmp_path, "fingerprint", changes={"OMP_NUM_THREADS": "3"}) == {
+        "gpu": "NVIDIA FAKE-0", "driver": "1.0", "threads": 3,
+    }  # fmt: skip
+    driver.write_text("2.0")
+    assert _probe(srv, tmp_path, "fingerprint", changes={"OMP_NUM_THREADS": "5"}) == {
+        "gpu": "NVIDIA FAKE-0", "driver": "1.0", "threads": 5,
+    }  # fmt: skip
+    pinned = _probe(srv, tmp_path, "fingerprint", "pinned")
+    assert (pinned["gpu"], pinned["driver"]) == ("NVIDIA FAKE-1", "2.0")  # the job's own GPU: read in the job
+    assert _probe(probe_server(env), tmp_path, "fingerprint")["driver"] == "2.0"
+
+
+def test_a_job_forked_from_the_server_imports_nothing_it_could_have_preloaded(
+    probe_server: Callable, tmp_path: Path
+) -> None:
+    """Each module a job imports anew costs every job its import (pandas, which pyarrow imports on
+    a job's first table, was 0.45 s of each trivial job): the server imports them once. Only
+    kernel modules that make MLX arrays at import may be left to the job."""
+    srv = probe_server(child_env())
+    job = tmp_path / "job.json"
+    job.write_text(_job(tmp_path).model_dump_json())
+    out = _probe(srv, tmp_path, "job", str(job))
+    assert out["status"] == "ok"
+    assert [m for m in out["imported"] if not m.startswith("kernels.")] == []

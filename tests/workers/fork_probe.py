@@ -1,0 +1,68 @@
+"""A test-only entry for a fork server's child: reports what the child inherited, and can leave
+state behind (an env variable, an MLX array, a phase, a module global) for the next child to see.
+
+    main(["look" | "dirty" | "fingerprint" [pinned] | "job" JOB.json, OUT.json])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+_kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
+
+
+def _look() -> dict[str, Any]:
+    import mlx.core as mx
+
+    from workers import phases
+
+    return {
+        "env": os.environ.get("LEAK_MARK"),
+        "active": mx.get_active_memory(),
+        "peak": mx.get_peak_memory(),
+        "phases": dict(phases.current().seconds),
+        "kept": len(_kept),
+        "pid": os.getpid(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    what, out = argv[0], argv[1]
+    if what == "dirty":
+        import mlx.core as mx
+
+        from workers import phases
+
+        os.environ["LEAK_MARK"] = "1"
+        array = mx.ones((256, 256)) @ mx.ones((256, 256))
+        mx.eval(array)
+        _kept.append(array)
+        phases.current().add("leak", 1.0)
+    if what == "job":  # run a job (JSON at argv[2]) in this child; report the modules it imported anew
+        from workers.contract import JobSpec
+        from workers.runner import run_job
+
+        before = set(sys.modules)
+        table = run_job(JobSpec.model_validate_json(Path(argv[2]).read_text()))
+        status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"").decode()
+        report = {"status": status, "imported": sorted(set(sys.modules) - before)}
+    elif what == "fingerprint":
+        from workers.contract import GpuPin
+        from workers.fingerprint import static_fingerprint
+
+        pin = GpuPin(index=1, uuid="GPU-1") if len(argv) > 2 else None
+        fp = static_fingerprint("cuda", pin=pin)
+        report: dict[str, Any] = {"gpu": fp.gpu, "driver": fp.gpu_driver, "threads": fp.threads}
+    else:
+        report = _look()
+    with open(out, "w") as fh:
+        json.dump(report, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
