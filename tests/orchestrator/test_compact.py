@@ -169,7 +169,7 @@ def test_the_point_index_is_written_by_compact_so_the_next_read_scans_nothing(
 def test_a_fragment_written_while_compacting_is_carried_along(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = nightly_store(tmp_path / "results", nights=1, jobs=3)
     real = compaction.write_merged
-    written = []
+    written: list[Path] = []
 
     def merge_then_a_writer_arrives(*args: Any, **kwargs: Any) -> Any:
         out = real(*args, **kwargs)
