@@ -5,16 +5,21 @@ reader pays for opening each. Compaction rewrites one (sweep, date, device) part
 one `compact-<id>.parquet` in the same directory (the hive layout stays), its rows sorted by case
 and run (a job's rows keep their measured order) and its footer indexing every job it holds
 (`orchestrate.jobs`: the fragment's name, job key, status, run and the rest of its footer), so
-resume and `collect` still know each job without reading data.
+resume and `collect` still know each job without reading data. The reading and writing is
+`orchestrator.compact_merge` (DuckDB over the partition's file list, streamed into the writer, in
+bounded memory); the point facts of each merged file go into the point index once per sweep.
 
-Atomic: the merged file is written into a new directory in the side directory, then the store's
-lock is taken alone for an instant (writers wait), fragments that arrived meanwhile are linked in,
-and the two directories are swapped in one system call (`renameat2(RENAME_EXCHANGE)` on Linux,
-`renamex_np(RENAME_SWAP)` on macOS). A reader sees the old files or the new ones, never both or
-neither; a crash at any point leaves one of the two whole, and the next compaction clears what is
-left in the side directory. Idempotent: a partition that is one current compacted file is left
-alone. A fragment that cannot be read whole is set aside (moved to `<side>/broken/`, with why)
-and named in a warning; an older schema's fragment is migrated; a newer one is refused.
+Atomic: the merged file is written (and synced) into a new directory in the side directory, then
+the store's lock is taken alone for an instant (writers wait), fragments that arrived meanwhile
+are linked in, and the two directories are swapped in one system call
+(`renameat2(RENAME_EXCHANGE)` on Linux, `renamex_np(RENAME_SWAP)` on macOS). A reader sees the old
+files or the new ones, never both or neither. Before its swap a work directory holds only the
+merged file; after it, only the old files, which a background thread removes while the next
+partition merges. A crash at any point leaves each partition whole, old or new, and the next
+compaction clears what is left in the side directory. Idempotent: a partition that is one current
+compacted file is left alone. A file that cannot be read whole (by pyarrow and by DuckDB) is set
+aside (moved to `<side>/broken/`, with why) and named in a warning; an older schema's fragment is
+migrated; a newer one is refused.
 """
 
 from __future__ import annotations
@@ -254,6 +259,7 @@ def compact(
         finally:
             if job.con is not None:
                 job.con.close()
+            shutil.rmtree(job.work / "spill", ignore_errors=True)
             job.remover.shutdown(wait=True)
             for done in job.removing:
                 done.result()
