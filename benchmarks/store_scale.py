@@ -1,6 +1,6 @@
 """The result store at scale: a synthetic year and more of nightly sweeps, and the readers' times on it.
 
-    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3]
+    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3] [--readers-only]
 
 Builds (once; `--rebuild` to start again) a store of `--fragments` job fragments, each of 25 rows
 written through the real `ResultStore.write` (the rows of each night's first job per device by the
@@ -278,6 +278,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="processes writing fragments")
     parser.add_argument("--rebuild", action="store_true", help="delete and build the store again")
     parser.add_argument("--out", type=Path, help="write the numbers as JSON here")
+    parser.add_argument(
+        "--readers-only", action="store_true", help="only time the readers on the store as it is (again, e.g. quieter)"
+    )
     args = parser.parse_args()
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
     results = args.root / "store"
@@ -289,6 +292,13 @@ def main() -> None:
     report: dict[str, object] = {"fragments": args.fragments}
     if not results.is_dir():
         report["build_s"] = build(results, args.fragments, args.workers)
+    if args.readers_only:
+        compacted = any(results.rglob("compact-*.parquet"))
+        print("after compaction:" if compacted else "before compaction:")
+        report["after" if compacted else "before"] = readers(results, sweep_file, args.rounds, compacted=compacted)
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return
     if any(results.rglob("compact-*.parquet")):
         raise SystemExit(f"{results} is already compacted: --rebuild to measure before compaction again")
     print("before compaction:")
