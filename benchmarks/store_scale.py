@@ -1,6 +1,7 @@
 """The result store at scale: a synthetic year and more of nightly sweeps, and the readers' times on it.
 
-    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3] [--readers-only]
+    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3]
+    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale --readers-only   # time the readers again
 
 Builds (once; `--rebuild` to start again) a store of `--fragments` job fragments, each of 25 rows
 written through the real `ResultStore.write` (the rows of each night's first job per device by the

@@ -54,7 +54,7 @@ from orchestrator.point_index import record_facts
 from orchestrator.store import COMPACT_PREFIX, ResultStore
 from workers.contract import META_DATE, META_DEVICE, META_SWEEP, SCHEMA_VERSION, SchemaVersionError, fragment_version
 
-CACHED_FOOTERS = 2000  # parsed footers (~70 kB each) one DuckDB connection keeps before it is made afresh
+FOOTERS_PER_CONNECTION = 2000  # parsed footers (~70 kB each) one DuckDB connection keeps before it is made afresh
 
 
 @dataclass
@@ -143,12 +143,12 @@ class Compaction:
 
     def connection(self, files: int) -> duckdb.DuckDBPyConnection:
         """The merging connection, made afresh once its footer cache would hold too many files."""
-        if self.con is None or self.read + files > CACHED_FOOTERS:
+        if self.con is None or self.read + files > FOOTERS_PER_CONNECTION:
             if self.con is not None:
                 self.con.close()
             self.con, self.read = connect(self.work / "spill"), 0
         self.read += files
-        if self.read > CACHED_FOOTERS:  # one partition of more files than that: read them uncached
+        if self.read > FOOTERS_PER_CONNECTION:  # one partition of more files than that: read them uncached
             self.con.execute("SET parquet_metadata_cache = false")
         return self.con
 

@@ -201,7 +201,7 @@ def test_files_of_different_columns_row_groups_and_footer_caches(
     pq.write_table(table, later)
     before = rows_of(store)
     monkeypatch.setattr(compact_merge, "ROW_GROUP_ROWS", 10)
-    monkeypatch.setattr(compaction, "CACHED_FOOTERS", 3)
+    monkeypatch.setattr(compaction, "FOOTERS_PER_CONNECTION", 3)
     compact(store)
     (merged,) = store.root.rglob("*.parquet")
     meta = pq.read_metadata(merged)
