@@ -5,16 +5,21 @@ reader pays for opening each. Compaction rewrites one (sweep, date, device) part
 one `compact-<id>.parquet` in the same directory (the hive layout stays), its rows sorted by case
 and run (a job's rows keep their measured order) and its footer indexing every job it holds
 (`orchestrate.jobs`: the fragment's name, job key, status, run and the rest of its footer), so
-resume and `collect` still know each job without reading data.
+resume and `collect` still know each job without reading data. The reading and writing is
+`orchestrator.compact_merge` (DuckDB over the partition's file list, streamed into the writer, in
+bounded memory); the point facts of each merged file go into the point index once per sweep.
 
-Atomic: the merged file is written into a new directory in the side directory, then the store's
-lock is taken alone for an instant (writers wait), fragments that arrived meanwhile are linked in,
-and the two directories are swapped in one system call (`renameat2(RENAME_EXCHANGE)` on Linux,
-`renamex_np(RENAME_SWAP)` on macOS). A reader sees the old files or the new ones, never both or
-neither; a crash at any point leaves one of the two whole, and the next compaction clears what is
-left in the side directory. Idempotent: a partition that is one current compacted file is left
-alone. A fragment that cannot be read whole is set aside (moved to `<side>/broken/`, with why)
-and named in a warning; an older schema's fragment is migrated; a newer one is refused.
+Atomic: the merged file is written (and synced) into a new directory in the side directory, then
+the store's lock is taken alone for an instant (writers wait), fragments that arrived meanwhile
+are linked in, and the two directories are swapped in one system call
+(`renameat2(RENAME_EXCHANGE)` on Linux, `renamex_np(RENAME_SWAP)` on macOS). A reader sees the old
+files or the new ones, never both or neither. Before its swap a work directory holds only the
+merged file; after it, only the old files, which a background thread removes while the next
+partition merges. A crash at any point leaves each partition whole, old or new, and the next
+compaction clears what is left in the side directory. Idempotent: a partition that is one current
+compacted file is left alone. A file that cannot be read whole (by pyarrow and by DuckDB) is set
+aside (moved to `<side>/broken/`, with why) and named in a warning; an older schema's fragment is
+migrated; a newer one is refused.
 """
 
 from __future__ import annotations
@@ -30,31 +35,26 @@ import stat
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from orchestrator.errors import InputError
-from orchestrator.store import COMPACT_PREFIX, ResultStore, compact_index, packed_index
-from workers.contract import (
-    META_JOBS,
-    META_RUN_ID,
-    META_SCHEMA_VERSION,
-    SCHEMA_VERSION,
-    SchemaVersionError,
-    fragment_version,
-    restored_table,
-    stored_table,
+from orchestrator.compact_merge import (
+    connect,
+    read_footers,
+    unreadable,
+    versions,
+    write_merged,
 )
-from workers.spool import parse_fragment_name
+from orchestrator.errors import InfrastructureError, InputError
+from orchestrator.point_index import record_facts
+from orchestrator.store import COMPACT_PREFIX, ResultStore
+from workers.contract import META_DATE, META_DEVICE, META_SWEEP, SCHEMA_VERSION, SchemaVersionError, fragment_version
 
-ROW_GROUP_ROWS = 64 * 1024
-SORT_KEYS = [("case_name", "ascending"), ("run_id", "ascending"), ("job_key", "ascending")]
-# Footer keys that describe the file, not a job: not copied into the index.
-FILE_KEYS = {META_SCHEMA_VERSION, META_JOBS, b"ARROW:schema"}
+FOOTERS_PER_CONNECTION = 2000  # parsed footers (~70 kB each) one DuckDB connection keeps before it is made afresh
 
 
 @dataclass
@@ -126,30 +126,61 @@ def clear_leftovers(store: ResultStore) -> int:
 # ------------------------------------------------------------------------------ one partition
 
 
-def _job_entry(name: str, meta: dict[bytes, bytes], num_rows: int) -> dict[str, str]:
-    entry = {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"orchestrate.") and k not in FILE_KEYS}
-    entry = {k.removeprefix("orchestrate."): v for k, v in entry.items()}
-    parsed = parse_fragment_name(name)
-    if "run_id" not in entry and parsed is not None:  # version 1 did not write it: the name says it
-        entry["run_id"] = parsed[0]
-    return {"file": name, **entry, "num_rows": str(num_rows)}
+@dataclass
+class Compaction:
+    """One `compact` call's state: its DuckDB connection, the old partitions being removed, new index facts."""
+
+    store: ResultStore
+    report: CompactReport
+    warn: Callable[[str], None]
+    work: Path
+    con: duckdb.DuckDBPyConnection | None = None
+    read: int = 0  # footers DuckDB has cached since it connected
+    remover: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    removing: list[Future[None]] = field(default_factory=list)
+    facts: list[pa.Table] = field(default_factory=list)  # point facts of the files written, per sweep
+    gone: set[str] = field(default_factory=set)  # files (relative to the root) the swaps took out
+
+    def connection(self, files: int) -> duckdb.DuckDBPyConnection:
+        """The merging connection, made afresh once its footer cache would hold too many files."""
+        if self.con is None or self.read + files > FOOTERS_PER_CONNECTION:
+            if self.con is not None:
+                self.con.close()
+            self.con, self.read = connect(self.work / "spill"), 0
+        self.read += files
+        if self.read > FOOTERS_PER_CONNECTION:  # one partition of more files than that: read them uncached
+            self.con.execute("SET parquet_metadata_cache = false")
+        return self.con
 
 
-def _read_part(store: ResultStore, path: Path, sweep: str, device: str) -> tuple[pa.Table, list[dict[str, str]], int]:
-    """One file's rows (in `SCHEMA`), its index entries and its schema version; raises on a broken file."""
-    table = pq.read_table(path)  # every page decoded: a corrupt one raises here, not in a reader later
-    meta = dict(table.schema.metadata or {})
-    version = fragment_version(meta)
-    rows = restored_table(table, sweep=sweep, device=device)
-    if path.name.startswith(COMPACT_PREFIX):
-        return rows, compact_index(meta), version
-    return rows, [_job_entry(path.name, meta, table.num_rows)], version
+def _merge(
+    job: Compaction, files: list[Path], fresh: Path, sweep: str, date: str, device: str
+) -> tuple[Path, pa.Table, dict[str, int]]:
+    """Write the merged file of `files` into `fresh`: its path, point facts and the files' schema versions.
+
+    Raises:
+        duckdb.Error: a file is not whole.
+        InputError: a file was written by a newer schema version.
+    """
+    names = [str(p) for p in files]
+    con = job.connection(len(names))
+    footers = read_footers(con, names)
+    try:
+        found = versions(footers)
+    except SchemaVersionError as exc:
+        raise InputError(f"not compacted: {exc}", where=str(fresh.parent)) from None
+    partition = {META_SWEEP: sweep.encode(), META_DEVICE: device.encode(), META_DATE: date.encode()}
+    target = fresh / f"{COMPACT_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
+    with open(target, "wb") as fh:  # nobody sees the work directory: no temp file needed
+        facts = write_merged(con, names, footers, fh, partition=partition)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return target, facts, found
 
 
-def compact_partition(
-    store: ResultStore, sweep: str, date: str, device: str, report: CompactReport, warn: Callable[[str], None]
-) -> None:
+def compact_partition(job: Compaction, sweep: str, date: str, device: str) -> None:
     """Merge one partition's files into one compacted file and swap it in (see the module docstring)."""
+    store, report = job.store, job.report
     leaf = store.partition_dir(sweep=sweep, date=date, device=device)
     files = sorted(p for p in leaf.glob("*.parquet") if not p.name.startswith("."))
     if len(files) == 1 and files[0].name.startswith(COMPACT_PREFIX):
@@ -157,48 +188,45 @@ def compact_partition(
         if meta is not None and fragment_version(meta) == SCHEMA_VERSION:
             report.unchanged += 1
             return
-    tables, index, merged, migrated = [], [], [], 0
-    for path in files:
-        try:
-            rows, entries, version = _read_part(store, path, sweep, device)
-        except SchemaVersionError as exc:
-            raise InputError(f"not compacted: {exc}", where=str(path)) from None
-        except (OSError, pa.ArrowException) as exc:
-            why = str(exc).splitlines()[0]
-            moved = store.set_aside(path, why)
-            report.set_aside.append((path, moved, why))
-            warn(f"set aside broken file {path} ({why}) -> {moved}")
-            continue
-        tables.append(rows)
-        index += entries
-        merged.append(path)
-        migrated += version < SCHEMA_VERSION and not path.name.startswith(COMPACT_PREFIX)
-    if not tables:
-        return
-    table = pa.concat_tables(tables)
-    table = table.take(pc.sort_indices(table, sort_keys=SORT_KEYS))  # stable: a job's rows keep their order
-    body = stored_table(table.replace_schema_metadata(None), sweep=sweep, device=device, date=date, run_id="")
-    meta = {k: v for k, v in (body.schema.metadata or {}).items() if k != META_RUN_ID}  # many runs: see the index
-    meta[META_JOBS] = packed_index(index)
-    body = body.replace_schema_metadata(meta)
-
-    work = store.side / "work" / uuid.uuid4().hex
+    work = job.work / uuid.uuid4().hex
     fresh = work / "partition"
     fresh.mkdir(parents=True)
-    name = f"{COMPACT_PREFIX}{uuid.uuid4().hex[:12]}.parquet"
-    with open(fresh / name, "wb") as fh:  # nobody sees the work directory: no temp file needed
-        pq.write_table(body, fh, compression="zstd", row_group_size=ROW_GROUP_ROWS)
-        fh.flush()
-        os.fsync(fh.fileno())
+    while True:
+        if not files:
+            shutil.rmtree(work, ignore_errors=True)
+            return
+        try:
+            target, facts, found = _merge(job, files, fresh, sweep, date, device)
+            break
+        except duckdb.Error as exc:  # some file is not whole: find which, set it aside, merge the rest
+            for stale in fresh.iterdir():
+                stale.unlink()
+            broken = [(p, why) for p in files if (why := unreadable(str(p))) is not None]
+            if not broken:
+                raise InfrastructureError(f"cannot compact: {str(exc).splitlines()[0]}", where=str(leaf)) from None
+            for path, why in broken:
+                moved = store.set_aside(path, why)
+                report.set_aside.append((path, moved, why))
+                job.warn(f"set aside broken file {path} ({why}) -> {moved}")
+            gone = {b for b, _ in broken}
+            files = [p for p in files if p not in gone]
+    merged = set(files)
     with store.locked(exclusive=True):
         for path in sorted(leaf.glob("*.parquet")):  # arrived since the listing: carried along as they are
-            if path not in merged:
+            if path not in merged and not path.name.startswith("."):
                 os.link(path, fresh / path.name)
         exchange(leaf, fresh)
-    shutil.rmtree(work, ignore_errors=True)
+    job.removing.append(job.remover.submit(shutil.rmtree, work, ignore_errors=True))  # the old files, meanwhile
+    st = (leaf / target.name).stat()
+    rel = str((leaf / target.name).relative_to(store.root))
+    facts = facts.append_column("device", pa.array([device] * facts.num_rows, pa.string()))
+    facts = facts.append_column("file", pa.array([rel] * facts.num_rows, pa.string()))
+    facts = facts.append_column("size", pa.array([st.st_size] * facts.num_rows, pa.int64()))
+    job.facts.append(facts.append_column("mtime_ns", pa.array([st.st_mtime_ns] * facts.num_rows, pa.int64())))
+    job.gone.update(str(p.relative_to(store.root)) for p in files)
     report.partitions += 1
-    report.fragments += sum(1 for p in merged if not p.name.startswith(COMPACT_PREFIX))
-    report.migrated += migrated
+    report.fragments += sum(1 for p in files if not p.name.startswith(COMPACT_PREFIX))
+    report.migrated += sum(1 for p in files if found[str(p)] < SCHEMA_VERSION and not p.name.startswith(COMPACT_PREFIX))
 
 
 def compact(
@@ -219,8 +247,20 @@ def compact(
     report = CompactReport()
     with compaction_lock(store):
         clear_leftovers(store)
-        for sweep_name, date, device, _ in store.partitions(sweep):
-            if before is not None and date >= before.isoformat():
-                continue
-            compact_partition(store, sweep_name, date, device, report, warn)
+        job = Compaction(store, report, warn, store.side / "work")
+        try:
+            for sweep_name in [sweep] if sweep is not None else store.sweep_names():
+                for _, date, device, _ in store.partitions(sweep_name):
+                    if before is None or date < before.isoformat():
+                        compact_partition(job, sweep_name, date, device)
+                if job.facts:  # once per sweep, not per partition: the index is rewritten whole
+                    record_facts(store, sweep_name, pa.concat_tables(job.facts), job.gone)
+                job.facts, job.gone = [], set()
+        finally:
+            if job.con is not None:
+                job.con.close()
+            shutil.rmtree(job.work / "spill", ignore_errors=True)
+            job.remover.shutdown(wait=True)
+            for done in job.removing:
+                done.result()
     return report

@@ -51,6 +51,7 @@ SQL_ERRORS = (
 )
 DECODE_ALL = "SELECT bit_xor(hash(COLUMNS(*))) FROM read_parquet($files, union_by_name = true)"
 MAX_RETRIES = 200
+CACHED_FOOTERS = 5000  # a compacted store's files, not a year of fragments (a parsed footer is ~70 kB)
 RESULTS_VIEW = "CREATE OR REPLACE TEMP VIEW results AS SELECT * EXCLUDE (filename, file_row_number) FROM results_files"
 
 
@@ -66,6 +67,8 @@ class StoreScan:
         sweep: only this sweep's files (None: all).
         files: only these files (absolute paths); one that vanishes raises `StaleListing`.
         read_only: refuse file access outside the store (for user SQL; see `orchestrator.query`).
+        cache_footers: keep the files' parsed footers for the connection's later queries, where
+            they are few enough (`CACHED_FOOTERS`): several queries then cost one pass over them.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class StoreScan:
         sweep: str | None = None,
         files: Sequence[str] | None = None,
         read_only: bool = False,
+        cache_footers: bool = False,
     ) -> None:
         self.store = store
         self.sweep = sweep
@@ -82,6 +86,8 @@ class StoreScan:
         self.con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
         self.con.execute("SET TimeZone = 'UTC'")
         self.files = self._listing()
+        if cache_footers and len(self.files) <= CACHED_FOOTERS:
+            self.con.execute("SET parquet_metadata_cache = true")
         self.union = False  # union_by_name: only once files are seen to differ in their columns
         self._bind()
         if read_only:

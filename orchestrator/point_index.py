@@ -123,6 +123,20 @@ def _refresh(store: ResultStore, sweep: str) -> pa.Table:
     return table
 
 
+def record_facts(store: ResultStore, sweep: str, facts: pa.Table, gone: set[str]) -> None:
+    """Put the facts of newly written files into the sweep's index and drop those of files `gone`.
+
+    `compact` calls this once per sweep with the merged files' facts (taken as it wrote them), so
+    the first read after a compaction scans nothing; the facts' `size` and `mtime_ns` are the new
+    files', so the next refresh keeps them.
+    """
+    path = index_path(store, sweep)
+    old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
+    drop = pa.array(sorted(gone | set(facts["file"].to_pylist())), pa.string())
+    kept = old.filter(pc.invert(pc.is_in(old["file"], drop))) if old.num_rows else old
+    _save(store, path, pa.concat_tables([kept, facts.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)]))
+
+
 def whole_index(store: ResultStore, sweep: str | None = None) -> pa.Table:
     """The index of every sweep (or one), up to date, its `file` column absolute paths."""
     sweeps = [sweep] if sweep is not None else store.sweep_names()

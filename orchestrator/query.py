@@ -15,7 +15,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.dataset import StoreScan
+from orchestrator.dataset import CACHED_FOOTERS, StoreScan
 from orchestrator.errors import InputError
 from orchestrator.point_index import whole_index
 from orchestrator.store import ResultStore
@@ -56,21 +56,42 @@ def run_query(store: ResultStore, sql: str) -> pa.Table:
         InputError: nothing is stored, the SQL is refused or fails, or a file has a newer schema version.
     """
     check_read_only(sql)
-    index = whole_index(store)
-    newer = index.filter(pc.greater(index["schema_version"], SCHEMA_VERSION))
-    if newer.num_rows:
-        raise InputError(
-            f"written with schema version {newer['schema_version'][0].as_py()}, newer than this orchestrate reads "
-            f"({SCHEMA_VERSION}): upgrade orchestrate to read it",
-            where=newer["file"][0].as_py(),
-        )
-    scan = StoreScan(store, read_only=True)
+    scan = StoreScan(store, read_only=True, cache_footers=True)
     if not scan.files:
         raise InputError("no results stored", where=str(store.root))
+    refuse_newer(store, scan)
     try:
         return scan.arrow(sql)
     except duckdb.Error as exc:
         raise InputError(f"query failed: {exc}") from None
+
+
+def refuse_newer(store: ResultStore, scan: StoreScan) -> None:
+    """Refuse a store holding rows of a newer schema version, naming a file that has them.
+
+    A compacted store has few files: DuckDB reads their `schema_version` (the footers it parses
+    are kept for the query that follows, so the two cost one pass). A store of many fragments is
+    asked through the point index instead, which knows each file's version without that pass.
+
+    Raises:
+        InputError: some row was written with a newer schema version.
+    """
+    if len(scan.files) <= CACHED_FOOTERS:
+        found = scan.rows(
+            "SELECT filename, schema_version FROM results_files WHERE schema_version > $v LIMIT 1",
+            {"v": SCHEMA_VERSION},
+        )
+    else:
+        index = whole_index(store)
+        newer = index.filter(pc.greater(index["schema_version"], SCHEMA_VERSION)).slice(0, 1)
+        found = list(zip(newer["file"].to_pylist(), newer["schema_version"].to_pylist(), strict=True))
+    if found:
+        (where, version), *_ = found
+        raise InputError(
+            f"written with schema version {version}, newer than this orchestrate reads ({SCHEMA_VERSION}): "
+            "upgrade orchestrate to read it",
+            where=where,
+        )
 
 
 RUNS_SQL = """

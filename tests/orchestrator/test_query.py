@@ -8,8 +8,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from orchestrator import query
 from orchestrator.errors import InputError
 from orchestrator.query import run_query
 from orchestrator.store import ResultStore
@@ -95,3 +98,20 @@ def test_query_formats_print_maps_as_maps_and_numbers_as_numbers(store: ResultSt
     assert "[('k'" not in runs["table"].stdout + runs["md"].stdout
     md = runs["md"].stdout.splitlines()
     assert md[0].startswith("| arm") and set(md[1]) <= {"|", "-", ":"} and len(md) == 8
+
+
+@pytest.mark.parametrize("cached", [5000, 0])
+def test_a_newer_schema_is_refused_from_few_files_or_many(
+    store: ResultStore, monkeypatch: pytest.MonkeyPatch, cached: int
+) -> None:
+    """Few (compacted) files: DuckDB reads their versions; many: the point index knows them. Either names the file."""
+    monkeypatch.setattr(query, "CACHED_FOOTERS", cached)
+    assert run_query(store, "select count(*) as n from results")["n"].to_pylist() == [18]
+    path = sorted(store.root.rglob("*.parquet"))[1]
+    table = pq.read_table(path)
+    meta = {**(table.schema.metadata or {}), b"orchestrate.schema_version": b"3"}
+    table = table.set_column(0, table.schema.field("schema_version"), pa.array([3] * table.num_rows, pa.int32()))
+    pq.write_table(table.replace_schema_metadata(meta), path)
+    with pytest.raises(InputError, match=r"schema version 3, newer than this orchestrate reads \(2\)") as err:
+        run_query(store, "select count(*) from results")
+    assert err.value.where == str(path)
