@@ -58,8 +58,32 @@ class ReferenceSubset:
         """What was checked."""
         return self.what
 
+    @classmethod
+    def grid(cls, values: np.ndarray, rows: np.ndarray, cols: np.ndarray, shape: tuple[int, int]) -> ReferenceSubset:
+        """The reference at `rows` x `cols` (`grid_subset`'s picks) of an output of `shape`."""
+        what = f"{len(rows)} of {shape[0]} rows x {len(cols)} of {shape[1]} columns"
+        return cls(values, np.ix_(rows, cols), shape, what)
+
 
 Reference = np.ndarray | ReferenceSubset
+
+
+def grid_subset(m: int, n: int, macs: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows and columns of an m x n output to check where its float64 product costs `macs`
+    multiply-adds, over `FULL_REFERENCE_MACS` (stratified, from a child of `rng`); None: check all."""
+    if macs <= FULL_REFERENCE_MACS:
+        return None
+    pick = np.random.default_rng(rng.integers(2**63))
+    return stratified(m, MAX_ROWS, pick), stratified(n, MAX_COLS, pick)
+
+
+def take_rows(x: Any, rows: np.ndarray) -> np.ndarray:
+    """`x[rows]` as float64; of an MLX array only those rows leave the device."""
+    if _is_mlx(x):
+        import mlx.core as mx
+
+        return np.array(mx.take(x, mx.array(rows.astype(np.int32)), axis=0).astype(mx.float32), dtype=np.float64)
+    return np.asarray(x, dtype=np.float64)[rows]
 
 
 def _outer_axes(index: tuple[Any, ...], ndim: int) -> list[np.ndarray | None] | None:

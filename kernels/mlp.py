@@ -186,26 +186,20 @@ class BlockReference:
 
     def __init__(self, weights: MlpWeights, tokens: int, hidden: int, intermediate: int, rng: np.random.Generator):
         self.weights, self.shape = weights, (tokens, hidden)
-        self.rows: np.ndarray | None = None
-        self.cols: np.ndarray | None = None
-        if 3 * tokens * hidden * intermediate > checking.FULL_REFERENCE_MACS:
-            pick = np.random.default_rng(rng.integers(2**63))
-            self.rows = checking.stratified(tokens, checking.MAX_ROWS, pick)
-            self.cols = checking.stratified(hidden, checking.MAX_COLS, pick)
+        self.subset = checking.grid_subset(tokens, hidden, 3 * tokens * hidden * intermediate, rng)
         self._last: tuple[Any, Reference] | None = None
 
     def __call__(self, arm: str, x: Any) -> Reference:
         if self._last is not None and self._last[0] is x:
             return self._last[1]
         ref: Reference
-        if self.rows is None or self.cols is None:
+        if self.subset is None:
             ref = reference(self.weights, _to_numpy(x))
         else:
-            rows = mx.take(x, mx.array(self.rows.astype(np.int32)), axis=0) if isinstance(x, mx.array) else x[self.rows]
-            values = reference(self.weights, _to_numpy(rows), self.cols)
-            tokens, hidden = self.shape
-            what = f"{len(self.rows)} of {tokens} rows x {len(self.cols)} of {hidden} columns"
-            ref = ReferenceSubset(values, np.ix_(self.rows, self.cols), self.shape, what)
+            rows, cols = self.subset
+            ref = ReferenceSubset.grid(
+                reference(self.weights, checking.take_rows(x, rows), cols), rows, cols, self.shape
+            )
         self._last = (x, ref)
         return ref
 

@@ -147,11 +147,8 @@ class ProductReference:
         if self.rows is None or self.cols is None:
             ref = to_float64(x) @ w.T
         else:
-            m, n = self.shape
-            what = f"{len(self.rows)} of {m} rows x {len(self.cols)} of {n} columns"
-            # only the checked rows leave the device
-            x64 = to_float64(mx.take(x, mx.array(self.rows.astype(np.int32)), axis=0))
-            ref = ReferenceSubset(x64 @ w.T, np.ix_(self.rows, self.cols), self.shape, what)
+            values = checking.take_rows(x, self.rows) @ w.T
+            ref = ReferenceSubset.grid(values, self.rows, self.cols, self.shape)
         self._last[id(w)] = (x, ref)
         return ref
 
@@ -267,12 +264,8 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
 
     codes, scales = nvfp4_weights(n, k, rng)
     # the reference's rows and columns: all of them, or a stratified subset (kernels.checking)
-    rows: np.ndarray | None = None
-    cols = np.arange(n)
-    if m * n * k > checking.FULL_REFERENCE_MACS:
-        pick = np.random.default_rng(rng.integers(2**63))
-        rows = checking.stratified(m, checking.MAX_ROWS, pick)
-        cols = checking.stratified(n, checking.MAX_COLS, pick)
+    subset = checking.grid_subset(m, n, m * n * k, rng)
+    rows, cols = subset if subset is not None else (None, np.arange(n))
     w_nvfp4 = nvfp4.dequantize(codes[cols], scales[cols])  # float64, exact: the weights every NVFP4 arm holds
     packed = pack_codes(codes)
     t_upload = time.perf_counter()
