@@ -30,9 +30,11 @@ from typing import Any
 from orchestrator.specs import load_sweep
 from workers import forkserver, phases
 from workers.contract import JobSpec
-from workers.model_runner import Sample, SampleRequest, _checkpoint, _sample
+from workers.model_runner import Sample, SampleRequest, _checkpoint, _sample, sample_phases
 
-PARTS = ("start", "load", "warmup", "timed", "check", "rest")
+# the job's phases of a sample (`model_runner.sample_phases`), as this table heads them
+PARTS = {"sample_start": "start", "load": "load", "warmup": "warmup", "timed": "timed", "reference": "check",
+         "sample_other": "rest"}  # fmt: skip
 
 
 def _job(sweep: str, prompt_tokens: int) -> tuple[JobSpec, dict[str, Any]]:
@@ -46,19 +48,6 @@ def _job(sweep: str, prompt_tokens: int) -> tuple[JobSpec, dict[str, Any]]:
         warmup=case.warmup if case.warmup is not None else spec.warmup,
     )  # fmt: skip
     return job, params
-
-
-def _parts(sample: Sample, wall: float, asked: float) -> dict[str, float]:
-    start = max(sample.started_at - asked, 0.0) + sample.imports_seconds
-    inside = sample.load_seconds + sample.warmup_seconds + sample.timed_seconds + sample.check_seconds
-    return {
-        "start": start,
-        "load": sample.load_seconds,
-        "warmup": sample.warmup_seconds,
-        "timed": sample.timed_seconds,
-        "check": sample.check_seconds,
-        "rest": wall - start - inside,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,21 +75,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"checkpoint: {path.message}")
             return 1
         print(f"checkpoint {path} ready in {time.perf_counter() - t0:.1f} s; server: {server and server.note}")
-        print(f"{'arm':8} {'sample':>6} {'wall':>7} " + " ".join(f"{p:>7}" for p in PARTS) + "  beyond load")
+
+        def request(arm: str, check: bool) -> SampleRequest:
+            return SampleRequest(
+                checkpoint=str(path), arm=arm, prompt_tokens=args.prompt_tokens,
+                decode_tokens=int(params["decode_tokens"]), warmup=job.warmup, seed=0, check=check,
+            )  # fmt: skip
+
+        print(f"{'arm':8} {'sample':>6} {'wall':>7} " + " ".join(f"{p:>7}" for p in PARTS.values()) + "  beyond load")
         beyond: dict[str, list[float]] = {arm: [] for arm in arms}
         for rep in range(args.samples):
             for arm in arms:
-                req = SampleRequest(
-                    checkpoint=str(path), arm=arm, prompt_tokens=args.prompt_tokens,
-                    decode_tokens=int(params["decode_tokens"]), warmup=job.warmup, seed=0, check=rep == 0,
-                )  # fmt: skip
                 asked = time.time()
-                got = _sample(job, req, 3600.0)
+                got = _sample(job, request(arm, rep == 0), 3600.0)
                 wall = time.time() - asked
                 if not isinstance(got, Sample):
                     print(f"{arm:8} {rep:>6} failed: {got.message}")
                     continue
-                parts = _parts(got, wall, asked)
+                parts = sample_phases(got, asked, wall)
                 extra = wall - parts["load"] - parts["timed"]
                 beyond[arm].append(extra)
                 cells = " ".join(f"{parts[p]:7.2f}" for p in PARTS)
@@ -110,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{arm}: beyond the load and the timed part, median {statistics.median(values):.2f} s")
         if args.profile:
             for arm in arms:
-                req = SampleRequest(
-                    checkpoint=str(path), arm=arm, prompt_tokens=args.prompt_tokens,
-                    decode_tokens=int(params["decode_tokens"]), warmup=job.warmup, seed=0, check=True,
-                )  # fmt: skip
+                req = request(arm, True)
                 code = (
                     "import cProfile, json, pstats, sys\n"
                     "from workers.model_runner import SampleRequest, measure_sample\n"

@@ -261,6 +261,21 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
     return dest
 
 
+def sample_phases(sample: Sample, asked: float, spent: float) -> dict[str, float]:
+    """A finished sample's `spent` seconds from the request (at wall-clock `asked`) split into the
+    job's phases: its process's start and imports, the cold load, warm-up, the timed part, the
+    layer check, and the rest (request, result, exit)."""
+    start = max(sample.started_at - asked, 0.0) + sample.imports_seconds
+    parts = {
+        "sample_start": start,
+        "load": sample.load_seconds,
+        "warmup": sample.warmup_seconds,
+        "timed": sample.timed_seconds,
+        "reference": sample.check_seconds,
+    }
+    return parts | {"sample_other": spent - sum(parts.values())}
+
+
 def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | SampleError:
     """One sample in a process of its own; its time is split into the job's phases."""
     asked = time.time()
@@ -277,15 +292,8 @@ def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | Sample
                 return SampleError(out["unsupported"], unsupported=True)
             sample = Sample(**{**out, "process": proc.how})
             account = phases.current()
-            start = max(sample.started_at - asked, 0.0)
-            account.add("sample_start", start + sample.imports_seconds)
-            account.add("load", sample.load_seconds)
-            account.add("warmup", sample.warmup_seconds)
-            account.add("timed", sample.timed_seconds)
-            account.add("reference", sample.check_seconds)
-            inside = sample.imports_seconds + sample.load_seconds + sample.warmup_seconds
-            inside += sample.timed_seconds + sample.check_seconds
-            account.add("sample_other", spent - start - inside)
+            for name, seconds in sample_phases(sample, asked, spent).items():
+                account.add(name, seconds)
             return sample
     phases.current().add("sample_other", spent)
     return SampleError(_child_error(proc))
