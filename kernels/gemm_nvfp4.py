@@ -39,7 +39,14 @@ from kernels.cuda import (
     single_output_launch,
 )
 from kernels.cuda.gemm_layout import VARIANTS, GemmConfig, variant_for
-from kernels.gemv_nvfp4 import SIGNATURE, TOLERANCE, dequantize_exact, global_multiplier, kernel_multiplier
+from kernels.gemv_nvfp4 import (
+    SIGNATURE,
+    TOLERANCE,
+    dequantize_exact,
+    dtype_name,
+    global_multiplier,
+    kernel_multiplier,
+)
 
 GEMM_SOURCE = CudaKernelSource(
     body_file="gemm_nvfp4.cu",
@@ -50,10 +57,6 @@ GEMM_SOURCE = CudaKernelSource(
 MIN_ROWS = 9  # below, the decode GEMV (kernels.gemv_nvfp4) is the kernel for the job
 DTYPES = ("bfloat16", "float16")
 __all__ = ["DTYPES", "MIN_ROWS", "TOLERANCE", "gemm_nvfp4", "gemm_nvfp4_cuda", "gemm_nvfp4_twin", "route"]
-
-
-def _dtype_name(x: mx.array) -> str:
-    return str(x.dtype).removeprefix("mlx.core.")
 
 
 @functools.cache
@@ -123,7 +126,7 @@ def gemm_nvfp4_cuda(
     m, k = x.shape
     n = w.shape[0]
     name = variant or library_variant(m)
-    reason = kernel_supports(m, n, k, _dtype_name(x), name)
+    reason = kernel_supports(m, n, k, dtype_name(x.dtype), name)
     if reason is not None:
         raise ValueError(f"gemm_nvfp4 kernel: {reason}")
     mult = gsv if gsv is not None else kernel_multiplier(global_scale)
@@ -139,7 +142,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
     cfg: GemmConfig = VARIANTS[name]
     grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
     if cfg.wgmma:
-        fn, cubin = wgmma_cubin(n, k, _dtype_name_of(dtype), name)
+        fn, cubin = wgmma_cubin(n, k, dtype_name(dtype), name)
         return precompiled_launch(
             fn, cubin, grid, (cfg.threads, 1, 1), (m, n), dtype, shared_memory=cfg.smem_bytes(), scalars=[m],
             compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
@@ -153,11 +156,6 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
     )  # fmt: skip
 
 
-def _dtype_name_of(dtype: mx.Dtype) -> str:
-    return str(dtype).removeprefix("mlx.core.")
-
-
-@functools.cache
 def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
     """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once per
     host (`nvrtc.build`: kept in the disk cache for the next process)."""
@@ -175,7 +173,7 @@ def gemm_nvfp4(
 ) -> mx.array:
     """`x[M, K] @ dequant(w)^T`: the CUDA kernel where it applies, else the MLX twin."""
     m, k = x.shape
-    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, _dtype_name(x), variant) is None:
+    if cuda_backend_available() and kernel_supports(m, w.shape[0], k, dtype_name(x.dtype), variant) is None:
         return gemm_nvfp4_cuda(x, w, scales, global_scale, variant, gsv=gsv)
     return gemm_nvfp4_twin(x, w, scales, global_scale)
 

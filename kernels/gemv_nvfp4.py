@@ -256,8 +256,13 @@ def gemv_nvfp4_cuda(
     return _launch(x, w, scales, global_scale, cfg)
 
 
+def dtype_name(dtype: mx.Dtype) -> str:
+    """MLX's dtype as the kernels and rows name it ("bfloat16")."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
 def _dtype_name(x: mx.array) -> str:
-    return str(x.dtype).removeprefix("mlx.core.")
+    return dtype_name(x.dtype)
 
 
 def _launch(
@@ -296,7 +301,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
         grid, threads = n // 16 * 32 * cfg.warps, 32 * cfg.warps
     arch = nvrtc.device_arch()
     if arch is not None:  # our NVRTC build, from the disk cache after the first process (nvrtc.build)
-        name = str(dtype).removeprefix("mlx.core.")
+        name = dtype_name(dtype)
         fn, cubin = nvrtc.build(
             source, (("x", name), *SIGNATURE), (("y", name),), (("T", name), *template), arch
         )  # fmt: skip

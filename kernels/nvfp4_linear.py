@@ -53,7 +53,7 @@ def nvfp4_matmul(
     n = w.shape[0]
     if m <= gemv_nvfp4.MAX_ROWS:
         return gemv_nvfp4.gemv_nvfp4(x, w, scales, global_scale, kernel=kernel, gsv=gsv)
-    dtype = str(x.dtype).removeprefix("mlx.core.")
+    dtype = gemv_nvfp4.dtype_name(x.dtype)
     if _uses_moe(m, n, k, dtype):
         lhs = mx.arange(m, dtype=mx.uint32)
         gs = None if global_scale is None else mx.array(global_scale, dtype=mx.float32).reshape(1)
