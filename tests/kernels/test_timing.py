@@ -74,16 +74,19 @@ def test_hot_reuses_one_buffer_and_capped_copies_say_warm() -> None:
     used: list[int] = []
     hot = ArmTimer(_recording_path(4096, used), Method(cache="hot", llc_bytes=16 * 2**10))
     assert hot.copies == 1 and hot.cache == "hot"
-    # 1 KiB of weights against a 1 MiB cache: 64 copies (the cap) still fit in it
-    warm = ArmTimer(_recording_path(1024, used), Method(cache="cold", llc_bytes=2**20))
+    # 24 KiB against a 1 MiB cache: 64 copies (the cap, 1.5 MiB) pass the cache but not twice it
+    warm = ArmTimer(_recording_path(24 * 2**10, used), Method(cache="cold", llc_bytes=2**20))
     assert warm.copies == timing.MAX_COPIES and warm.cache == "warm"
+    # 1 KiB against 1 MiB: even 64 copies stay resident together, so none is made (one, warm)
+    resident = ArmTimer(_recording_path(1024, used), Method(cache="cold", llc_bytes=2**20))
+    assert resident.copies == 1 and resident.cache == "warm"
     undeclared = ArmTimer(ArmPath(lambda x: x + 1, 1e-6, "no weights"), Method(llc_bytes=2**20))
     assert undeclared.copies == 1 and undeclared.cache == "unrotated"
 
 
 @pytest.mark.parametrize(
     ("nbytes", "copies"),
-    [(58_000_000, 5), (231_000_000, 2), (400_000_000, 1), (2_000, timing.MAX_COPIES)],
+    [(58_000_000, 5), (231_000_000, 2), (400_000_000, 1), (2_000_000, timing.MAX_COPIES), (1_000_000, 64), (900_000, 1), (2_000, 1)],
 )
 def test_copies_at_the_h200s_60_mb_l2(nbytes: int, copies: int) -> None:
     """The seeds' GEMV weights (58 MB NVFP4, 231 MB dense bf16) and an MoE's 400 MB of experts."""

@@ -187,8 +187,13 @@ def test_cache_state_is_an_explicit_recorded_choice() -> None:
         assert {e["cache"] for e in extras} <= want and {e["cache_requested"] for e in extras} == {
             job.options.get("cache", "cold")
         }
-        copies = {int(e["weight_copies"]) for e in extras}
-        assert copies == {1} if job is hot else min(copies) > 1  # tiny weights: rotated over copies
+        for e in extras:  # cold: the copies the device's cache asks for, and the state they reach
+            copies, nbytes, llc = int(e["weight_copies"]), int(e["weight_bytes"]), int(e["llc_bytes"])
+            if job is hot:
+                assert copies == 1
+            else:
+                assert copies == timing.weight_copies(nbytes, timing.Method(llc_bytes=llc))
+                assert e["cache"] == ("cold" if copies * nbytes >= 2 * llc else "warm")
         assert all(int(e["weight_bytes"]) > 0 and int(e["llc_bytes"]) > 0 for e in extras)
 
 
