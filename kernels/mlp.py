@@ -14,9 +14,10 @@ needs one more multiply by `global_scale / 2688`; the arms are the first seed's 
   activation (`gelu_tanh(g) * u`) is compiled;
 * `eager`: the same graph as `op-at-a-time` with nothing compiled.
 
-The weights are the NumPy reference's own codes and scales (`kernels.nvfp4`), packed in MLX's
-layout, so every arm and the float64 reference hold bit-identical weights; the reference checks
-the arms' arithmetic, including where the global scales enter.
+The weights are drawn and quantized on the device (`kernels.device_nvfp4`); the float64 reference
+decodes those same codes and scales on the host by the NumPy definition (`kernels.nvfp4`), so
+every arm and the reference hold bit-identical weights; the reference checks the arms'
+arithmetic, including where the global scales enter.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kernels import activations, checking, nvfp4, qmm
+from kernels import activations, checking, device_nvfp4, nvfp4, qmm
 from kernels.checking import Reference, ReferenceSubset
+from kernels.device_nvfp4 import DeviceWeights
 from kernels.registry import ArmPath, Workload, bound_path, check_point
 
 ARMS = ("fused", "op-at-a-time", "eager")
@@ -48,17 +50,16 @@ class Projection:
     packed: mx.array  # uint32 [out, in/8]
     scales: mx.array  # uint8 [out, in/16]
     global_scale: float
-    codes: np.ndarray  # uint8 [out, in]: the same weights for the reference
-    scale_bits: np.ndarray  # uint8 [out, in/16]
+    weights: DeviceWeights  # the same codes and scales, read back for the reference
 
     @property
     def decode_scale(self) -> float:
         """What one product is multiplied by: `global_scale / 2688`."""
         return self.global_scale / nvfp4.MLX_GLOBAL_SCALE_DIVISOR
 
-    def dense(self) -> np.ndarray:
-        """The weights in float64, global scale included."""
-        return nvfp4.dequantize(self.codes, self.scale_bits, self.global_scale)
+    def dense(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """The weights in float64 (those `rows`, or all), global scale included."""
+        return self.weights.dequantized(rows)
 
     def product(self, x: mx.array) -> mx.array:
         """`x @ raw^T` without the global scale (the native NVFP4 quantized matmul)."""
@@ -91,30 +92,23 @@ def _arm_over(arm: str, weights: MlpWeights, arrays: tuple[mx.array, ...]) -> Ca
     return arm_function(arm, weights.over(arrays))
 
 
-def make_projection(w: np.ndarray, global_scale: float | None = None) -> Projection:
-    """Quantize float weights [out, in] to NVFP4 with the reference; the global scale defaults to amax."""
-    gs = float(nvfp4.natural_global_scale(w) if global_scale is None else global_scale)
-    codes, scale_bits = nvfp4.quantize(w, gs)
-    return Projection(
-        packed=mx.array(nvfp4.pack_codes(codes)),
-        scales=mx.array(scale_bits),
-        global_scale=gs,
-        codes=codes,
-        scale_bits=scale_bits,
+def make_projection(out_dims: int, in_dims: int, rng: np.random.Generator) -> Projection:
+    """Weights [out, in] at a Linear layer's usual scale (uniform in ±1/sqrt(in)), quantized on the
+    device with their natural global scale (the tensor's absolute maximum)."""
+    w = device_nvfp4.draw_weights(
+        (out_dims, in_dims), rng, device_nvfp4.uniform(1.0 / math.sqrt(in_dims)), global_scale="tensor"
     )
+    gs = w.global_scales()
+    assert gs is not None
+    return Projection(packed=w.packed, scales=w.scales, global_scale=float(gs), weights=w)
 
 
 def make_weights(hidden: int, intermediate: int, rng: np.random.Generator) -> MlpWeights:
-    """Random weights at a Linear layer's usual scale (uniform in ±1/sqrt(fan_in))."""
-
-    def draw(out_dims: int, in_dims: int) -> np.ndarray:
-        bound = 1.0 / math.sqrt(in_dims)
-        return rng.uniform(-bound, bound, size=(out_dims, in_dims)).astype(np.float32)
-
+    """The block's three projections, drawn from the job's generator."""
     return MlpWeights(
-        gate=make_projection(draw(intermediate, hidden)),
-        up=make_projection(draw(intermediate, hidden)),
-        down=make_projection(draw(hidden, intermediate)),
+        gate=make_projection(intermediate, hidden, rng),
+        up=make_projection(intermediate, hidden, rng),
+        down=make_projection(hidden, intermediate, rng),
     )
 
 
@@ -169,11 +163,7 @@ def reference(weights: MlpWeights, x: np.ndarray, cols: np.ndarray | None = None
     g = x64 @ weights.gate.dense().T
     u = x64 @ weights.up.dense().T
     h = 0.5 * g * (1.0 + np.tanh(GELU_C * (g + 0.044715 * g**3))) * u
-    down = weights.down
-    w_down = (
-        down.dense() if cols is None else nvfp4.dequantize(down.codes[cols], down.scale_bits[cols], down.global_scale)
-    )
-    return h @ w_down.T
+    return h @ weights.down.dense(cols).T
 
 
 class BlockReference:

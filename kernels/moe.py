@@ -26,30 +26,28 @@ Arms, as an engine runs them (mlx-lm's `SwitchGLU`):
 The reference is NumPy float64: each routed row times the float64 weights the arm holds. Where the
 whole product would cost more than the measurement (`kernels.checking.FULL_REFERENCE_MACS`), a
 stratified subset of the output features is checked, on every routed row (only those rows of each
-expert's weights are dequantized on the host); the rows record what was checked. Experts are drawn,
-quantized and packed on all the host's cores, each from its own child of the job's generator.
+expert's weights are read back and decoded on the host); the rows record what was checked. Experts
+are drawn and quantized on the device from a key of the job's generator (`kernels.device_nvfp4`);
+the affine arms re-quantize them there too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import numpy.typing as npt
 
-from kernels import checking, dispatch, nvfp4
+from kernels import checking, device_nvfp4, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
+from kernels.device_nvfp4 import DeviceWeights, in_parallel
 from kernels.qmm import (
     AFFINE_BITS,
     AFFINE_GROUP,
     MLX_DTYPES,
     affine_weights,
-    in_parallel,
     mlx_backend,
-    pack_codes,
     to_float64,
     tolerance,
 )
@@ -63,45 +61,36 @@ ROUTE_FUSED = "gather_qmm(nvfp4,global_scale)"
 ROUTE_POST_SCALE = "gather_qmm(nvfp4)+post-scale"
 
 
-@dataclass
-class ExpertWeights:
-    """NVFP4 expert weights from the reference: codes [E, F, D], E4M3 scales [E, F, D/16], and
-    MLX-convention global scales [E] (None without)."""
-
-    codes: np.ndarray
-    scales: np.ndarray
-    global_scales: np.ndarray | None
-
-    def dequantized(self, expert: int, dtype: npt.DTypeLike = np.float64, rows: np.ndarray | None = None) -> np.ndarray:
-        """Expert `expert`'s weights [F, D] (or those `rows` of them): MLX's float32 values, exactly,
-        as float64 by default."""
-        gs = None if self.global_scales is None else self.global_scales[expert]
-        codes, scales = self.codes[expert], self.scales[expert]
-        if rows is not None:
-            codes, scales = codes[rows], scales[rows]
-        return nvfp4.dequantize(codes, scales, gs, dtype=dtype)
-
-
 def expert_weights(
     experts: int, width: int, hidden: int, rng: np.random.Generator, global_scale: bool
-) -> ExpertWeights:
-    """Draw E experts [F, D], each a random power of ten in [0.1, 10] times N(0, 1), and quantize
-    each with its own global scale (its absolute maximum) when `global_scale`."""
-    codes = np.empty((experts, width, hidden), dtype=np.uint8)
-    scales = np.empty((experts, width, hidden // nvfp4.GROUP_SIZE), dtype=np.uint8)
-    gs = np.empty(experts, dtype=np.float32) if global_scale else None
-    gens = rng.spawn(experts)
+) -> DeviceWeights:
+    """E experts [F, D], each a random power of ten in [0.1, 10] times N(0, 1), quantized on the
+    device, each with its own global scale (its absolute maximum) when `global_scale`."""
 
-    def one(e: int) -> None:  # expert e from the e-th child generator: the same on any host
-        gen = gens[e]
-        w = gen.standard_normal((width, hidden), dtype=np.float32) * np.float32(10.0 ** gen.uniform(-1, 1))
-        g = nvfp4.natural_global_scale(w) if gs is not None else None
-        if gs is not None and g is not None:
-            gs[e] = g
-        codes[e], scales[e] = nvfp4.quantize(w, g)
+    def magnitude(key: mx.array, count: int) -> mx.array:
+        return mx.power(10.0, mx.random.uniform(-1.0, 1.0, (count, 1, 1), key=key))
 
-    in_parallel(one, experts)
-    return ExpertWeights(codes, scales, gs)
+    return device_nvfp4.draw_weights(
+        (experts, width, hidden),
+        rng,
+        device_nvfp4.normal(),
+        global_scale="leading" if global_scale else "none",
+        magnitude=magnitude,
+    )
+
+
+class ExpertRows:
+    """Each expert's float64 weights (its `rows`, or all), read back and decoded once, on demand."""
+
+    def __init__(self, weights: DeviceWeights, rows: np.ndarray | None) -> None:
+        self.weights, self.rows = weights, rows
+        self._done: dict[int, np.ndarray] = {}
+
+    def __call__(self, expert: int) -> np.ndarray:
+        hit = self._done.get(expert)
+        if hit is None:
+            hit = self._done[expert] = self.weights.at(expert).dequantized(self.rows)
+        return hit
 
 
 def route(gen: np.random.Generator, tokens: int, experts: int, top_k: int) -> np.ndarray:
@@ -201,18 +190,14 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     if t * top_k * f * d > checking.FULL_REFERENCE_MACS:
         count = max(64, int(REFERENCE_WEIGHTS / (e * d)))
         cols = checking.stratified(f, count, np.random.default_rng(rng.integers(2**63)))
-    wq = mx.array(pack_codes(ew.codes.reshape(e * f, d)).reshape(e, f, d // 8))
-    wscales = mx.array(ew.scales)
-    gs = None if ew.global_scales is None else mx.array(ew.global_scales)
-    mx.eval(wq, wscales, *([] if gs is None else [gs]))
+    wq, wscales, gs = ew.packed, ew.scales, ew.global_scale
     native_weights: tuple[mx.array, ...] = (wq, wscales) if gs is None else (wq, wscales, gs)
     native_route = "gather_qmm(nvfp4)" if gs is None else (ROUTE_FUSED if fused else ROUTE_POST_SCALE)
 
     def native_projection(w: tuple[mx.array, ...]) -> Projection:
         return nvfp4_projection(w[0], w[1], w[2] if len(w) > 2 else None, fused)
 
-    def native_holds(expert: int) -> np.ndarray:  # one function, so the reference can share its product
-        return ew.dequantized(expert, rows=cols)
+    native_holds = ExpertRows(ew, cols)  # one function, so the reference can share its product
 
     affine: tuple[tuple[mx.array, ...], Callable[[int], np.ndarray]] | None = None
     paths: dict[str, ArmPath] = {}
@@ -317,19 +302,19 @@ def _affine_projection_of(w: tuple[mx.array, ...]) -> Projection:
 
 
 def _affine_experts(
-    ew: ExpertWeights, dtype: mx.Dtype, cols: np.ndarray | None
+    ew: DeviceWeights, dtype: mx.Dtype, cols: np.ndarray | None
 ) -> tuple[tuple[mx.array, ...], Callable[[int], np.ndarray]]:
-    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64:
-    the (codes, scales, biases) arrays, and the float64 weights each expert then holds (its `cols`
-    rows, when given) for the reference."""
-    experts = ew.codes.shape[0]
-    values = np.empty(ew.codes.shape, dtype=np.float32)
-
-    def one(i: int) -> None:
-        values[i] = ew.dequantized(i, np.float32)
-
-    in_parallel(one, experts)
-    w = mx.array(values).astype(dtype)
+    """Re-quantize every expert's NVFP4 values (global scale included) to affine 4-bit, group 64, on
+    the device: the (codes, scales, biases) arrays, and the float64 weights each expert then holds
+    (its `cols` rows, when given) for the reference."""
+    values = []
+    for i in range(ew.packed.shape[0]):  # MLX's float32 values (the NumPy definition's, bit for bit)
+        one = ew.at(i)
+        v = mx.dequantize(one.packed, one.scales, mode="nvfp4", global_scale=one.global_scale, dtype=mx.float32)
+        values.append(v.astype(dtype))
+        mx.eval(values[-1])
+    w = mx.stack(values)
+    del values
     aq, ascales, abiases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
     mx.eval(aq, ascales, abiases)
     at = None if cols is None else mx.array(cols.astype(np.int32))

@@ -1,10 +1,9 @@
 """Case `qmm`: y = x @ W^T with W in NVFP4, the MLP projection of a prefill (tokens > 1) or decode.
 
-x is [tokens, k] in the case's dtype; W is [n, k], drawn once from the job's generator and
-quantized to NVFP4 by the NumPy reference (`kernels.nvfp4`) with no global scale
-(`mx.quantized_matmul` takes none; a tensor scale is one more multiply after it). Every arm is
-built from the reference's own codes and scales, so every arm computes the same product up to
-its own rounding:
+x is [tokens, k] in the case's dtype; W is [n, k], standard normal draws quantized to NVFP4 with
+no global scale (`mx.quantized_matmul` takes none; a tensor scale is one more multiply after it),
+both on the device from a key of the job's generator (`kernels.device_nvfp4`). Every arm is built
+from those codes and scales, so every arm computes the same product up to its own rounding:
 
 * `native`: `mx.quantized_matmul(mode="nvfp4")` on the packed codes and E4M3 scales.
 * `affine`: the NVFP4-dequantized weights re-quantized to affine 4-bit, group 64 (the fallback an
@@ -27,32 +26,25 @@ alone. `tolerance` states how much of it each path and dtype may show, and why. 
 float64 product would cost more than the measurement (over `kernels.checking.FULL_REFERENCE_MACS`
 multiply-adds), a stratified subset of its rows and columns is checked instead (every 64-row and
 21-column tile of the seeds' shape has checked elements), and only those rows of the weights are
-dequantized on the host: the rows record what was checked (`reference_subset`).
-
-The weights are drawn and quantized in blocks of `BLOCK_ROWS` rows, each from its own child of
-the job's generator, on all the host's cores (NumPy releases the GIL): the same seed gives the
-same weights on any host.
+read back and decoded on the host by the NumPy definition: the rows record what was checked
+(`reference_subset`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 
-from kernels import activations, checking, dispatch, nvfp4
+from kernels import activations, checking, device_nvfp4, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
 from kernels.registry import ArmPath, Workload, bound_path, check_point
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
-
-BLOCK_ROWS = 1024  # rows per block of weight draws (fixed: the draws depend on it, not on the host)
 
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
@@ -153,60 +145,9 @@ class ProductReference:
         return ref
 
 
-def _blocks(n: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + BLOCK_ROWS, n)) for lo in range(0, n, BLOCK_ROWS)]
-
-
-def in_parallel(fn: Callable[[int], Any], count: int) -> list[Any]:
-    """`[fn(i) for i in range(count)]` on all the host's cores (for NumPy work, which frees the GIL)."""
-    with ThreadPoolExecutor(max_workers=min(count, os.cpu_count() or 1)) as pool:
-        return list(pool.map(fn, range(count)))
-
-
-def weight_draws(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """W [n, k] float32: standard normal draws, block b of `BLOCK_ROWS` rows from `rng`'s b-th child."""
-    blocks = _blocks(n)
-    gens = rng.spawn(len(blocks))
-    out = np.empty((n, k), dtype=np.float32)
-
-    def draw(b: int) -> None:
-        lo, hi = blocks[b]
-        gens[b].standard_normal((hi - lo, k), dtype=np.float32, out=out[lo:hi])
-
-    in_parallel(draw, len(blocks))
-    return out
-
-
-def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """`weight_draws(n, k, rng)` quantized by the reference (no global scale), block by block.
-
-    Returns:
-        (codes uint8 [n, k], E4M3 scale bits uint8 [n, k/16]).
-    """
-    w = weight_draws(n, k, rng)
-    blocks = _blocks(n)
-    codes = np.empty((n, k), dtype=np.uint8)
-    scales = np.empty((n, k // nvfp4.GROUP_SIZE), dtype=np.uint8)
-
-    def quantize(b: int) -> None:
-        lo, hi = blocks[b]
-        codes[lo:hi], scales[lo:hi] = nvfp4.quantize(w[lo:hi])
-
-    in_parallel(quantize, len(blocks))
-    return codes, scales
-
-
-def pack_codes(codes: np.ndarray) -> np.ndarray:
-    """`nvfp4.pack_codes`, block by block on all cores."""
-    blocks = _blocks(codes.shape[0])
-    packed = np.empty((codes.shape[0], codes.shape[1] // 8), dtype=np.uint32)
-
-    def pack(b: int) -> None:
-        lo, hi = blocks[b]
-        packed[lo:hi] = nvfp4.pack_codes(codes[lo:hi])
-
-    in_parallel(pack, len(blocks))
-    return packed
+def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> device_nvfp4.DeviceWeights:
+    """W [n, k]: standard normal draws quantized to NVFP4 (no global scale), on the device."""
+    return device_nvfp4.draw_weights((n, k), rng, device_nvfp4.normal())
 
 
 def _timed_build(make: Callable[[], tuple[Any, ...]]) -> tuple[tuple[Any, ...], float]:
@@ -262,17 +203,14 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     dtype = MLX_DTYPES[dtype_name]
     backend = mlx_backend()
 
-    codes, scales = nvfp4_weights(n, k, rng)
+    t_draw = time.perf_counter()
+    w = nvfp4_weights(n, k, rng)
+    native_build = time.perf_counter() - t_draw
+    wq, wscales = w.packed, w.scales
     # the reference's rows and columns: all of them, or a stratified subset (kernels.checking)
     subset = checking.grid_subset(m, n, m * n * k, rng)
     rows, cols = subset if subset is not None else (None, np.arange(n))
-    w_nvfp4 = nvfp4.dequantize(codes[cols], scales[cols])  # float64, exact: the weights every NVFP4 arm holds
-    packed = pack_codes(codes)
-    t_upload = time.perf_counter()
-    wq, wscales = mx.array(packed), mx.array(scales)
-    mx.eval(wq, wscales)
-    native_build = time.perf_counter() - t_upload
-    del codes, packed
+    w_nvfp4 = w.dequantized(None if subset is None else cols)  # float64, exact: what every NVFP4 arm holds
     dense: list[mx.array] = []  # the NVFP4 values in the dtype (exact), made on the device once
 
     def dense_weights() -> mx.array:

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import moe, nvfp4
+from kernels import moe
 from kernels.registry import CASES, Workload
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
@@ -60,10 +60,8 @@ def test_routes_say_how_the_global_scale_was_applied() -> None:
 def test_cpu_refuses_the_fused_global_scale() -> None:
     """Why the CPU route post-scales: if MLX starts accepting it, this says to switch."""
     ew = moe.expert_weights(2, 16, 64, np.random.default_rng(0), global_scale=True)
-    assert ew.global_scales is not None
-    fused = moe.nvfp4_projection(
-        mx.array(nvfp4.pack_codes(ew.codes)), mx.array(ew.scales), mx.array(ew.global_scales), fused=True
-    )
+    assert ew.global_scale is not None
+    fused = moe.nvfp4_projection(ew.packed, ew.scales, ew.global_scale, fused=True)
     with pytest.raises(ValueError, match="only supported on the GPU"):
         mx.eval(moe.run_unsorted(fused, mx.ones((3, 64)), mx.zeros((3, 1), dtype=mx.uint32)))
 
@@ -71,8 +69,8 @@ def test_cpu_refuses_the_fused_global_scale() -> None:
 @pytest.mark.skipif(ON_CPU, reason="needs a GPU: gather_qmm's global_scale is GPU-only in MLX 0.32.4")
 def test_fused_and_post_scale_routes_agree_on_gpu() -> None:
     ew = moe.expert_weights(8, 32, 128, np.random.default_rng(0), global_scale=True)
-    assert ew.global_scales is not None
-    q, s, gs = mx.array(nvfp4.pack_codes(ew.codes)), mx.array(ew.scales), mx.array(ew.global_scales)
+    assert ew.global_scale is not None
+    q, s, gs = ew.packed, ew.scales, ew.global_scale
     x = mx.random.normal((12, 128))
     idx = mx.array(moe.route(np.random.default_rng(1), 12, 8, 3))
     fused = moe.run_sorted(moe.nvfp4_projection(q, s, gs, fused=True), x, idx)
@@ -87,9 +85,9 @@ def test_broken_arms_are_over_tolerance() -> None:
     wl = build(seed)
     # build() draws the experts first from the job's generator: the same experts again
     ew = moe.expert_weights(8, 32, 128, np.random.default_rng(seed), global_scale=True)
-    assert ew.global_scales is not None
-    q, s = mx.array(nvfp4.pack_codes(ew.codes)), mx.array(ew.scales)
-    gs = ew.global_scales
+    gs = ew.global_scales()
+    assert gs is not None
+    q, s = ew.packed, ew.scales
     x, idx = wl.make_inputs(np.random.default_rng())
     ref = wl.reference("native-sorted", x, idx)
     tol = wl.arms["native-sorted"].tolerance
@@ -132,7 +130,7 @@ def test_reference_by_hand() -> None:
     x64, ids = np.array(x, dtype=np.float64), np.array(idx)
     for t in range(5):
         for j in range(2):
-            np.testing.assert_allclose(ref[t, j], ew.dequantized(int(ids[t, j])) @ x64[t], rtol=1e-12)
+            np.testing.assert_allclose(ref[t, j], ew.at(int(ids[t, j])).dequantized() @ x64[t], rtol=1e-12)
 
 
 def test_routing_is_top_k_distinct_and_fresh() -> None:

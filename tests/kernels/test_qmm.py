@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import nvfp4, qmm
+from kernels import device_nvfp4, nvfp4, qmm
 from kernels.registry import CASES, Workload
 
 # The MLX arms this module builds; custom/auto are issue 7's (tested there).
@@ -59,9 +59,8 @@ def test_arms_hold_the_reference_weights() -> None:
     seed = secrets.randbits(32)
     n, k = 48, 128
     wl = build(3, n, k, seed=seed)
-    codes, scales = qmm.nvfp4_weights(n, k, np.random.default_rng(seed))
+    w_ref = qmm.nvfp4_weights(n, k, np.random.default_rng(seed)).dequantized()  # build() draws W first
     eye = mx.eye(k)  # x = I reads the weights back out: y = W^T
-    w_ref = nvfp4.dequantize(codes, scales)
     for arm in ("native", "dequant-gemm", "dense"):
         np.testing.assert_array_equal(np.array(wl.arms[arm].run(eye)).T, w_ref, err_msg=arm)
     affine = np.array(wl.arms["affine"].run(eye)).T
@@ -77,7 +76,7 @@ def test_broken_arms_are_over_tolerance() -> None:
     seed = secrets.randbits(32)
     n, k = 64, 256
     wl = build(4, n, k, seed=seed)
-    codes, scales = qmm.nvfp4_weights(n, k, np.random.default_rng(seed))
+    codes, scales = qmm.nvfp4_weights(n, k, np.random.default_rng(seed)).host()
     (x,) = wl.make_inputs(np.random.default_rng())
     ref = wl.reference("native", x)
     tol = wl.arms["native"].tolerance
@@ -92,8 +91,9 @@ def test_broken_arms_are_over_tolerance() -> None:
     assert rel_error(native(codes, np.roll(scales, 1, axis=0)), ref) > 0.1  # rows have similar scales
     assert rel_error(wl.arms["native"].run(x) * (1 + 2 * tol), ref) > tol
     # the dense arm is checked against the weights it holds, not against the unquantized ones
-    w_true = qmm.weight_draws(n, k, np.random.default_rng(seed))
-    dense_unquantized = x @ mx.array(w_true).T
+    w_true = device_nvfp4.draw_values((n, k), np.random.default_rng(seed), device_nvfp4.normal())
+    np.testing.assert_array_equal(nvfp4.quantize(np.array(w_true))[0], codes)  # the draws W was quantized from
+    dense_unquantized = x @ w_true.T
     assert rel_error(dense_unquantized, wl.reference("dense", x)) > 20 * wl.arms["dense"].tolerance
 
 
