@@ -18,6 +18,10 @@
 # Writes under OUT: e2e.log (every command and its output), summary-<sweep>.txt (compare, check,
 # phases), report-<sweep>.html, and results.tar.xz (the Parquet fragments: unpack and
 # `orchestrate import` them, or point --results at the unpacked tree). SWEEPS overrides the list.
+# With BEFORE=DIR (a results tree from an earlier run, e.g. docs/h200-results), the first call
+# copies DIR's sweeps into the store, and each summary also compares the commits side by side
+# (`compare --by commit`, the earlier code the baseline): a change's effect on the medians, in one
+# store.
 set -u
 out=${1:?usage: device_e2e.sh OUT_DIR [SECONDS]}
 budget=${2:-540}
@@ -28,6 +32,11 @@ log=$out/e2e.log
 deadline=$((SECONDS + budget))
 note() { echo "== $*" | tee -a "$log"; }
 
+if [[ -n "${BEFORE:-}" && ! -e $state/before-copied ]]; then
+  mkdir -p "$state/results"
+  cp -r "$BEFORE"/sweep=* "$state/results/" && touch "$state/before-copied"
+  note "copied the earlier results of $BEFORE: $(find "$state/results" -name 'part-*.parquet' | wc -l) fragments"
+fi
 note "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 note "python3 -m workers device: $(python3 -m workers device 2>&1 | tail -1)"
 complete=1
@@ -62,6 +71,10 @@ for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one file per sweep
     echo "exit $?"
     echo "== orchestrate phases --sweep $sweep"
     COLUMNS=320 orchestrate phases --sweep "$sweep" 2>&1  # one column per phase: wide
+    if [[ -e $state/before-copied ]]; then
+      echo "== orchestrate compare --sweep $sweep --by commit (the earlier code is the baseline)"
+      COLUMNS=240 orchestrate compare --sweep "$sweep" --by commit 2>&1
+    fi
   } >"$out/summary-$sweep.txt"
 done
 for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # the report takes one sweep
