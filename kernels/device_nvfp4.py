@@ -23,8 +23,9 @@ quantized by the NumPy reference on all the host's cores, with the GPU kernels' 
 (`nvfp4.quantize(like="mlx-gpu")`, equal to MLX's GPU codes bit for bit): the same draws give
 the same codes on either.
 
-Large tensors are drawn in blocks along the leading axis (`BLOCK_VALUES` values each), each from
-its own key, so the float32 draws in memory at any time stay small beside the weights themselves.
+Tensors are drawn in blocks along the leading axis (an eighth of it, at most `BLOCK_VALUES` values),
+each from its own key, so the float32 draws in memory at any time stay near the size of the NVFP4
+weights themselves (a job's memory estimate, `kernels.shapes`, stays within 3x of its peak).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import numpy as np
 
 from kernels import nvfp4
 
-BLOCK_VALUES = 1 << 26  # float32 draws per block (256 MiB); fixed: the weights depend on it
+BLOCK_VALUES = 1 << 26  # float32 draws per block at most (256 MiB); fixed: the weights depend on it
+BLOCKS = 8  # ... and at most an eighth of the leading axis: the draws in memory stay near the weights' size
 HOST_ROWS = 1024  # rows per thread when the host quantizes
 
 # draw(key, shape) -> float32 weights of that shape, on the device
@@ -128,9 +130,10 @@ class DeviceWeights:
 
 
 def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Blocks along the leading axis of at most `BLOCK_VALUES` values (at least one index each)."""
+    """Blocks along the leading axis: at most `BLOCK_VALUES` values and an eighth of the axis each
+    (at least one index)."""
     per_index = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    step = max(1, BLOCK_VALUES // max(per_index, 1))
+    step = max(1, min(BLOCK_VALUES // max(per_index, 1), -(-shape[0] // BLOCKS)))
     return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
 
 

@@ -86,7 +86,15 @@ def test_hot_reuses_one_buffer_and_capped_copies_say_warm() -> None:
 
 @pytest.mark.parametrize(
     ("nbytes", "copies"),
-    [(58_000_000, 5), (231_000_000, 2), (400_000_000, 1), (2_000_000, timing.MAX_COPIES), (1_000_000, 64), (900_000, 1), (2_000, 1)],
+    [
+        (58_000_000, 5),
+        (231_000_000, 2),
+        (400_000_000, 1),
+        (2_000_000, timing.MAX_COPIES),  # 128 MB: cold
+        (1_000_000, 64),  # 64 MB: past the cache, not twice it (warm)
+        (900_000, 1),  # 57.6 MB: 64 copies would all fit: none made
+        (2_000, 1),
+    ],
 )
 def test_copies_at_the_h200s_60_mb_l2(nbytes: int, copies: int) -> None:
     """The seeds' GEMV weights (58 MB NVFP4, 231 MB dense bf16) and an MoE's 400 MB of experts."""
