@@ -343,10 +343,11 @@ static_assert(!WS || (XS_BYTES % 1024 == 0 && WS_BAR % 8 == 0), "WS: tiles on th
 // The producer (thread pt of warpgroup NC): weight rows pt + 128 q of the block's BN, their code
 // pieces stored with 16-byte unit u at (u ^ (pt >> 2 & 1)) so that a warp's 16-byte reads of 32
 // rows are conflict-free; decoded exactly as decode_item does, into the decoded ring.
-const int pt = tid - NT;
+const int pt = tid - NT;  // (negative in the consumers, which use none of this)
 const uint32_t csw = ((pt >> 2) & 1) << 4;
-const uint8_t* const pw = reinterpret_cast<const uint8_t*>(w) + static_cast<size_t>(min(n0 + pt, N - 1)) * (K / 2);
-const uint8_t* const ps = scales + static_cast<size_t>(min(n0 + pt, N - 1)) * (K / 16);
+const size_t prow = static_cast<size_t>(min(n0 + max(pt, 0), N - 1));
+const uint8_t* const pw = reinterpret_cast<const uint8_t*>(w) + prow * (K / 2);
+const uint8_t* const ps = scales + prow * (K / 16);
 auto produce_issue = [&](int kt, int cslot) {
   if (kt < KT) {
     const uint32_t cs = sbase + WS_CODE + cslot * CSTAGE_BYTES;
