@@ -387,19 +387,17 @@ auto produce_decode = [&](int cslot, int dslot) {
 auto produce = [&]() {
 #pragma unroll
   for (int c = 0; c < CSTAGES - 1; ++c) produce_issue(c, c);
-  int cslot = 0;        // k-tile kt's code slot
-  int dslot = 0;        // ... decoded tile
-  uint32_t phase = 0;   // parity of kt / DSTAGES
+  nvfp4g::Ring<CSTAGES> code;  // k-tile kt's code slot
+  nvfp4g::Ring<DSTAGES> dec;   // ... decoded tile
   for (int kt = 0; kt < KT; ++kt) {
-    produce_issue(kt + CSTAGES - 1, cslot == 0 ? CSTAGES - 1 : cslot - 1);  // kt - 1's slot: decoded
+    produce_issue(kt + CSTAGES - 1, code.prev());  // kt - 1's slot, which this thread decoded
     nvfp4::cp_async_wait<CSTAGES - 1>();  // k-tile kt's codes have landed (this thread's own)
-    nvfp4g::mbar_wait(sbase + WS_BAR + 8 * (DSTAGES + dslot), phase ^ 1);  // kt - DSTAGES is done
-    produce_decode(cslot, dslot);
+    nvfp4g::mbar_wait(sbase + WS_BAR + 8 * (DSTAGES + dec.slot), dec.phase ^ 1);  // kt - DSTAGES is done
+    produce_decode(code.slot, dec.slot);
     nvfp4g::fence_proxy_async();  // the decoded tile, to the MMAs' proxy ...
-    nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * dslot);  // ... and to the consumers
-    cslot = cslot + 1 == CSTAGES ? 0 : cslot + 1;
-    dslot = dslot + 1 == DSTAGES ? 0 : dslot + 1;
-    phase ^= dslot == 0 ? 1u : 0u;
+    nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * dec.slot);  // ... and to the consumers
+    code.advance();
+    dec.advance();
   }
   nvfp4::cp_async_wait<0>();
 };
@@ -430,19 +428,18 @@ auto consume = [&]() {
     for (int c = 0; c < 128; ++c) d[c] = 0.f;  // (again: nothing of it lives across setmaxnreg)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) consume_issue(s, s);
-    int slot = 0;       // k-tile kt's x slot
-    int dslot = 0;      // ... decoded tile
-    uint32_t phase = 0;  // parity of kt / DSTAGES
+    nvfp4g::Ring<STAGES> xr;    // k-tile kt's x slot
+    nvfp4g::Ring<DSTAGES> dec;  // ... decoded tile
     for (int kt = 0; kt < KT; ++kt) {
       nvfp4::cp_async_wait<STAGES - 2>();  // k-tile kt's x rows have landed (this thread's) ...
       nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy ...
       nvfp4g::bar_warpgroup(1 + cwg);       // ... and this warpgroup's other threads
-      nvfp4g::mbar_wait(sbase + WS_BAR + 8 * dslot, phase);  // k-tile kt's decoded tile
+      nvfp4g::mbar_wait(sbase + WS_BAR + 8 * dec.slot, dec.phase);  // k-tile kt's decoded tile
 #pragma unroll
       for (int c = 0; c < 128; ++c) nvfp4g::fence_operand(d[c]);
       nvfp4g::wgmma_fence();
-      const uint32_t xs = sbase + slot * XS_BYTES + cwg * WX_BYTES;
-      const uint32_t db = sbase + WS_DEC + dslot * DS_BYTES;
+      const uint32_t xs = sbase + xr.slot * XS_BYTES + cwg * WX_BYTES;
+      const uint32_t db = sbase + WS_DEC + dec.slot * DS_BYTES;
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         if constexpr (WGN == 256) {
@@ -457,13 +454,10 @@ auto consume = [&]() {
       nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: its decoded tile and x slot are free
 #pragma unroll
       for (int c = 0; c < 128; ++c) nvfp4g::fence_operand(d[c]);
-      const int prev = slot == 0 ? STAGES - 1 : slot - 1;
-      const int pdslot = dslot == 0 ? DSTAGES - 1 : dslot - 1;
-      if (kt > 0 && lane == 0) nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * (DSTAGES + pdslot));  // one per warp
-      consume_issue(kt + STAGES - 1, prev);
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
-      dslot = dslot + 1 == DSTAGES ? 0 : dslot + 1;
-      phase ^= dslot == 0 ? 1u : 0u;
+      if (kt > 0 && lane == 0) nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * (DSTAGES + dec.prev()));  // one a warp
+      consume_issue(kt + STAGES - 1, xr.prev());
+      xr.advance();
+      dec.advance();
     }
     nvfp4::cp_async_wait<0>();
     nvfp4g::wgmma_wait<0>();

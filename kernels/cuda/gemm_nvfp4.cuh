@@ -198,6 +198,19 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int REGS>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 
+// A k-tile's place in a ring of SIZE slots: its slot, the slot before it, and the parity of the
+// rounds completed (which mbarrier phase the k-tile's slot waits for).
+template <int SIZE>
+struct Ring {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ int prev() const { return slot == 0 ? SIZE - 1 : slot - 1; }
+  __device__ __forceinline__ void advance() {
+    slot = slot + 1 == SIZE ? 0 : slot + 1;
+    phase ^= slot == 0 ? 1u : 0u;
+  }
+};
+
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));

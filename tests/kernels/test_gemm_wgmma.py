@@ -38,7 +38,7 @@ SHAPE = (70, 264, 7 * 64)
 
 
 def test_the_mirrored_ws_lines_are_the_sources() -> None:
-    body = read_source("gemm_nvfp4.cu")
+    body = read_source("gemm_nvfp4.cu") + read_source("gemm_nvfp4.cuh")
     for line in (
         "const uint32_t csw = ((pt >> 2) & 1) << 4;",
         "const size_t skip = ok ? static_cast<size_t>(128 * q) : 0;",
@@ -46,20 +46,20 @@ def test_the_mirrored_ws_lines_are_the_sources() -> None:
         "nvfp4g::cp_async<4>(cs + BN * 32 + r * 4, ps + skip * (K / 16) + kt * SROW, ok);",
         "const uint4 cw = nvfp4g::lds128(cs + r * 32 + ((16 * u) ^ csw));",
         "nvfp4g::sts128(drow + (((4 * u + 2) ^ (r & 7)) << 4), nvfp4g::decode_word_natural<F16>(cw.z, s1));",
-        "produce_issue(kt + CSTAGES - 1, cslot == 0 ? CSTAGES - 1 : cslot - 1);  // kt - 1's slot: decoded",
+        "produce_issue(kt + CSTAGES - 1, code.prev());  // kt - 1's slot, which this thread decoded",
         "nvfp4::cp_async_wait<CSTAGES - 1>();  // k-tile kt's codes have landed (this thread's own)",
-        "nvfp4g::mbar_wait(sbase + WS_BAR + 8 * (DSTAGES + dslot), phase ^ 1);  // kt - DSTAGES is done",
-        "nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * dslot);  // ... and to the consumers",
-        "phase ^= dslot == 0 ? 1u : 0u;",
+        "nvfp4g::mbar_wait(sbase + WS_BAR + 8 * (DSTAGES + dec.slot), dec.phase ^ 1);  // kt - DSTAGES is done",
+        "nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * dec.slot);  // ... and to the consumers",
+        "int prev() const { return slot == 0 ? SIZE - 1 : slot - 1; }",
+        "phase ^= slot == 0 ? 1u : 0u;",
         "const uint32_t cdst = cwg * WX_BYTES + crow * 128 + ((cu ^ (crow & 7)) << 4);",
         "const bool ok = m0 + 64 * cwg + crow + 16 * p < M;",
         "nvfp4::cp_async_wait<STAGES - 2>();  // k-tile kt's x rows have landed (this thread's) ...",
-        "nvfp4g::mbar_wait(sbase + WS_BAR + 8 * dslot, phase);  // k-tile kt's decoded tile",
+        "nvfp4g::mbar_wait(sbase + WS_BAR + 8 * dec.slot, dec.phase);  // k-tile kt's decoded tile",
         "nvfp4g::wgmma_desc(db + 128 * 128 + ks * 32));",
         "nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: its decoded tile and x slot are free",
-        "const int pdslot = dslot == 0 ? DSTAGES - 1 : dslot - 1;",
-        "if (kt > 0 && lane == 0) nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * (DSTAGES + pdslot));  // one per warp",
-        "consume_issue(kt + STAGES - 1, prev);",
+        "if (kt > 0 && lane == 0) nvfp4g::mbar_arrive(sbase + WS_BAR + 8 * (DSTAGES + dec.prev()));  // one a warp",
+        "consume_issue(kt + STAGES - 1, xr.prev());",
         "nvfp4g::mbar_init(sbase + WS_BAR + 8 * b, 128);                   // full: the producer's threads",
         "nvfp4g::mbar_init(sbase + WS_BAR + 8 * (DSTAGES + b), 4 * NC);    // empty: the consumer warps",
     ):
