@@ -22,7 +22,9 @@ prints last):
 * float16 activations: every variant checked once at the first M;
 * the wgmma variants (sm_90a, built by NVRTC, `mx.fast.precompiled_cuda_kernel`) run afterwards in
   a child process (`DIR/wgmma/`, same method, its own baselines side by side), so that a fault in
-  them cannot take the CUDA context, and the numbers already written, with it;
+  them cannot take the CUDA context, and the numbers already written, with it; the warp-specialised
+  ones (`*p`: mbarrier handoff, where a protocol fault would hang the kernel) in another
+  (`DIR/wgmma_ws/`); each child's JSON is written after every path, and kept when it times out;
 * the recommended variant rule for `ORCHESTRATE_GEMM_VARIANT` (the fastest correct variant per M).
 
 TFLOP/s count 2 M N K per call; "of peak" is against 790 TFLOP/s (the bf16 rate measured on these
@@ -149,14 +151,20 @@ def entry(name: str, t: dict[str, float], m: int, n: int, k: int, peak: float) -
             "of_measured_peak": tflops / peak}  # fmt: skip
 
 
-def run_m(prob: Problem, m: int, variants: list[str], peak: float) -> dict[str, Any]:
-    """Every path at one M: check, peak memory, time; then the ratios."""
+def run_m(
+    prob: Problem, m: int, variants: list[str], peak: float, flush: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Every path at one M: check, peak memory, time; then the ratios. `flush` is handed the block
+    so far after every path (a kernel that hangs leaves the paths before it on disk)."""
     x = mx.random.normal((m, prob.k), key=mx.random.key(m)).astype(mx.bfloat16)
     mx.eval(x)
     rows = sample_rows(m, m)
     ref = to_np(x[mx.array(rows)]) @ prob.w64.T
     paths: list[dict[str, Any]] = []
     for name in (*BASELINES, *variants):
+        if flush is not None:
+            flush({"m": m, "paths": paths})
+        log(f"M={m} {name}: ...")  # (the last line a timed-out child leaves names the path it hung in)
         try:
             if name in BASELINES:
                 fn, out, scale = prob.baseline(name, x), prob.baseline(name, x)(), prob.scale(name)
@@ -281,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     n, k = (int(v) for v in args.shape.split(","))
     chosen = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
     variants = chosen if args.in_process else [v for v in chosen if not VARIANTS[v].wgmma]
-    later = [] if args.in_process else [v for v in chosen if VARIANTS[v].wgmma]
+    children = {} if args.in_process else child_groups(chosen)
     if args.probe:
         probe(args.probe, ms[0])
         return 0
@@ -307,11 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / "gemm_lab.json"
     tolerance = gemm_nvfp4.TOLERANCE["bfloat16"]
     results["rule_env"], results["recommended_rule"] = VARIANT_ENV, ""
+
+    def flush(block: dict[str, Any]) -> None:
+        path.write_text(json.dumps(results | {"per_m": [*results["per_m"], block]}, indent=1, default=str))
+
     for i, m in enumerate(ms):
         if time.perf_counter() - started > BUDGET_S:
             results.setdefault("skipped_m", []).append(m)
             continue
-        results["per_m"].append(run_m(prob, m, variants, results["matrix_peak_tflops"]))
+        results["per_m"].append(run_m(prob, m, variants, results["matrix_peak_tflops"], flush))
         if i == 0:
             results["float16"] = check_float16(prob, m, variants)
         results["recommended_rule"] = recommend(results["per_m"], tolerance)
@@ -319,40 +331,55 @@ def main(argv: list[str] | None = None) -> int:
     results["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(results, indent=1, default=str))
     text = table(results)
-    if later:
-        child = run_child(args.out / "wgmma", later, args.m, args.shape)
-        results["wgmma"] = child
+    report = args.out / "gemm_lab.txt"  # (rewritten after each child: an outer timeout keeps the rest)
+    report.write_text(text + "\n")
+    pooled = list(results["per_m"])
+    for key, group in children.items():
+        child = run_child(args.out / key, group, args.m, args.shape)
+        results[key] = child
+        what = "wgmma variants (sm_90a through NVRTC)" + (", warp-specialised" if key == "wgmma_ws" else "")
         if "per_m" in child:
-            results["recommended_rule"] = recommend(results["per_m"] + child["per_m"], tolerance)
-            text += "\n\nwgmma variants (sm_90a through NVRTC), a child process:\n" + table(child | {
-                "recommended_rule": results["recommended_rule"]})  # fmt: skip
+            pooled += child["per_m"]
+            results["recommended_rule"] = recommend(pooled, tolerance)
+            text += f"\n\n{what}, a child process:\n" + table(child | {"recommended_rule": results["recommended_rule"]})
             if "error" in child:
-                text += f"\nwgmma child: {child['error']}"
+                text += f"\n{key} child: {child['error']}"
         else:
-            text += f"\n\nwgmma variants: {child.get('error')}"
+            text += f"\n\n{what}: {child.get('error')}"
         path.write_text(json.dumps(results, indent=1, default=str))
-    (args.out / "gemm_lab.txt").write_text(text + "\n")
+        report.write_text(text + "\n")
     print(text)
     return 0
+
+
+def child_groups(chosen: list[str]) -> dict[str, list[str]]:
+    """The variants each child process runs (its folder name -> names): the wgmma ones apart from
+    this process's, and the warp-specialised ones (mbarriers: a protocol fault hangs the kernel,
+    and the child with it) apart from the rest."""
+    groups = {"wgmma": [v for v in chosen if VARIANTS[v].wgmma and not VARIANTS[v].producer]}
+    groups["wgmma_ws"] = [v for v in chosen if VARIANTS[v].producer]
+    return {key: names for key, names in groups.items() if names}
 
 
 def run_child(out: Path, variants: list[str], ms: str, shape: str) -> dict[str, Any]:
     """The given variants in a fresh process (`--in-process`), its JSON, or what went wrong."""
     cmd = [sys.executable, "-m", "benchmarks.gemm_lab", "--out", str(out), "--only", ",".join(variants)]
     cmd += ["--m", ms, "--shape", shape, "--in-process"]
+    child = out / "gemm_lab.json"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-1500:]
-        return {"error": f"timed out after {CHILD_TIMEOUT_S:.0f} s: {tail!r}"}
-    log(proc.stderr[-3000:])
-    child = out / "gemm_lab.json"
-    last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        stderr, failed = proc.stderr, f"exit {proc.returncode}" if proc.returncode != 0 else ""
+    except subprocess.TimeoutExpired as exc:  # a kernel that hangs: what it wrote before stays
+        raw = exc.stderr or b""
+        stderr = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        failed = f"timed out after {CHILD_TIMEOUT_S:.0f} s"
+    log(stderr[-3000:])
+    last = stderr.strip().splitlines()[-1:] or ["no output"]
     if not child.is_file():
-        return {"error": f"exit {proc.returncode}: {last[0]}"}
-    loaded: dict[str, Any] = json.loads(child.read_text())  # written after every M: a crash keeps the rest
-    if proc.returncode != 0:
-        loaded["error"] = f"exit {proc.returncode}: {last[0]}"
+        return {"error": f"{failed or 'no results'}: {last[0]}"}
+    loaded: dict[str, Any] = json.loads(child.read_text())  # written after every path: a crash keeps the rest
+    if failed:
+        loaded["error"] = f"{failed}: {last[0]}"
     return loaded
 
 

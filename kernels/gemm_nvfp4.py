@@ -159,8 +159,9 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
 def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
     """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once per
     host (`nvrtc.build`: kept in the disk cache for the next process)."""
-    template = (("T", dtype), *VARIANTS[name].template(n, k, dtype == "float16").items())
-    return nvrtc.build(GEMM_SOURCE, (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a")
+    cfg = VARIANTS[name]
+    template = (("T", dtype), *cfg.template(n, k, dtype == "float16").items())
+    return nvrtc.build(GEMM_SOURCE, (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a", cfg.launch_bound)
 
 
 def gemm_nvfp4(

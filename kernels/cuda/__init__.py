@@ -140,17 +140,21 @@ def precompiled_source(
     template: dict[str, TemplateValue],
     function_name: str,
     prelude: str = _STANDALONE_PRELUDE,
+    max_threads: int = 0,
 ) -> str:
     """A body as a whole `extern "C"` kernel for `mx.fast.precompiled_cuda_kernel`: inputs, outputs,
     then one int per input whose body reads `<input>_shape[0]` (MLX passes no shapes to
-    precompiled kernels; the body sees a one-element array)."""
+    precompiled kernels; the body sees a one-element array). `max_threads` (where not 0): the
+    block size, as `__launch_bounds__(max_threads, 1)`, so that ptxas keeps to the registers a
+    block of that many threads can have (64K / max_threads each)."""
     params = [f"const {_ARRAY_TYPES[input_dtypes[n]]}* {n}" for n in source.inputs]
     params += [f"{_ARRAY_TYPES[output_dtypes[n]]}* {n}" for n in source.outputs]
     shaped = [n for n in source.inputs if f"{n}_shape" in source.body]
     params += [f"int {n}_rows" for n in shaped]
     lines = [f"  const int {n}_shape[1] = {{{n}_rows}};" for n in shaped] + template_lines(template)
+    bounds = f"__launch_bounds__({max_threads}, 1) " if max_threads else ""
     return (
-        prelude + source.header + f'\nextern "C" __global__ void {function_name}(' + ", ".join(params) + ") {\n"
+        prelude + source.header + f'\nextern "C" __global__ void {bounds}{function_name}(' + ", ".join(params) + ") {\n"
         + "\n".join(lines) + "\n\n" + source.body + "\n}\n"
     )  # fmt: skip
 

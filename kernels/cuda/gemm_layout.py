@@ -12,6 +12,10 @@ import os
 from dataclasses import asdict, dataclass
 
 MAX_SHARED_BYTES = 232448  # what one block may opt in to on sm_90 (227 KB)
+REGISTERS = 65536  # 32-bit registers of one multiprocessor (and at most of one block)
+# Registers per thread a warp-specialised consumer warpgroup asks for when launched with fewer:
+# 128 accumulators (64 x 256 fp32 over 128 threads) and what the loop and epilogue address with.
+CONSUMER_REGS = 160
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,11 @@ class GemmConfig:
             needs wm % 4 == 0, wn == 1, tm == 1, tn == 32 and block decode.
         deep: (wgmma) one k-tile's MMAs stay in flight across the barrier: a third decoded tile,
             and the ring refills one slot later.
+        producer: (wgmma) warp specialisation: one more warpgroup copies and decodes the weights
+            into a ring of `dstages` decoded tiles (through its own `cstages`-deep ring of codes);
+            the wm / 4 consumer warpgroups copy their own x rows (a `stages`-deep ring each) and
+            only issue wgmma, one k-tile of it in flight; mbarriers hand the tiles over.
+        dstages, cstages: (producer) the decoded-tile and code rings.
     """
 
     wm: int = 2
@@ -42,6 +51,9 @@ class GemmConfig:
     group_m: int = 8
     wgmma: bool = False
     deep: bool = False
+    producer: bool = False
+    dstages: int = 3
+    cstages: int = 4
 
     @property
     def bm(self) -> int:
@@ -60,15 +72,43 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        """Threads per block."""
-        return 32 * self.wm * self.wn
+        """Threads per block (the producer warpgroup included)."""
+        return 32 * self.wm * self.wn + (128 if self.producer else 0)
+
+    def registers(self) -> tuple[int, int, int]:
+        """(at launch, consumer, producer) registers per thread: at launch what 64K registers give
+        every thread of the block (ptxas is held to it by `__launch_bounds__`); a warp-specialised
+        block launched with fewer than CONSUMER_REGS moves the producer's spare registers to its
+        consumers (setmaxnreg); else all three are the launch count."""
+        launch = min(255, REGISTERS // self.threads) // 8 * 8
+        if not self.producer or launch >= CONSUMER_REGS:
+            return launch, launch, launch
+        consumers = self.wm * self.wn * 32
+        return launch, CONSUMER_REGS, (REGISTERS - consumers * CONSUMER_REGS) // 128 // 8 * 8
+
+    @property
+    def launch_bound(self) -> int:
+        """The block size to hold ptxas to (`__launch_bounds__`), where a block at the default cap of
+        255 registers a thread would not fit the multiprocessor's 64K; else 0 (no bound, the
+        code ptxas made for the variants measured so far)."""
+        return self.threads if self.threads * 255 > REGISTERS else 0
+
+    def wgmma_n(self) -> int:
+        """Weight rows per wgmma instruction: 256 (one m64n256k16 per k16 step), or 128 (two
+        m64n128k16) where the block is launched with fewer than 160 registers a thread, in which
+        ptxas cannot build the 128-accumulator m64n256k16 (C7602), setmaxnreg or not."""
+        return 256 if self.registers()[0] >= 160 else 128
 
     def stage_bytes(self) -> int:
         """One ring slot: x (BM x BK, 16-bit), codes (BN x BK / 2) and scales (BN x BK / 16)."""
         return self.kh * (self.bm * 128 + self.bn * 32) + self.bn * 4 * self.kh
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of a block: the ring, and the two decoded tiles of block decode."""
+        """Dynamic shared memory of a block: the ring, and the two decoded tiles of block decode (a
+        producer's: the x ring, its decoded and code rings, two mbarriers per decoded tile)."""
+        if self.producer:
+            rings = self.stages * self.bm * 128 + self.dstages * self.bn * 128 + self.cstages * self.bn * 36
+            return rings + 16 * self.dstages
         decoded = (3 if self.deep else 2) * self.kh * self.bn * 128 if self.bdec else 0
         return self.stages * self.stage_bytes() + decoded
 
@@ -81,33 +121,47 @@ class GemmConfig:
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
         consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
+        launch, consumer, producer = self.registers()
+        consts |= {"WS": self.producer, "DSTAGES": self.dstages, "CSTAGES": self.cstages}
+        consts |= {"CREGS": 0 if consumer == launch else consumer, "PREGS": 0 if producer == launch else producer}
+        consts["WGN"] = self.wgmma_n()
         return consts
 
     def reason(self, n: int, k: int) -> str | None:
         """Why this shape cannot run N = n, K = k (the kernel's static_asserts), or None."""
-        threads = self.threads
+        threads = self.wm * self.wn * 32  # the ones that copy and decode together (no producer)
         if n % 8:
             return f"N={n} is not a multiple of 8"
         if k % self.bk:
             return f"K={k} is not a multiple of {self.bk}"
         if self.tn % 2:
             return f"tn={self.tn} is odd"
-        if self.stages < (3 if self.bdec else 2) + (1 if self.deep else 0):
+        if self.producer:
+            if not self.wgmma or self.deep or self.kh != 1 or self.bn % 128:
+                return f"{self}: a producer warpgroup needs wgmma (not deep), BK = 64 and BN a multiple of 128"
+            if self.stages < 2 or self.dstages < 2 or self.cstages < 1:
+                return f"{self}: the x and decoded rings need at least 2 slots, the code ring 1"
+        elif self.stages < (3 if self.bdec else 2) + (1 if self.deep else 0):
             return f"stages={self.stages} is too few"
         if self.deep and not self.wgmma:
             return "deep is for the warpgroup MMA"
-        if (self.bm * 8 * self.kh) % threads or (self.bn * 2 * self.kh) % threads:
+        if (self.bm * 8 * self.kh) % threads or (threads // (2 * self.kh)) % 8 or (threads // (8 * self.kh)) % 8:
             return f"{self} copies do not split evenly over {threads} threads"
-        if self.bdec and (self.bn * 4 * self.kh) % threads:
+        if self.bdec and (self.bn * 4 * self.kh) % threads and self.kh != 1:
             return f"{self} decode groups do not split evenly over {threads} threads"
         if self.wgmma and not (self.bdec and self.wn == 1 and self.tm == 1 and self.tn == 32 and self.wm % 4 == 0):
             return f"{self}: wgmma needs warpgroups along M of 64 x rows by 256 weight rows, block decode"
+        if self.threads > 1024:
+            return f"{self}: {self.threads} threads in a block (at most 1024)"
+        _, consumer, producer = self.registers()
+        if self.producer and (self.wm // 4 * consumer + producer) * 128 > REGISTERS:
+            return f"{self}: consumers at {consumer} and the producer at {producer} registers exceed {REGISTERS}"
         if self.smem_bytes() > MAX_SHARED_BYTES:
             return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
         return None
 
     def __str__(self) -> str:
-        dec = "block" if self.bdec else "warp"
+        dec = "producer" if self.producer else "block" if self.bdec else "warp"
         mma = (", wgmma, deep" if self.deep else ", wgmma") if self.wgmma else ""
         return (
             f"gemm({self.bm}x{self.bn}x{self.bk}, warps {self.wm}x{self.wn}, {self.stages} stages, "
@@ -116,7 +170,7 @@ class GemmConfig:
 
 
 # The variants the lab times side by side (benchmarks/gemm_lab.py). Names: b|w (block or warp
-# decode), BMxBN, k BK, s STAGES.
+# decode; g: wgmma with block decode), BMxBN, k BK, s STAGES, d (deep), p (a producer warpgroup).
 VARIANTS: dict[str, GemmConfig] = {
     "b128x256k64s4": GemmConfig(),
     "b128x256k64s3": GemmConfig(stages=3),
@@ -130,6 +184,12 @@ VARIANTS: dict[str, GemmConfig] = {
     # Hopper's warpgroup MMA (sm_90a through kernels.cuda.nvrtc): 2 warpgroups x 64 rows, 256 weight rows
     "g128x256k64s4": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True),
     "g128x256k64s5d": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, stages=5, deep=True),
+    # issue 20's next attempt at 0.8x dense (BENCHMARKS.md, "design"): the decode of a k-tile
+    # (fixed by BN x BK) amortised over 192 rows of MMAs; and moved off the MMA warps into a
+    # producer warpgroup (p: warp specialisation, mbarrier handoff, setmaxnreg), at 128 and 192 rows
+    "g192x256k64s4": GemmConfig(wm=12, wn=1, tm=1, tn=32, wgmma=True),
+    "g192x256k64s3p": GemmConfig(wm=12, wn=1, tm=1, tn=32, wgmma=True, stages=3, producer=True),
+    "g128x256k64s4p": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, stages=4, producer=True),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -116,20 +116,22 @@ def build(
     outputs: tuple[tuple[str, str], ...],
     template: tuple[tuple[str, TemplateValue], ...],
     arch: str,
+    max_threads: int = 0,
 ) -> tuple[str, bytes]:
     """(kernel name, cubin) of `source` at `template` for `arch`, for `precompiled_launch`.
 
     MLX's `mx.fast.cuda_kernel` compiles a kernel again in every process (its on-disk cache holds
     MLX's own kernels): seconds per shape, paid by every cold model sample's warm-up. This build
     goes through `compile_cubin`'s disk cache instead. `inputs`/`outputs`: (name, dtype name)
-    pairs in call order; `template`: the constants MLX would declare.
+    pairs in call order; `template`: the constants MLX would declare; `max_threads`: the block
+    size, where ptxas must keep to its registers (`precompiled_source`).
     """
     from kernels.cuda import precompiled_source
 
     args = (source, dict(inputs), dict(outputs), dict(template))
-    placeholder = precompiled_source(*args, "KERNEL", prelude=PRELUDE)
+    placeholder = precompiled_source(*args, "KERNEL", prelude=PRELUDE, max_threads=max_threads)
     fn = kernel_name(Path(source.body_file).stem, placeholder, arch)
-    return fn, compile_cubin(precompiled_source(*args, fn, prelude=PRELUDE), arch)
+    return fn, compile_cubin(precompiled_source(*args, fn, prelude=PRELUDE, max_threads=max_threads), arch)
 
 
 def kernel_name(stem: str, source: str, arch: str) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +17,14 @@ from kernels.cuda.gemm_layout import VARIANTS, parse_rule
 
 def test_paths_are_checked_against_float64_and_timed_side_by_side() -> None:
     prob = gemm_lab.Problem(64, 128)
-    block = gemm_lab.run_m(prob, 24, ["b128x256k64s4"], peak=790.0)
+    flushed: list[list[str]] = []
+
+    def flush(block: dict[str, Any]) -> None:
+        flushed.append([p["path"] for p in block["paths"]])
+
+    block = gemm_lab.run_m(prob, 24, ["b128x256k64s4"], 790.0, flush)
+    paths = [*gemm_lab.BASELINES, "b128x256k64s4"]
+    assert flushed == [paths[:i] for i in range(len(paths))]  # on disk before each next path starts
     by = {p["path"]: p for p in block["paths"]}
     assert set(by) == {*gemm_lab.BASELINES, "b128x256k64s4"}
     for name in gemm_lab.BASELINES:
@@ -62,3 +72,28 @@ def test_without_cuda_the_lab_says_so_and_exits_3(tmp_path: Path, capsys: pytest
 def test_the_wgmma_child_reports_what_went_wrong_instead_of_failing_the_lab(tmp_path: Path) -> None:
     out = gemm_lab.run_child(tmp_path / "wgmma", ["g128x256k64s4"], "16", "64,128")
     assert out["error"].startswith("exit 3") and "CUDA" in out["error"]
+
+
+def test_the_warp_specialised_variants_get_a_child_of_their_own() -> None:
+    groups = gemm_lab.child_groups(list(VARIANTS))
+    assert set(groups) == {"wgmma", "wgmma_ws"}
+    assert all(VARIANTS[v].wgmma and not VARIANTS[v].producer for v in groups["wgmma"])
+    assert groups["wgmma_ws"] == [v for v, cfg in VARIANTS.items() if cfg.producer] and groups["wgmma_ws"]
+    assert "g128x256k64s4" in groups["wgmma"]
+    assert gemm_lab.child_groups(["b128x256k64s4", "g128x256k64s4"]) == {"wgmma": ["g128x256k64s4"]}
+
+
+def test_a_child_that_hangs_keeps_what_it_wrote_and_names_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "wgmma_ws"
+
+    def hangs(cmd: list[str], **kwargs: object) -> None:  # stands in for a kernel that never returns
+        out.mkdir(parents=True)
+        (out / "gemm_lab.json").write_text(json.dumps({"per_m": [{"m": 512, "paths": [{"path": "dense"}]}]}))
+        raise subprocess.TimeoutExpired(cmd, 150.0, stderr=b"M=512 dense: 0.2 ms\nM=512 g192x256k64s3p: ...\n")
+
+    monkeypatch.setattr(gemm_lab.subprocess, "run", hangs)
+    got = gemm_lab.run_child(out, ["g192x256k64s3p"], "512", "21504,5376")
+    assert got["per_m"][0]["paths"] == [{"path": "dense"}]
+    assert got["error"] == "timed out after 150 s: M=512 g192x256k64s3p: ..."

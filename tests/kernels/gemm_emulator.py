@@ -193,14 +193,17 @@ class GemmEmulator:
         self.DS = self.BN * 128
         self.NUM_N = -(-self.n // self.BN)
         self.XCOPIES = self.BM * 8 * self.KH // self.NT
-        self.WCOPIES = self.BN * 2 * self.KH // self.NT
+        self.WCOPIES = -(-self.BN * 2 * self.KH // self.NT)
         self.SCOPIES = -(-self.BN // self.NT)
-        self.ITEMS = self.BN * 4 * self.KH // self.NT
+        self.ITEMS = -(-self.BN * 4 * self.KH // self.NT)
+        self.WEVEN = (self.BN * 2 * self.KH) % self.NT == 0
+        self.IEVEN = (self.BN * 4 * self.KH) % self.NT == 0
         self.KSTEPS = 4 * self.KH
         self.XROWS, self.WROWS = self.NT // (8 * self.KH), self.NT // (2 * self.KH)
-        self.IROWS, self.IPH = self.NT // 4, self.BN * 4 // self.NT
+        self.IROWS = self.NT // 4
         assert c.stage_bytes() == self.STAGE
-        assert c.smem_bytes() == self.STAGES * self.STAGE + (self.NBUF * self.KH * self.DS if self.BDEC else 0)
+        if not c.producer:
+            assert c.smem_bytes() == self.STAGES * self.STAGE + (self.NBUF * self.KH * self.DS if self.BDEC else 0)
 
     # -- memory
     def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
@@ -325,9 +328,10 @@ class GemmEmulator:
             src = self.xsrc + np.where(ok, p * self.XROWS * K, 0) + kt * BK
             self._copy(st + self.xdst + p * self.XROWS * 128, 2 * src, ok, 16, self.xg)
         for p in range(self.WCOPIES):
+            live = self.WEVEN | (self.wrow + p * self.WROWS < self.BN)  # the partial last pass
             ok = self.n0 + self.wrow + p * self.WROWS < N
             src = self.wsrc + np.where(ok, p * self.WROWS * (K // 2), 0) + kt * (BK // 2)
-            self._copy(st + self.wdst + p * self.WROWS * 32, src, ok, 16, self.wg)
+            self._copy((st + self.wdst + p * self.WROWS * 32)[live], src[live], ok[live], 16, self.wg)
         for p in range(self.SCOPIES):
             row = np.arange(self.NT) + self.NT * p
             live = row < self.BN
@@ -344,16 +348,18 @@ class GemmEmulator:
             self.copies.append((np.asarray(dst).copy(), nbytes))
 
     def decode_item(self, slot: int, buf: int, p: int) -> None:
-        h = p // self.IPH
-        r = (p % self.IPH) * self.IROWS
+        live = self.IEVEN | (p * self.NT + np.arange(self.NT) < self.BN * 4 * self.KH)  # whole warps
+        h = p * self.NT // (self.BN * 4)
+        r = p * self.NT % (self.BN * 4) // 4
         st = slot * self.STAGE
-        cw = self._words(st + self.icode + h * self.WS + r * 32, 2, "lds64-decode")
-        b = self._read(st + self.iscale + r * self.SROW + 4 * h, 1)[:, 0]
-        self._note("lds8-decode", 1, st + self.iscale + r * self.SROW + 4 * h)
+        cw = self._words((st + self.icode + h * self.WS + r * 32)[live], 2, "lds64-decode")
+        addr = (st + self.iscale + r * self.SROW + 4 * h)[live]
+        b = self._read(addr, 1)[:, 0]
+        self._note("lds8-decode", 1, addr)
         s = scale_splat(b, self.f16)
         db = self.dbase + (buf * self.KH + h) * self.DS + r * 128
-        self._write_words(db + self.idec0, decode_word_natural(cw[0], s, self.f16), "sts128-decode")
-        self._write_words(db + self.idec1, decode_word_natural(cw[1], s, self.f16), "sts128-decode")
+        self._write_words((db + self.idec0)[live], decode_word_natural(cw[0], s, self.f16), "sts128-decode")
+        self._write_words((db + self.idec1)[live], decode_word_natural(cw[1], s, self.f16), "sts128-decode")
 
     def ldmatrix_x4(self, addr: np.ndarray) -> np.ndarray:
         """addr [NT] (lane L of each warp: row L % 8 of matrix L // 8) -> regs [warps, 32, 4]."""
@@ -412,8 +418,11 @@ class GemmEmulator:
                 for q in range(4):
                     self.acc[4 * wg + q, 0] += d[16 * q : 16 * q + 16].reshape(16, self.TN, 8).transpose(1, 0, 2)
             for p in range(self.ITEMS):
-                if p * self.KSTEPS // self.ITEMS == ks:
+                if self.IEVEN and p * self.KSTEPS // self.ITEMS == ks:
                     self.decode_item(nxt, nbuf, p)
+        if not self.IEVEN:  # the partial item's branch: after the last wgmma (gemm_nvfp4.cu)
+            for p in range(self.ITEMS):
+                self.decode_item(nxt, nbuf, p)
 
     def compute_warp(self, slot: int) -> None:
         st = slot * self.STAGE

@@ -8,7 +8,8 @@ slot or decoded tile read before it landed or while it is rewritten); and the wh
 by lane, against the float64 reference at every variant, both 16-bit types, with tails in M, N and
 K. The MLX twin (the fallback) is checked against float64. Where nvcc is installed every variant
 compiles for sm_90 as MLX assembles it, without register spills, and (with cuobjdump) its SASS holds
-the tensor-core MMAs and the asynchronous copies. With MLX's CUDA backend the kernel runs against
+the tensor-core MMAs and the asynchronous copies (the sm_90a wgmma builds and the warp-specialised
+pipeline: test_gemm_wgmma.py). With MLX's CUDA backend the kernel runs against
 its twin on NaN-poisoned outputs (marked `cuda`, skipped with the reason elsewhere).
 """
 
@@ -26,10 +27,11 @@ import numpy as np
 import pytest
 
 from kernels import gemm_nvfp4, nvfp4
-from kernels.cuda import CudaDevice, cuda_backend_available, nvrtc, precompiled_source, read_source
+from kernels.cuda import CudaDevice, cuda_backend_available, nvrtc, read_source
 from kernels.cuda.gemm_layout import DEFAULT_VARIANT, VARIANT_ENV, VARIANTS, GemmConfig, parse_rule, variant_for
 from kernels.gemm_nvfp4 import GEMM_SOURCE, gemm_nvfp4_twin
 from tests.kernels import gemm_emulator as ge
+from tests.kernels.gemm_ws_emulator import emulator
 
 needs_cuda = pytest.mark.skipif(not cuda_backend_available(), reason="needs MLX's CUDA backend (an NVIDIA GPU)")
 E4M3 = ge.E4M3
@@ -67,6 +69,12 @@ def test_the_mirrored_lines_are_the_sources() -> None:
         "const uint32_t boff = brow * 128 + ((((lane >> 3) & 1) ^ (brow & 7)) << 4);",
         "const uint32_t abase = sbase + ((xs + h * XS_BYTES + aoff) ^ flip);",
         "if (p * KSTEPS / ITEMS == ks) decode_item(next, nbuf, p);",
+        "if (IEVEN && p * KSTEPS / ITEMS == ks) decode_item(next, nbuf, p);",
+        "for (int p = 0; p < ITEMS; ++p) decode_item(next, nbuf, p);",
+        "if (!IEVEN && p == ITEMS - 1 && p * NT + tid >= BN * 4 * KH) return;",
+        "const int h = p * NT / (BN * 4);",
+        "const int r = p * NT % (BN * 4) / 4;",
+        "if (!WEVEN && wrow + p * WROWS >= BN) break;  // the partial last pass (whole warps drop out)",
         "compute_block(slot, buf, next, nbuf);",
         "compute_wgmma(slot, buf, next, nbuf);",
         "nvfp4g::wgmma_desc(db + h * DS_BYTES + kofs));",
@@ -169,6 +177,9 @@ EMULATED = [(name, False, 20, 264) for name in VARIANTS] + [
     ("w128x256k128s3", True, 20, 264),
     ("b256x128k64s4", True, 20, 264),
     ("g128x256k64s5d", True, 20, 264),
+    ("g192x256k64s4", True, 20, 264),
+    ("g192x256k64s3p", True, 20, 264),
+    ("g192x256k64s4", False, 200, 264),  # all three warpgroups' rows, the last tile partial
 ]
 
 
@@ -177,7 +188,7 @@ def test_emulated_kernel_matches_the_float64_reference(name: str, f16: bool, m: 
     cfg = VARIANTS[name]
     k = 3 * cfg.bk  # k-tiles: 3, against rings of 3 and 4 slots
     xv, xb, codes, scales = random_problem(m, n, k, f16, hash(name) % 1000)
-    y, written = ge.GemmEmulator(cfg, n, k, f16).run(xb, nvfp4.pack_codes(codes), scales, 0.375)
+    y, written = emulator(cfg, n, k, f16).run(xb, nvfp4.pack_codes(codes), scales, 0.375)
     ref = xv @ nvfp4.dequantize(codes, scales).T * 0.375
     assert (written == 1).all()
     np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
@@ -214,11 +225,13 @@ def _conflicts(access: ge.Access) -> int:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> None:
     cfg = VARIANTS[name]
-    emu = ge.GemmEmulator(cfg, cfg.bn, cfg.bk * 2, False, log=True)
+    emu = emulator(cfg, cfg.bn, cfg.bk * 2, False, log=True)
     _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, cfg.bk * 2, False, 1)
     emu.run(xb, nvfp4.pack_codes(codes), scales, 1.0)
     kinds = {a.kind for a in emu.accesses}
-    if cfg.bdec:  # (wgmma reads its operands itself, through descriptors)
+    if cfg.producer:  # its decode reads whole 16-byte code units and the row's 4 scale bytes
+        assert kinds >= {"lds128-codes", "lds32-scales", "sts128-decode"}
+    elif cfg.bdec:  # (wgmma reads its operands itself, through descriptors)
         assert kinds >= {"lds64-decode", "sts128-decode", "lds8-decode"} | (set() if cfg.wgmma else {"ldmatrix"})
     else:
         assert kinds >= {"lds128-x", "lds64-code", "lds8-scale"}
@@ -226,7 +239,7 @@ def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> No
     assert not bad, bad[:5]
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if not cfg.producer])  # WS: test_gemm_ws
 def test_one_issue_writes_every_byte_of_its_ring_slot_once(name: str) -> None:
     cfg = VARIANTS[name]
     emu = ge.GemmEmulator(cfg, cfg.bn + 8, 2 * cfg.bk, False, log=True)
@@ -242,6 +255,26 @@ def test_one_issue_writes_every_byte_of_its_ring_slot_once(name: str) -> None:
         stage = cfg.stage_bytes()
         assert (count[slot * stage : (slot + 1) * stage] == 1).all()
         assert count.sum() == stage
+
+
+@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if cfg.bdec and not cfg.producer])
+def test_one_decode_writes_every_byte_of_its_tile_once(name: str) -> None:
+    cfg = VARIANTS[name]  # (with 384 threads the last of 3 items is the first 256 threads')
+    emu = ge.GemmEmulator(cfg, cfg.bn, cfg.bk, False, log=True)
+    _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, cfg.bk, False, 4)
+    emu.load(xb, nvfp4.pack_codes(codes), scales)
+    emu.setup(bid=0)
+    emu.issue(0, 0)
+    for buf in range(emu.NBUF):
+        emu.accesses = []
+        for p in range(emu.ITEMS):
+            emu.decode_item(0, buf, p)
+        count = np.zeros(cfg.smem_bytes(), dtype=int)
+        for a in emu.accesses:
+            if a.kind == "sts128-decode":
+                np.add.at(count, a.addrs[:, None] + np.arange(16), 1)
+        tile = emu.dbase + buf * cfg.kh * cfg.bn * 128
+        assert (count[tile : tile + cfg.kh * cfg.bn * 128] == 1).all() and count.sum() == cfg.kh * cfg.bn * 128
 
 
 @pytest.mark.parametrize("group_m", [1, 3, 8])
@@ -468,54 +501,8 @@ def test_every_variant_compiles_for_sm90_without_spills(tmp_path: Path) -> None:
         assert ("LDSM" in fn) == ("_b" in name.split("gemm")[-1][:2]), name  # ldmatrix: block decode only
 
 
-WGMMA = [name for name, cfg in VARIANTS.items() if cfg.wgmma]
-
-
-def wgmma_source(name: str, dtype: str, prelude: str | None = None) -> str:
-    consts = {"T": dtype, **VARIANTS[name].template(21504, 5376, dtype == "float16")}
-    sig = ({"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": dtype})
-    extra = {} if prelude is None else {"prelude": prelude}
-    return precompiled_source(GEMM_SOURCE, *sig, consts, f"gemm_{name}_{dtype}", **extra)
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) for the offline compile check")
-def test_the_wgmma_variants_compile_for_sm90a_with_the_warpgroup_mma_and_proxy_fences(tmp_path: Path) -> None:
-    src = tmp_path / "wgmma.cu"
-    kernels = [(name, dtype) for name in WGMMA for dtype in ("bfloat16", "float16")]
-    src.write_text(wgmma_source(*kernels[0]) + "".join(
-        wgmma_source(n, d).split('extern "C"', 1)[1].join(['\nextern "C"', ""]) for n, d in kernels[1:]
-    ))  # fmt: skip
-    cubin = tmp_path / "wgmma.cubin"
-    res = subprocess.run(
-        ["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", str(src),
-         "-o", str(cubin)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stderr.count(" 0 bytes spill stores, 0 bytes spill loads") == len(kernels), res.stderr
-    assert "warning" not in res.stderr.lower(), res.stderr  # e.g. wgmma serialised by ptxas
-    if shutil.which("cuobjdump") is None:
-        pytest.skip("compiled without spills; cuobjdump (for the SASS check) is not installed")
-    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    for fn in re.split(r"\n\s*Function : ", sass)[1:]:
-        name = fn.split("\n", 1)[0]
-        assert fn.count("HGMMA.64x256x16.F32") == 4, name  # one per k16 step of the k-tile
-        assert "FENCE.VIEW.ASYNC.S" in fn and "WARPGROUP.ARRIVE" in fn, name
-        held = "WARPGROUP.DEPBAR.LE gsb0, 0x1" in fn  # DEEP keeps one k-tile of MMAs in flight
-        assert held == VARIANTS[name.removeprefix("gemm_").rsplit("_", 1)[0]].deep, name
-
-
-@pytest.mark.skipif(nvrtc.library() is None, reason=f"needs an NVRTC library (none found; {nvrtc.NVRTC_ENV} names one)")
-@pytest.mark.parametrize("name", WGMMA)
-def test_nvrtc_builds_the_wgmma_variants_for_sm90a(name: str) -> None:
-    cubin = nvrtc.compile_cubin(wgmma_source(name, "bfloat16", nvrtc.PRELUDE), "sm_90a")
-    assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
-    with pytest.raises(RuntimeError, match="sm_90"):  # what MLX's own build meets: no wgmma on sm_90
-        nvrtc.compile_cubin(wgmma_source(name, "bfloat16", nvrtc.PRELUDE), "sm_90")
-
-
 def test_wgmma_variants_need_compute_capability_9_0_and_nvrtc(monkeypatch: pytest.MonkeyPatch, fake_h200: None) -> None:
-    name = WGMMA[0]
+    name = "g128x256k64s4"
     monkeypatch.setattr(nvrtc, "library", lambda: object())
     gemm_nvfp4.kernel_supports.cache_clear()
     assert gemm_nvfp4.kernel_supports(512, 21504, 5376, "bfloat16", name) is None
@@ -533,7 +520,11 @@ def test_wgmma_variants_need_compute_capability_9_0_and_nvrtc(monkeypatch: pytes
 # every variant at the seed's shape and at tails in M, N and K (bfloat16); float16 for one variant
 # of each kind (each new N, K or dtype is one NVRTC build on the GPU)
 CUDA_CASES = [(name, mx.bfloat16, shape) for name in VARIANTS for shape in ((300, 520, 256), (512, 21504, 5376))]
-CUDA_CASES += [(name, mx.float16, (20, 264, 384)) for name in ("b128x256k64s4", "w128x256k64s4", "g128x256k64s5d")]
+F16_CASES = ("b128x256k64s4", "w128x256k64s4", "g128x256k64s5d", "g192x256k64s4", "g192x256k64s3p", "g128x256k64s4p")
+CUDA_CASES += [(name, mx.float16, (20, 264, 384)) for name in F16_CASES]
+# the rings of the warp-specialised variants wrap several times (K = 1536: 24 k-tiles), every
+# consumer warpgroup's rows in play and the last tile partial in M and N
+CUDA_CASES += [(name, mx.bfloat16, (200, 264, 1536)) for name, cfg in VARIANTS.items() if cfg.wgmma]
 
 
 @needs_cuda
