@@ -63,7 +63,7 @@ def version_text() -> str:
     """`orchestrate 0.1.0 (commit abc123...)`."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from orchestrator.plan import code_version
+    from orchestrator.code_version import code_version
 
     try:
         number = version("orchestrate")
@@ -142,10 +142,39 @@ def with_suggestion(message: str) -> str:
     return message.replace("Value error, ", "") + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
+def spare_pandas() -> None:
+    """Answer, once, pyarrow's question whether pandas is installed with no, where pandas is not yet imported.
+
+    pyarrow imports pandas (half a second) the first time it turns any Python value into Arrow,
+    only to ask whether the value is a pandas object; none of ours is. A stand-in too old for
+    pyarrow to use answers that question; it is gone at once, and a later `to_pandas()` still
+    imports the real pandas.
+    """
+    if "pyarrow" not in sys.modules or "pandas" in sys.modules:
+        return  # a verb that does not use pyarrow (nothing to spare), or pandas is here already
+    import types
+    import warnings
+
+    import pyarrow as pa
+
+    sys.modules["pandas"] = types.ModuleType("pandas")
+    sys.modules["pandas"].__version__ = "0"  # type: ignore[attr-defined]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "pyarrow requires pandas 2.2.2 or above": the answer sought
+            pa.array([0])
+    except Exception:  # another pyarrow may ask otherwise: then it imports pandas as before
+        pass
+    finally:
+        del sys.modules["pandas"]
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
-        code = build_app(sys.argv[1:])(standalone_mode=False)
+        app = build_app(sys.argv[1:])
+        spare_pandas()
+        code = app(standalone_mode=False)
     except OrchestratorError as exc:
         print(f"orchestrate: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -132,14 +132,11 @@ def _refresh(store: ResultStore, sweep: str) -> pa.Table:
     stats, devices = _stats(store, sweep)
     path = index_path(store, sweep)
     old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
-    per_file = old.group_by("file").aggregate([("size", "max"), ("mtime_ns", "max")])
-    same = [
-        f
-        for f, s, m in zip(*(per_file[c].to_pylist() for c in ("file", "size_max", "mtime_ns_max")), strict=True)
-        if stats.get(f) == (s, m)
-    ]
-    kept = old.filter(pc.is_in(old["file"], pa.array(same, pa.string()))) if old.num_rows else old
-    have = set(same)
+    # a file's rows all carry its size and mtime (no `group_by`: pyarrow's imports pyarrow.dataset)
+    sizes = zip(old["size"].to_pylist(), old["mtime_ns"].to_pylist(), strict=True)
+    recorded = dict(zip(old["file"].to_pylist(), sizes, strict=True))
+    have = {f for f, sm in recorded.items() if stats.get(f) == sm}
+    kept = old.filter(pc.is_in(old["file"], pa.array(sorted(have), pa.string()))) if old.num_rows else old
     fresh = sorted(f for f in stats if f not in have)
     if not fresh and kept.num_rows == old.num_rows:
         return kept

@@ -25,7 +25,7 @@ from tests.orchestrator.test_dataset import DAY, key, write_job
 
 AWKWARD = {
     "checkpoint": "mlx-community/Qwen3 8B, 4bit='x' {a=b}",
-    "quote": "it's \"quoted\"",
+    "quote": 'it\'s "quoted"',
     "empty": "",
     "unicode": "ünïcode [1, 2]",
     "tokens": 512,
