@@ -87,8 +87,11 @@ def main_options(
 
 
 def verb_of(args: Sequence[str]) -> str | None:
-    """The verb of a command line (its first word that is no global option); None when it has none."""
+    """The verb of a command line (its first word after the global options); None when it has none,
+    or when `-h` comes before it (the help of `orchestrate` itself, which lists every verb)."""
     for arg in args:
+        if arg in ("-h", "--help"):
+            return None
         if arg not in GLOBAL_OPTIONS:
             return None if arg.startswith("-") else arg
     return None
@@ -98,7 +101,7 @@ def build_app(args: Sequence[str] | None = None) -> typer.Typer:
     """The CLI for a command line: only its verb's module where the verb is known, else every verb
     (a bare `orchestrate`, `--help`, or a mistyped verb, which typer answers with the closest)."""
     verb = verb_of(args) if args is not None else None
-    if verb is None and args is not None and "--version" in args and not {"-h", "--help"} & set(args):
+    if verb is None and args and args[0] == "--version":
         modules: list[str] = []  # `--version` is answered before any verb is looked at
     else:
         modules = [VERBS[verb]] if verb in VERBS else COMMAND_MODULES

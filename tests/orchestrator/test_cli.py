@@ -60,6 +60,7 @@ def test_help_version_and_a_bare_orchestrate(orchestrate_bin: str) -> None:
     assert "compare" in bare.stdout + bare.stderr and "compact" in bare.stdout + bare.stderr
     short = orchestrate(orchestrate_bin, "-h")
     assert short.returncode == 0 and short.stdout == orchestrate(orchestrate_bin, "--help").stdout
+    assert orchestrate(orchestrate_bin, "-h", "compare").stdout == short.stdout  # its own help: every verb
     version = orchestrate(orchestrate_bin, "--version")
     assert version.returncode == 0 and re.fullmatch(r"orchestrate \d+\.\d+\.\d+ \(commit \S+\)\n", version.stdout)
 
