@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale [--fragments 100000] [--rounds 3]
     .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale --readers-only   # time the readers again
+    .venv/bin/python -m benchmarks.store_scale --root /tmp/store-scale --readers-only --vs-code /tmp/main-tree
 
 Builds (once; `--rebuild` to start again) a store of `--fragments` job fragments, each of 25 rows
 written through the real `ResultStore.write` (the rows of each night's first job per device by the
@@ -16,9 +17,12 @@ resident memory, the median of `--rounds` after one warm-up):
 * `orchestrate query "select count(*) from results"`,
 * resume's question, "which of the 1,000 jobs of the wide sweep's latest night are complete",
 
-before `orchestrate compact` (whose own time is reported) and after it. Targets (issue 19): compare
-and check at most 15 s before and 3 s after compaction, the count at most 2 s after it, resume at
-most 1 s, each under 1 GB.
+before `orchestrate compact` (whose own time is reported) and after it. Before compaction, compare's
+first call builds the point index from nothing (it is removed first, as on a store just written).
+`--vs-code DIR` times another checkout's readers (`git archive main | tar -x -C DIR`) on the same
+store, the two taking turns call by call, and prints the ratios: a change measured side by side on
+a machine whose load moves. Targets (issue 19): compare and check at most 15 s before and 3 s after
+compaction, the count at most 2 s after it, resume at most 1 s, each under 1 GB.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from unittest import mock
@@ -188,29 +193,7 @@ wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 assert n == len(keys) == 1000, n
 print(wall, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
-
-
-def measure_resume(root: Path, rounds: int) -> dict[str, float | str]:
-    """Resume's question, timed inside the process (the lookup, not the interpreter's start)."""
-    runs = []
-    for _ in range(rounds + 1):
-        out = subprocess.run([sys.executable, "-c", RESUME, str(root)], capture_output=True, text=True, check=True)
-        runs.append(tuple(float(x) for x in out.stdout.split()))
-    first, rest = runs[0], runs[1:]
-    result: dict[str, float | str] = {
-        "what": "resume: 1,000-job sweep complete?",
-        "first_s": first[0],
-        "first_cpu_s": first[1],
-        "median_s": statistics.median(r[0] for r in rest),
-        "median_cpu_s": statistics.median(r[1] for r in rest),
-        "max_s": max(r[0] for r in rest),
-        "peak_mib": max(r[2] for r in runs),
-        "load_average": os.getloadavg()[0],
-    }
-    print(f"  {result['what']:<36} first {first[0]:6.2f} s  median {result['median_s']:6.2f} s "
-          f"({result['median_cpu_s']:6.2f} s CPU)  peak {result['peak_mib']:5.0f} MiB (the lookup, in-process)",
-          flush=True)  # fmt: skip
-    return result
+REPO = Path(__file__).resolve().parents[1]
 
 
 def latest_wide_keys(root: str) -> list[str]:
@@ -219,8 +202,9 @@ def latest_wide_keys(root: str) -> list[str]:
     return [job_key(WIDE, j, today) for j in range(1000)]
 
 
-def timed(cmd: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds (user + system) and peak resident MiB of one command in a fresh process."""
+def timed(cmd: list[str], code: Path = REPO) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak resident MiB of one command in a fresh process,
+    run with the `orchestrator` of the checkout `code` (its directory first on the path, and the cwd)."""
     wrapper = (
         "import resource, subprocess, sys, time; t = time.perf_counter(); "
         "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True); "
@@ -228,46 +212,100 @@ def timed(cmd: list[str]) -> tuple[float, float, float]:
         "print(w, u.ru_utime + u.ru_stime, u.ru_maxrss / 1024) if r.returncode in (0, 1, 4) "
         "else sys.exit('failed: ' + r.stderr[-2000:])"
     )
-    out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, env=env, cwd=code)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)}: {out.stderr.strip()}")
     wall, cpu, rss = out.stdout.split()
     return float(wall), float(cpu), float(rss)
 
 
-def measure(name: str, cmd: list[str], rounds: int) -> dict[str, float | str]:
-    """One warm-up (cold page cache; brings the point index up to date), then `rounds` timed runs."""
-    first = timed(cmd)
-    load = os.getloadavg()[0]
-    runs = [timed(cmd) for _ in range(rounds)] or [first]
-    result: dict[str, float | str] = {
-        "what": name,
-        "first_s": first[0],
-        "first_cpu_s": first[1],
-        "median_s": statistics.median(w for w, _, _ in runs),
-        "median_cpu_s": statistics.median(c for _, c, _ in runs),
-        "max_s": max(w for w, _, _ in runs),
-        "peak_mib": max(m for _, _, m in [first, *runs]),
-        "load_average": load,
-    }
-    print(
-        f"  {name:<36} first {first[0]:6.2f} s ({first[1]:6.2f} s CPU)  median {result['median_s']:6.2f} s "
-        f"({result['median_cpu_s']:6.2f} s CPU)  max {result['max_s']:6.2f} s  peak {result['peak_mib']:5.0f} MiB  "
-        f"load {load:.1f}",
-        flush=True,
-    )
-    return result
+def resumed(root: Path, code: Path = REPO) -> tuple[float, float, float]:
+    """Resume's question, timed inside the process (the lookup, not the interpreter's start)."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = subprocess.run([sys.executable, "-c", RESUME, str(root)], capture_output=True, text=True, check=True,
+                         env=env, cwd=code)  # fmt: skip
+    wall, cpu, rss = out.stdout.split()
+    return float(wall), float(cpu), float(rss)
 
 
-def readers(root: Path, sweep_file: Path, rounds: int, *, compacted: bool) -> list[dict[str, float | str]]:
-    """Time the readers on the store as it is (the count over 100,000 uncompacted files only once)."""
+def drop_index(root: Path) -> None:
+    """Remove the point index beside the store: the next read builds it from nothing, as on a fresh store."""
+    shutil.rmtree(ResultStore(root).side / "index", ignore_errors=True)
+
+
+def measure(
+    name: str,
+    run: Callable[[Path], tuple[float, float, float]],
+    rounds: int,
+    codes: dict[str, Path],
+    *,
+    fresh_index: Path | None = None,
+) -> list[dict[str, float | str]]:
+    """Per checkout: one first call (cold page cache; with `fresh_index`, the point index built from
+    nothing), then `rounds` timed calls, the checkouts taking turns (A B A B ...), and their medians."""
+    firsts = {}
+    for label, code in reversed(codes.items()):  # the first checkout's first call last: its index is kept
+        if fresh_index is not None:
+            drop_index(fresh_index)
+        firsts[label] = (run(code), os.getloadavg()[0])
+    runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label in codes}
+    for _ in range(rounds):
+        for label, code in codes.items():
+            runs[label].append(run(code))
+    out = []
+    for label in codes:
+        first, load = firsts[label]
+        rest = runs[label] or [first]
+        result: dict[str, float | str] = {
+            "what": name,
+            "code": label,
+            "first_s": first[0],
+            "first_cpu_s": first[1],
+            "median_s": statistics.median(w for w, _, _ in rest),
+            "median_cpu_s": statistics.median(c for _, c, _ in rest),
+            "max_s": max(w for w, _, _ in rest),
+            "peak_mib": max(m for _, _, m in [first, *rest]),
+            "load_average": load,
+        }
+        line = f"  {name:<34} {label:<6} first {first[0]:6.2f} s ({first[1]:6.2f} s CPU)"
+        line += (
+            f"  median {result['median_s']:6.2f} s ({result['median_cpu_s']:6.2f} s CPU)  max {result['max_s']:6.2f} s"
+        )
+        print(f"{line}  peak {result['peak_mib']:5.0f} MiB  load {load:.1f}", flush=True)
+        out.append(result)
+    if len(out) == 2 and runs[next(iter(codes))]:
+        new, old = out
+        print(f"  {'':<34} {'ratio':<6} first {float(new['first_s']) / float(old['first_s']):6.2f}      "
+              f"median {float(new['median_s']) / float(old['median_s']):6.2f} (CPU "
+              f"{float(new['median_cpu_s']) / float(old['median_cpu_s']):.2f})", flush=True)  # fmt: skip
+    return out
+
+
+def readers(
+    root: Path, sweep_file: Path, rounds: int, *, compacted: bool, codes: dict[str, Path]
+) -> list[dict[str, float | str]]:
+    """Time the readers on the store as it is (the count over 100,000 uncompacted files only once).
+
+    Before compaction, compare's first call of each checkout builds the point index from nothing.
+    """
     orch = str(BIN / "orchestrate")
     common = ["--results", str(root)]
+
+    def command(*args: str) -> Callable[[Path], tuple[float, float, float]]:
+        return lambda code: timed([orch, *args, *common], code)
+
     return [
-        measure("compare (newest run, json)", [orch, "compare", "-s", str(sweep_file), *common, "-f", "json"], rounds),
-        measure("check (newest run)", [orch, "check", "--sweep", str(sweep_file), *common], rounds),
-        measure("query count(*)", [orch, "query", "select count(*) from results", *common], rounds if compacted else 0),
-        measure_resume(root, rounds),
+        *measure(
+            "compare (newest run, json)",
+            command("compare", "-s", str(sweep_file), "-f", "json"),
+            rounds,
+            codes,
+            fresh_index=None if compacted else root,
+        ),
+        *measure("check (newest run)", command("check", "--sweep", str(sweep_file)), rounds, codes),
+        *measure("query count(*)", command("query", "select count(*) from results"), rounds if compacted else 0, codes),
+        *measure("resume: 1,000-job sweep complete?", lambda code: resumed(root, code), rounds, codes),
     ]
 
 
@@ -282,7 +320,13 @@ def main() -> None:
     parser.add_argument(
         "--readers-only", action="store_true", help="only time the readers on the store as it is (again, e.g. quieter)"
     )
+    parser.add_argument(
+        "--vs-code",
+        type=Path,
+        help="another checkout (`git archive main | tar -x -C DIR`): its readers timed beside this one's, in turns",
+    )
     args = parser.parse_args()
+    codes = {"this": REPO, **({"other": args.vs_code.resolve()} if args.vs_code else {})}
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}")
     results = args.root / "store"
     if args.rebuild:
@@ -296,20 +340,22 @@ def main() -> None:
     if args.readers_only:
         compacted = any(results.rglob("compact-*.parquet"))
         print("after compaction:" if compacted else "before compaction:")
-        report["after" if compacted else "before"] = readers(results, sweep_file, args.rounds, compacted=compacted)
+        report["after" if compacted else "before"] = readers(
+            results, sweep_file, args.rounds, compacted=compacted, codes=codes
+        )
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
         return
     if any(results.rglob("compact-*.parquet")):
         raise SystemExit(f"{results} is already compacted: --rebuild to measure before compaction again")
     print("before compaction:")
-    report["before"] = readers(results, sweep_file, args.rounds, compacted=False)
+    report["before"] = readers(results, sweep_file, args.rounds, compacted=False, codes=codes)
     wall, cpu, peak = timed([str(BIN / "orchestrate"), "compact", "--results", str(results)])
     report["compact"] = {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "load_average": os.getloadavg()[0]}
     files = sum(1 for _ in results.rglob("*.parquet"))
     print(f"orchestrate compact: {wall:.0f} s ({cpu:.0f} s CPU), peak {peak:.0f} MiB, {files} files now", flush=True)
     print("after compaction:")
-    report["after"] = readers(results, sweep_file, args.rounds, compacted=True)
+    report["after"] = readers(results, sweep_file, args.rounds, compacted=True, codes=codes)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

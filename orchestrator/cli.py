@@ -13,26 +13,17 @@ import difflib
 import importlib
 import re
 import sys
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Sequence
 
 import typer
 
 from orchestrator.errors import OrchestratorError
 
-app = typer.Typer(
-    name="orchestrate",
-    help="Run NVFP4 kernel sweeps across hosts and turn them into trustworthy comparisons.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-# One module per verb; each exposes `register(app)`.
+# One module per verb; each exposes `register(app)`. `--help` lists the verbs in this order.
 COMMAND_MODULES = [
     "orchestrator.commands.run",
     "orchestrator.commands.results",
+    "orchestrator.commands.query",
     "orchestrator.commands.lock",
     "orchestrator.commands.compare",
     "orchestrator.commands.check",
@@ -45,11 +36,34 @@ COMMAND_MODULES = [
     "orchestrator.commands.phases",
     "orchestrator.commands.compact",
 ]
+# Which module registers each verb (a test checks it against what the modules register): a run
+# of one verb imports that module alone, not every command's libraries.
+VERBS = {
+    "run": "orchestrator.commands.run",
+    "results": "orchestrator.commands.results",
+    "runs": "orchestrator.commands.results",
+    "query": "orchestrator.commands.query",
+    "lock": "orchestrator.commands.lock",
+    "compare": "orchestrator.commands.compare",
+    "check": "orchestrator.commands.check",
+    "report": "orchestrator.commands.report",
+    "schedule": "orchestrator.commands.schedule",
+    "history": "orchestrator.commands.history",
+    "cluster": "orchestrator.commands.cluster",
+    "collect": "orchestrator.commands.collect",
+    "plan": "orchestrator.commands.plan",
+    "import": "orchestrator.commands.plan",
+    "phases": "orchestrator.commands.phases",
+    "compact": "orchestrator.commands.compact",
+}
+GLOBAL_OPTIONS = ("--version", "-h", "--help")
 
 
 def version_text() -> str:
     """`orchestrate 0.1.0 (commit abc123...)`."""
-    from orchestrator.plan import code_version
+    from importlib.metadata import PackageNotFoundError, version
+
+    from orchestrator.code_version import code_version
 
     try:
         number = version("orchestrate")
@@ -64,7 +78,6 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
 def main_options(
     show_version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="print the version and commit, and exit"
@@ -73,8 +86,51 @@ def main_options(
     """Run NVFP4 kernel sweeps across hosts and turn them into trustworthy comparisons."""
 
 
-for _name in COMMAND_MODULES:
-    importlib.import_module(_name).register(app)
+def verb_of(args: Sequence[str]) -> str | None:
+    """The verb of a command line (its first word after the global options); None when it has none,
+    or when `-h` comes before it (the help of `orchestrate` itself, which lists every verb)."""
+    for arg in args:
+        if arg in ("-h", "--help"):
+            return None
+        if arg not in GLOBAL_OPTIONS:
+            return None if arg.startswith("-") else arg
+    return None
+
+
+def build_app(args: Sequence[str] | None = None) -> typer.Typer:
+    """The CLI for a command line: only its verb's module where the verb is known, else every verb
+    (a bare `orchestrate`, `--help`, or a mistyped verb, which typer answers with the closest)."""
+    verb = verb_of(args) if args is not None else None
+    if verb is None and args and args[0] == "--version":
+        modules: list[str] = []  # `--version` is answered before any verb is looked at
+    else:
+        modules = [VERBS[verb]] if verb in VERBS else COMMAND_MODULES
+    app = typer.Typer(
+        name="orchestrate",
+        help="Run NVFP4 kernel sweeps across hosts and turn them into trustworthy comparisons.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.callback()(main_options)
+    for name in modules:
+        importlib.import_module(name).register(app)
+    return app
+
+
+def __getattr__(name: str) -> typer.Typer:
+    """`orchestrator.cli.app`: the whole CLI, every verb registered (built on first use)."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    global _whole
+    if _whole is None:
+        _whole = build_app()
+    return _whole
+
+
+_whole: typer.Typer | None = None
 
 CHOICE_ERROR = re.compile(r"'(?P<value>[^']*)' is not one of (?P<choices>'[^']*'(?:, '[^']*')*)")
 
@@ -89,9 +145,38 @@ def with_suggestion(message: str) -> str:
     return message.replace("Value error, ", "") + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
+def spare_pandas() -> None:
+    """Answer, once, pyarrow's question whether pandas is installed with no, where pandas is not yet imported.
+
+    pyarrow imports pandas (half a second) the first time it turns any Python value into Arrow,
+    only to ask whether the value is a pandas object; none of ours is. A stand-in too old for
+    pyarrow to use answers that question; it is gone at once, and a later `to_pandas()` still
+    imports the real pandas.
+    """
+    if "pyarrow" not in sys.modules or "pandas" in sys.modules:
+        return  # a verb that does not use pyarrow (nothing to spare), or pandas is here already
+    import types
+    import warnings
+
+    import pyarrow as pa
+
+    sys.modules["pandas"] = types.ModuleType("pandas")
+    sys.modules["pandas"].__version__ = "0"  # type: ignore[attr-defined]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "pyarrow requires pandas 2.2.2 or above": the answer sought
+            pa.array([0])
+    except Exception:  # another pyarrow may ask otherwise: then it imports pandas as before
+        pass
+    finally:
+        del sys.modules["pandas"]
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
+        app = build_app(sys.argv[1:])
+        spare_pandas()
         code = app(standalone_mode=False)
     except OrchestratorError as exc:
         print(f"orchestrate: error: {exc}", file=sys.stderr)

@@ -17,7 +17,9 @@ files or the new ones, never both or neither. Before its swap a work directory h
 merged file; after it, only the old files, which a background thread removes while the next
 partition merges. A crash at any point leaves each partition whole, old or new, and the next
 compaction clears what is left in the side directory. Idempotent: a partition that is one current
-compacted file is left alone. A file that cannot be read whole (by pyarrow and by DuckDB) is set
+compacted file is left alone. `orchestrate run` and nightly schedules compact their sweep's
+partitions dated two or more days ago once their rows are stored (`compact_old`; `--compact-after
+DAYS`, `--no-compact`). A file that cannot be read whole (by pyarrow and by DuckDB) is set
 aside (moved to `<side>/broken/`, with why) and named in a warning; an older schema's fragment is
 migrated; a newer one is refused.
 """
@@ -49,11 +51,12 @@ from orchestrator.compact_merge import (
     versions,
     write_merged,
 )
-from orchestrator.errors import InfrastructureError, InputError
+from orchestrator.errors import InfrastructureError, InputError, OrchestratorError
 from orchestrator.point_index import record_facts
 from orchestrator.store import COMPACT_PREFIX, ResultStore
 from workers.contract import META_DATE, META_DEVICE, META_SWEEP, SCHEMA_VERSION, SchemaVersionError, fragment_version
 
+COMPACT_AFTER_DAYS = 2  # what `run` and schedules compact: dates this many days ago or older
 FOOTERS_PER_CONNECTION = 2000  # parsed footers (~70 kB each) one DuckDB connection keeps before it is made afresh
 
 
@@ -94,15 +97,26 @@ def exchange(a: Path, b: Path) -> None:
     os.rename(parked, b)
 
 
+class CompactionBusy(Exception):
+    """Another compaction holds the store's compaction lock (only where it was not to be waited for)."""
+
+
 @contextlib.contextmanager
-def compaction_lock(store: ResultStore) -> Iterator[None]:
-    """One compaction at a time per store (a lock file in the side directory, never through a link)."""
+def compaction_lock(store: ResultStore, *, wait: bool = True) -> Iterator[None]:
+    """One compaction at a time per store (a lock file in the side directory, never through a link).
+
+    Raises:
+        CompactionBusy: `wait` is False and another compaction holds the lock.
+    """
     path = store.side / "compact.lock"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InputError("the compaction lock is not a regular file", where=str(path))
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CompactionBusy(str(path)) from None
         yield
     finally:
         os.close(fd)
@@ -229,30 +243,52 @@ def compact_partition(job: Compaction, sweep: str, date: str, device: str) -> No
     report.migrated += sum(1 for p in files if found[str(p)] < SCHEMA_VERSION and not p.name.startswith(COMPACT_PREFIX))
 
 
+def loose(leaf: Path) -> bool:
+    """Whether a partition holds anything but one compacted file (a fragment, or several files)."""
+    names = [n for n in os.listdir(leaf) if n.endswith(".parquet") and not n.startswith(".")]
+    return len(names) != 1 or not names[0].startswith(COMPACT_PREFIX)
+
+
 def compact(
     store: ResultStore,
     *,
     sweep: str | None = None,
     before: dt.date | None = None,
     warn: Callable[[str], None] = lambda line: None,
+    loose_only: bool = False,
+    wait: bool = True,
 ) -> CompactReport:
     """Compact every partition (of one sweep, of dates before `before`); see the module docstring.
 
+    Args:
+        store: the result store.
+        sweep: only this sweep's partitions (None: every sweep's).
+        before: only partitions dated before this day (None: all).
+        warn: called with one line per file set aside.
+        loose_only: only partitions holding a fragment; one that is a single compacted file is not
+            opened, not even to migrate it from an older schema (what `compact_old` does nightly).
+        wait: wait for another compaction of the store to finish; False: raise `CompactionBusy`.
+
     Raises:
         InputError: nothing is stored, or a file was written by a newer schema version.
+        CompactionBusy: `wait` is False and another compaction is running.
     """
     if not store.root.is_dir():
         raise InputError("no results stored", where=str(store.root))
     store.ensure_writable()
     report = CompactReport()
-    with compaction_lock(store):
+    with compaction_lock(store, wait=wait):
         clear_leftovers(store)
         job = Compaction(store, report, warn, store.side / "work")
         try:
             for sweep_name in [sweep] if sweep is not None else store.sweep_names():
-                for _, date, device, _ in store.partitions(sweep_name):
-                    if before is None or date < before.isoformat():
-                        compact_partition(job, sweep_name, date, device)
+                for _, date, device, leaf in store.partitions(sweep_name):
+                    if before is not None and date >= before.isoformat():
+                        continue
+                    if loose_only and not loose(leaf):
+                        report.unchanged += 1
+                        continue
+                    compact_partition(job, sweep_name, date, device)
                 if job.facts:  # once per sweep, not per partition: the index is rewritten whole
                     record_facts(store, sweep_name, pa.concat_tables(job.facts), job.gone)
                 job.facts, job.gone = [], set()
@@ -264,3 +300,54 @@ def compact(
             for done in job.removing:
                 done.result()
     return report
+
+
+def compact_old(
+    store: ResultStore,
+    sweep: str,
+    *,
+    after_days: int,
+    today: dt.date | None = None,
+    warn: Callable[[str], None] = lambda line: None,
+) -> CompactReport | None:
+    """What `orchestrate run` and a nightly schedule do once a sweep's rows are stored: compact
+    the sweep's partitions dated `after_days` or more days before today that hold fragments.
+
+    Today's and the last few days' partitions stay as they are (a resumed run may still add to
+    them); a partition that is one compacted file is not opened. Atomic and idempotent as
+    `compact` is; a compaction already running (another command's) is not waited for.
+
+    Returns:
+        What was done, or None when another compaction held the store.
+
+    Raises:
+        InputError: a file was written by a newer schema version.
+    """
+    if after_days < 0:
+        raise InputError(f"--compact-after {after_days}: expected a number of days, 0 or more")
+    if not (store.root / f"sweep={sweep}").is_dir():
+        return CompactReport()
+    cutoff = (today or dt.datetime.now(dt.UTC).date()) - dt.timedelta(days=after_days - 1)
+    try:
+        return compact(store, sweep=sweep, before=cutoff, warn=warn, loose_only=True, wait=False)
+    except CompactionBusy:
+        return None
+
+
+def compact_after_run(
+    store: ResultStore, sweep: str, *, after_days: int, warn: Callable[[str], None] = lambda line: None
+) -> str:
+    """`compact_old` once a run's rows are stored, never failing the run: the line to print ('' when
+    there was nothing to compact). What stops it (a newer file, a full disk) is said, not raised."""
+    try:
+        report = compact_old(store, sweep, after_days=after_days, warn=warn)
+    except (OrchestratorError, OSError) as exc:
+        return f"not compacted: {exc} (the run's rows are stored; `orchestrate compact` to try again)"
+    if report is None:
+        return "not compacted: another compaction of this store is running"
+    if not report.partitions:
+        return ""
+    return (
+        f"compacted {report.partitions} partitions of sweep {sweep} dated {after_days} or more days ago "
+        f"({report.fragments} fragments merged; --no-compact leaves them)"
+    )

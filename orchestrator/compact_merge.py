@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from orchestrator.point_facts import META_POINTS
 from orchestrator.store import COMPACT_PREFIX, compact_index, packed_index
 from workers.contract import (
     META_JOBS,
@@ -39,7 +40,7 @@ ROW_GROUP_ROWS = 64 * 1024
 SORT = "case_name, run_id, job_key, filename, file_row_number"  # a job's rows keep their measured order
 MEMORY_LIMIT = "384MB"  # DuckDB's own; the sort spills past it (the batches in flight add a little)
 # Footer keys that describe the file, not a job: not copied into the index.
-FILE_KEYS = {META_SCHEMA_VERSION, META_JOBS, b"ARROW:schema"}
+FILE_KEYS = {META_SCHEMA_VERSION, META_JOBS, META_POINTS, b"ARROW:schema"}
 BATCH_FACTS = """
 SELECT case_name, "case", params::VARCHAR AS point, run_id, max(started_at) AS started_at,
     max(schema_version) AS schema_version

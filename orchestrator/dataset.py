@@ -26,7 +26,6 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from orchestrator.errors import InputError
 from orchestrator.store import ResultStore
@@ -273,6 +272,8 @@ def _read(
 
 def _in_schema(table: pa.Table, store: ResultStore) -> pa.Table:
     """The selected rows in `SCHEMA`: newer schema versions refused, absent (newer, nullable) columns null."""
+    import pyarrow.compute as pc
+
     if table.num_rows:
         newer = table.filter(pc.greater(table["schema_version"], SCHEMA_VERSION))
         if newer.num_rows:

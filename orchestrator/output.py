@@ -18,11 +18,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any
 
-import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 from rich.console import Console
-from tabulate import tabulate
 
 from orchestrator.console import console, grid, print_wide
 from orchestrator.errors import InputError
@@ -64,6 +61,7 @@ def output_console(stream: IO[str]) -> Console:
 
 def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Sequence[bool] | None = None) -> str:
     """A GitHub pipe table, columns aligned, `|` in cells escaped."""
+    from tabulate import tabulate  # the writers' libraries are imported by the format that uses them
 
     def cell(value: Any) -> str:
         return ("" if value is None else str(value)).replace("|", "\\|").replace("\n", " ")
@@ -80,6 +78,8 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Seq
 
 def finite_or_null(table: pa.Table) -> pa.Table:
     """NaN and infinities as nulls (JSON has no NaN; a CSV reader would read `nan` as text)."""
+    import pyarrow.compute as pc
+
     for i, f in enumerate(table.schema):
         if pa.types.is_floating(f.type):
             col = table.column(i)
@@ -89,6 +89,8 @@ def finite_or_null(table: pa.Table) -> pa.Table:
 
 def write_records(table: pa.Table, fmt: Format, stream: IO[str]) -> None:
     """An Arrow table as CSV (header, empty cells for nulls) or a JSON array of records, by DuckDB."""
+    import duckdb
+
     options = "FORMAT csv, HEADER true" if fmt is Format.csv else "FORMAT json, ARRAY true"
     con = duckdb.connect()
     con.execute("SET TimeZone = 'UTC'")

@@ -14,7 +14,6 @@ import datetime as dt
 import hashlib
 import json
 import secrets
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,43 +31,6 @@ def new_run_id(now: dt.datetime | None = None) -> str:
     """A sortable, unique run id such as `20261130T104512Z-3fa9`."""
     now = now or dt.datetime.now(dt.UTC)
     return f"{now.strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
-
-
-def code_version(root: Path | None = None) -> str:
-    """The commit of this checkout, or the version where there is no checkout.
-
-    Uncommitted changes to the measured code (orchestrator/, workers/, kernels/) add `-dirty.`
-    and a hash of their diff: two different edits of one commit are two versions (in the rows, in
-    a job's key, and for a worker's warm fork server, which is restarted for a new version rather
-    than forking jobs from the old code).
-    """
-    root = root or Path(__file__).resolve().parent.parent
-    paths = ["--", "orchestrator", "workers", "kernels"]
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        diff = subprocess.run(
-            ["git", "-C", str(root), "diff", "HEAD", "--no-ext-diff", "--binary", *paths],
-            capture_output=True, check=True,
-        ).stdout  # fmt: skip
-        new_files = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "--others", "--exclude-standard", "-z", *paths],
-            capture_output=True, check=True,
-        ).stdout.split(b"\0")  # fmt: skip
-        digest = hashlib.sha256(diff)
-        for name in sorted(f for f in new_files if f):
-            digest.update(b"\0" + name + b"\0" + (root / name.decode()).read_bytes())
-        if not diff and not any(new_files):
-            return head
-        return f"{head}-dirty.{digest.hexdigest()[:8]}"
-    except (OSError, subprocess.CalledProcessError):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("orchestrate")
-        except PackageNotFoundError:
-            return "unknown"
 
 
 def source_digest() -> str:

@@ -6,7 +6,10 @@ fragments. The index keeps those facts per file -- one row per (file, device, ca
 with the file's size and modification time -- in `<side>/index/sweep=<name>.parquet`, outside the
 dataset (the default readers never see it). Every read brings it up to date: files that are new
 or changed are scanned (their facts added), files gone are dropped, so it is never the source of
-truth, only a shortcut to it; a store a reader cannot write to is simply scanned each time.
+truth, only a shortcut to it; a store a reader cannot write to is simply scanned each time. A new
+fragment's facts come from its footer (`orchestrator.point_facts`: one footer query per core, no
+data read); only files without them are read from their rows. The index names the DuckDB version
+that printed its points, and another version builds it again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from orchestrator.point_facts import footer_facts
 from orchestrator.store import ResultStore
 
 INDEX_SCHEMA = pa.schema(
@@ -36,6 +40,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("schema_version", pa.int32()),  # the newest any of these rows was written with
     ]
 )
+META_DUCKDB = b"orchestrate.duckdb_version"  # the index's: which DuckDB printed its points
 FACTS_SQL = """
 SELECT filename AS file, device, case_name, "case", params::VARCHAR AS point, run_id, max(started_at) AS started_at,
     max(schema_version) AS schema_version
@@ -48,24 +53,54 @@ def index_path(store: ResultStore, sweep: str) -> Path:
     return store.side / "index" / f"sweep={sweep}.parquet"
 
 
-def _stats(store: ResultStore, sweep: str) -> dict[str, tuple[int, int]]:
-    """`{relative path: (size, mtime_ns)}` of the sweep's data files now."""
-    out = {}
+def _stats(store: ResultStore, sweep: str) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """`{relative path: (size, mtime_ns)}` of the sweep's data files now, and each one's device partition."""
+    out, devices = {}, {}
     for f in store.files(sweep):
         try:
             st = f.path.stat()
         except FileNotFoundError:
             continue
-        out[str(f.path.relative_to(store.root))] = (st.st_size, st.st_mtime_ns)
-    return out
+        rel = str(f.path.relative_to(store.root))
+        out[rel], devices[rel] = (st.st_size, st.st_mtime_ns), f.device
+    return out, devices
+
+
+def _located(
+    store: ResultStore, found: pa.Table, stats: dict[str, tuple[int, int]], devices: dict[str, str]
+) -> pa.Table:
+    """Facts of files (absolute `file`) as index rows: the path relative to the root, its size and mtime,
+    and, where the facts lack it (from a footer), its device partition."""
+    rel = [str(Path(p).relative_to(store.root)) for p in found["file"].to_pylist()]
+    found = found.set_column(found.schema.get_field_index("file"), "file", pa.array(rel, pa.string()))
+    found = found.append_column("size", pa.array([stats[r][0] for r in rel], pa.int64()))
+    found = found.append_column("mtime_ns", pa.array([stats[r][1] for r in rel], pa.int64()))
+    if "device" not in found.column_names:
+        found = found.append_column("device", pa.array([devices[r] for r in rel], pa.string()))
+    return found.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
 
 
 def _load(path: Path) -> pa.Table:
+    """The stored index, or an empty one when it is unreadable, of an older layout or of another DuckDB.
+
+    Its `point` is DuckDB's text for a MAP: another DuckDB version might print one differently,
+    and a point that no longer matches its rows' `params::VARCHAR` would drop them from reads.
+    """
     try:
-        table = pq.read_table(path)
+        with pq.ParquetFile(path) as file:  # not `read_table`: pyarrow.dataset would import pandas
+            table = file.read()
+        if (table.schema.metadata or {}).get(META_DUCKDB) != duckdb_version():
+            return INDEX_SCHEMA.empty_table()
         return table.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
     except (OSError, pa.ArrowException, KeyError):
         return INDEX_SCHEMA.empty_table()  # unreadable, or of an older layout: built again
+
+
+def duckdb_version() -> bytes:
+    """The DuckDB version that prints this process's points."""
+    from importlib.metadata import version
+
+    return version("duckdb").encode()
 
 
 def _save(store: ResultStore, path: Path, table: pa.Table) -> None:
@@ -73,7 +108,7 @@ def _save(store: ResultStore, path: Path, table: pa.Table) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        pq.write_table(table, tmp, compression="zstd")
+        pq.write_table(table.replace_schema_metadata({META_DUCKDB: duckdb_version()}), tmp, compression="zstd")
         os.replace(tmp, path)
     except OSError:
         pass
@@ -94,31 +129,24 @@ def refreshed(store: ResultStore, sweep: str) -> pa.Table:
 def _refresh(store: ResultStore, sweep: str) -> pa.Table:
     from orchestrator.dataset import StoreScan  # the scan uses the store; the index is a layer above
 
-    stats = _stats(store, sweep)
+    stats, devices = _stats(store, sweep)
     path = index_path(store, sweep)
     old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
-    per_file = old.group_by("file").aggregate([("size", "max"), ("mtime_ns", "max")])
-    same = [
-        f
-        for f, s, m in zip(*(per_file[c].to_pylist() for c in ("file", "size_max", "mtime_ns_max")), strict=True)
-        if stats.get(f) == (s, m)
-    ]
-    kept = old.filter(pc.is_in(old["file"], pa.array(same, pa.string()))) if old.num_rows else old
-    have = set(same)
+    # a file's rows all carry its size and mtime (no `group_by`: pyarrow's imports pyarrow.dataset)
+    sizes = zip(old["size"].to_pylist(), old["mtime_ns"].to_pylist(), strict=True)
+    recorded = dict(zip(old["file"].to_pylist(), sizes, strict=True))
+    have = {f for f, sm in recorded.items() if stats.get(f) == sm}
+    kept = old.filter(pc.is_in(old["file"], pa.array(sorted(have), pa.string()))) if old.num_rows else old
     fresh = sorted(f for f in stats if f not in have)
     if not fresh and kept.num_rows == old.num_rows:
         return kept
-    facts = INDEX_SCHEMA.empty_table()
+    tables = [kept]
     if fresh:
-        scan = StoreScan(store, files=[str(store.root / f) for f in fresh])
-        found = scan.arrow(FACTS_SQL)
-        rel = [str(Path(p).relative_to(store.root)) for p in found["file"].to_pylist()]
-        sizes = [stats[r] for r in rel]
-        found = found.set_column(0, "file", pa.array(rel, pa.string()))
-        found = found.append_column("size", pa.array([s for s, _ in sizes], pa.int64()))
-        found = found.append_column("mtime_ns", pa.array([m for _, m in sizes], pa.int64()))
-        facts = found.select(INDEX_SCHEMA.names).cast(INDEX_SCHEMA)
-    table = pa.concat_tables([kept, facts])
+        from_footers, unread = footer_facts([str(store.root / f) for f in fresh])
+        tables.append(_located(store, from_footers, stats, devices))
+        if unread:  # written before fragments carried their facts (or unreadable): read from the rows
+            tables.append(_located(store, StoreScan(store, files=unread).arrow(FACTS_SQL), stats, devices))
+    table = pa.concat_tables(tables)
     _save(store, path, table)
     return table
 

@@ -13,11 +13,9 @@ import re
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from orchestrator.dataset import CACHED_FOOTERS, StoreScan
 from orchestrator.errors import InputError
-from orchestrator.point_index import whole_index
 from orchestrator.store import ResultStore
 from workers.contract import SCHEMA_VERSION
 
@@ -82,6 +80,10 @@ def refuse_newer(store: ResultStore, scan: StoreScan) -> None:
             {"v": SCHEMA_VERSION},
         )
     else:
+        import pyarrow.compute as pc
+
+        from orchestrator.point_index import whole_index  # a store of many fragments only
+
         index = whole_index(store)
         newer = index.filter(pc.greater(index["schema_version"], SCHEMA_VERSION)).slice(0, 1)
         found = list(zip(newer["file"].to_pylist(), newer["schema_version"].to_pylist(), strict=True))

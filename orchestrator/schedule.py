@@ -11,7 +11,9 @@ the inventory, the results root and the time. The timer or crontab line runs
    skip a job whose key has not changed while the repo's branch moved);
 3. judges the run against the history of the same host fingerprint (`orchestrator.history`),
    writes `reports/NAME/RUN.md` and exits 1 when something regressed or a job failed, 4 when a
-   series was measured only under contention (foreign GPU users: not judged), else 0.
+   series was measured only under contention (foreign GPU users: not judged), else 0;
+4. compacts the sweep's partitions dated `compact_after` (2) or more days ago (`orchestrator.compact`;
+   `schedule add --no-compact` leaves them), whatever the exit code.
 
 The crontab file and the systemd unit dir are settings (`--crontab-file`, `--unit-dir`), so a test
 or a user who manages their own crontab file never touches the machine's.
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.compact import COMPACT_AFTER_DAYS, compact_after_run
 from orchestrator.errors import (
     EXIT_AMBIGUOUS,
     EXIT_CRITERION_FAILED,
@@ -72,6 +75,7 @@ class Schedule:
     window: int = WINDOW  # nights that estimate the night-to-night noise (orchestrator.history)
     threshold: float = THRESHOLD
     workdir: str = ""  # where `schedule add` ran: relative paths in the sweep (a command case's repo) start here
+    compact_after: int | None = COMPACT_AFTER_DAYS  # after each run, compact dates this old (None: never)
 
 
 def cron_expression(at: str) -> str:
@@ -339,6 +343,7 @@ class NightlyResult:
     failed_jobs: list[str] = field(default_factory=list)
     contended: list[str] = field(default_factory=list)  # series measured only under contention
     report: Path | None = None
+    compacted: str = ""  # what the compaction after the run did ('' when nothing, or not asked for)
 
     @property
     def regressions(self) -> list[Finding]:
@@ -386,4 +391,6 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         result.report = path
+        if sched.compact_after is not None:  # the night's rows are stored and judged: old dates merged
+            result.compacted = compact_after_run(store, spec.name, after_days=sched.compact_after)
         return result

@@ -31,12 +31,13 @@ import zlib
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.names import NAME_RE
+from orchestrator.point_facts import META_POINTS, points_footer
 from workers.contract import (
     META_DATE,
     META_DEVICE,
@@ -50,8 +51,10 @@ from workers.contract import (
     restored_table,
     stored_table,
 )
-from workers.files import write_parquet_atomic
 from workers.spool import fragment_name, parse_fragment_name
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 COMPACT_PREFIX = "compact-"
 SIDE_NAME = ".orchestrate"
@@ -251,8 +254,11 @@ class ResultStore:
 
     def write(self, table: pa.Table, *, sweep: str, date: dt.date, device: str, run_id: str, job_key: str) -> Path:
         """Store one job's rows (in `SCHEMA`) atomically as a fragment; return its path."""
+        from workers.files import write_parquet_atomic  # pyarrow.parquet: not for a reader that only lists
+
         path = self.fragment_path(sweep=sweep, date=date, device=device, run_id=run_id, job_key=job_key)
         body = stored_table(table, sweep=sweep, device=device, date=date.isoformat(), run_id=run_id)
+        body = body.replace_schema_metadata({**(body.schema.metadata or {}), META_POINTS: points_footer(body)})
         try:
             staged = write_parquet_atomic(body, self.staging() / f"{uuid.uuid4().hex}.parquet")
         except OSError as exc:  # a full disk, a quota: exit 3; every fragment written before stays whole
@@ -284,6 +290,8 @@ class ResultStore:
             InputError: not a readable fragment, a newer schema, or a value that is not a safe name
                 (naming it).
         """
+        import pyarrow.parquet as pq
+
         try:
             table = pq.read_table(source)
         except (OSError, pa.ArrowException) as exc:
@@ -383,6 +391,8 @@ class ResultStore:
 
     def metadata(self, path: Path) -> pq.FileMetaData | None:
         """A file's Parquet footer, or None (and the file noted in `broken`) when it is unreadable."""
+        import pyarrow.parquet as pq
+
         try:
             return pq.read_metadata(path)
         except (OSError, pa.ArrowException) as exc:

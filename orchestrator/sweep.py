@@ -17,9 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from orchestrator.code_version import code_version
 from orchestrator.embedded import local_gpus
 from orchestrator.executor import Interrupted, RayExecutor
-from orchestrator.plan import code_version, expand, new_run_id
+from orchestrator.plan import expand, new_run_id
 from orchestrator.specs import InventorySpec, SweepSpec, check_sweep_against_inventory
 from orchestrator.store import ResultStore
 from orchestrator.store_lock import LOCK_DIR, hold_store

@@ -84,7 +84,8 @@ def register(app: typer.Typer) -> None:
             store, sweep=sweep, run=run, by=by.value, baseline=baseline, contenders=split_list(contender),
             arms=split_list(arms), metrics=metrics, threshold=threshold, all_runs=all_runs,
         )  # fmt: skip
-        cross = cross_device(table) if len(set(table["device"].to_pylist())) > 1 else []
+        several = fmt in (Format.table, Format.md) and len(set(table["device"].to_pylist())) > 1
+        cross = cross_device(table) if several else []  # CSV and JSON records carry no share-of-peak view
         with destination(output) as stream:
             if fmt is Format.table:
                 print_comparison(console(stream), result, cross, metrics, wide=wide or output is not None,

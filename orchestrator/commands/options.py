@@ -99,3 +99,21 @@ def split_list(values: Sequence[str] | None) -> list[str] | None:
         return None
     out = [v.strip() for value in values for v in value.split(",") if v.strip()]
     return list(dict.fromkeys(out)) or None
+
+
+def compact_after_option() -> int:
+    """`--compact-after DAYS` of `run` and `schedule add`."""
+    from orchestrator.compact import COMPACT_AFTER_DAYS
+
+    return typer.Option(
+        COMPACT_AFTER_DAYS,
+        "--compact-after",
+        min=0,
+        metavar="DAYS",
+        help="then compact the sweep's partitions dated DAYS or more days ago, as `orchestrate compact` does",
+    )
+
+
+def no_compact_option() -> bool:
+    """`--no-compact` of `run` and `schedule add`."""
+    return typer.Option(False, "--no-compact", help="leave the stored partitions as they are (no compaction)")

@@ -13,9 +13,10 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
+from orchestrator.code_version import code_version
 from orchestrator.commands.options import Backend, results_option
 from orchestrator.errors import InputError
-from orchestrator.plan import code_version, expand, new_run_id
+from orchestrator.plan import expand, new_run_id
 from orchestrator.specs import InventorySpec, load_sweep, validation_message
 from orchestrator.store import ResultStore
 

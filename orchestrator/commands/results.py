@@ -1,4 +1,4 @@
-"""`orchestrate results` (the quick look), `orchestrate runs` (what is stored) and `orchestrate query` (SQL)."""
+"""`orchestrate results` (the quick look) and `orchestrate runs` (what is stored); `query` is `commands/query.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from orchestrator.console import console, print_fitted, print_wide, warn, warn_b
 from orchestrator.dataset import read_rows
 from orchestrator.errors import InputError
 from orchestrator.output import Format, destination, write_table
-from orchestrator.query import run_query, stored_runs
+from orchestrator.query import stored_runs
 from orchestrator.store import ResultStore
 from orchestrator.summary import left_out, results_markdown, results_table, summarize, summary_records
 
@@ -77,18 +77,4 @@ def register(app: typer.Typer) -> None:
         table = stored_runs(store, name)
         with destination(output) as stream:
             write_table(table, fmt, stream, title=f"runs in {store.root}")
-        warn_broken(store.broken)
-
-    @app.command("query")
-    def query(
-        sql: str = typer.Argument(..., help="one read-only SQL statement over the table `results`"),
-        fmt: Format = format_option("the result"),
-        output: Path | None = output_option(),
-        results: Path = results_option(),
-    ) -> None:
-        """Run read-only DuckDB SQL over the result dataset (table `results`; COPY, ATTACH, SET ... are refused)."""
-        store = ResultStore(results)
-        table = run_query(store, sql)
-        with destination(output) as stream:
-            write_table(table, fmt, stream)
         warn_broken(store.broken)

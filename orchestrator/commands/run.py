@@ -17,8 +17,9 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from orchestrator.commands.options import results_option
-from orchestrator.console import console
+from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
+from orchestrator.compact import compact_after_run
+from orchestrator.console import console, warn
 from orchestrator.criteria import judge_stored, validate_criteria
 from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
 from orchestrator.plan import with_refs
@@ -153,6 +154,8 @@ def register(app: typer.Typer) -> None:
         ref: list[str] | None = typer.Option(
             None, "--ref", help="build the command cases at this git ref; twice (BASE, then HEAD): compare two commits"
         ),
+        compact_after: int = compact_after_option(),
+        no_compact: bool = no_compact_option(),
     ) -> None:
         """Run a sweep: every job not yet complete, one per host's GPU at a time."""
         spec = with_refs(load_sweep(sweep), list(ref or []))
@@ -185,6 +188,8 @@ def register(app: typer.Typer) -> None:
         verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
         if verdicts:
             print(verdicts, flush=True)
+        if not no_compact and (line := compact_after_run(store, spec.name, after_days=compact_after, warn=warn)):
+            print(line, flush=True)
         if any(o.error and "LockBusyError" in o.error for o in summary.outcomes):
             raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
         if summary.failed:

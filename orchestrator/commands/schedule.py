@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from orchestrator.commands.options import results_option
+from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
 from orchestrator.commands.run import results_root
 from orchestrator.console import console
 from orchestrator.history import THRESHOLD, WINDOW
@@ -58,6 +58,8 @@ def register(app: typer.Typer) -> None:
         backend: Scheduler = BACKEND,
         crontab_file: Path | None = CRONTAB_FILE,
         unit_dir: Path | None = UNIT_DIR,
+        compact_after: int = compact_after_option(),
+        no_compact: bool = no_compact_option(),
     ) -> None:
         """Install a nightly run of a sweep, compared with its history after each run."""
         cron = cron_expression(at)
@@ -74,6 +76,7 @@ def register(app: typer.Typer) -> None:
             window=window,
             threshold=threshold,
             workdir=str(Path.cwd()),
+            compact_after=None if no_compact else compact_after,
         )
         chosen = choose_backend(backend, crontab_file=crontab_file, unit_dir=unit_dir)
         where = add_schedule(sched, chosen)
@@ -119,6 +122,8 @@ def register(app: typer.Typer) -> None:
         assert result.report is not None
         out.print(result.report.read_text())
         out.print(f"report: {result.report}")
+        if result.compacted:
+            out.print(result.compacted)
         if result.regressions:
             out.print(f"REGRESSION: {len(result.regressions)} series regressed in run {result.run_id}")
         elif result.contended:

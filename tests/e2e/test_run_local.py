@@ -6,6 +6,7 @@ of this package, and must give the row count `orchestrate results` reports.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -49,6 +51,20 @@ print(json.dumps({
 """
 
 
+def older_night(results: Path, fragments: list[Path], days: int) -> Path:
+    """The stored night copied as a run `days` ago (its own run id, in that date's partition)."""
+    store = ResultStore(results)
+    day = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=days)
+    run_id = f"{day.strftime('%Y%m%d')}T020000Z-old{days}"
+    for path in fragments:
+        table, _ = store.check_fragment(path)
+        column = table.schema.get_field_index("run_id")
+        table = table.set_column(column, table.field(column), pa.array([run_id] * table.num_rows, pa.string()))
+        key = table["job_key"][0].as_py()
+        store.write(table, sweep="smoke", date=day, device="cpu", run_id=run_id, job_key=key)
+    return store.partition_dir(sweep="smoke", date=day.isoformat(), device="cpu")
+
+
 def _run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = child_env()
     env.pop("ORCHESTRATE_RESULTS", None)  # the default: ./results under cwd
@@ -73,10 +89,17 @@ def test_smoke_sweep_end_to_end(tmp_path: Path, orchestrate_bin: str) -> None:
     assert len(fragments) == n_jobs + contended
     assert all("sweep=smoke" in str(f) and "device=cpu" in str(f) for f in fragments)
 
+    # Last week's night of the sweep (a copy of this one under another run): the next run compacts it.
+    old = [older_night(work / "results", fragments, days) for days in (3, 4)]
+    copied = sum(len(list(leaf.iterdir())) for leaf in old)  # one per job key (a clean and a contended: one)
+    kept = _run([orchestrate_bin, "run", "--no-compact"], work)
+    assert kept.returncode == 0 and "compacted" not in kept.stdout, kept.stdout + kept.stderr
     again = _run([orchestrate_bin, "run"], work)
     assert again.returncode == 0, again.stderr
     assert f"Nothing to do: all {n_jobs} jobs of sweep 'smoke' are complete" in again.stdout
-    assert sorted((work / "results").rglob("part-*.parquet")) == fragments
+    assert f"compacted 2 partitions of sweep smoke dated 2 or more days ago ({copied} fragments" in again.stdout
+    assert all([p.name.split("-")[0] for p in leaf.iterdir()] == ["compact"] for leaf in old)
+    assert sorted((work / "results").rglob("part-*.parquet")) == fragments  # today's: as the run wrote them
 
     res = _run([orchestrate_bin, "results", "--sweep", "smoke", "--all-runs"], work)  # every run: as DuckDB reads it
     assert res.returncode == 0, res.stderr

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import importlib
 import io
 import json
 import re
 import subprocess
+import sys
 from enum import Enum
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import click
 import pytest
 import typer
 
-from orchestrator.cli import app
+from orchestrator.cli import COMMAND_MODULES, VERBS, app
 from tests.conftest import child_env
 from tests.orchestrator.test_dataset import DAY, write_job
 
@@ -58,8 +60,66 @@ def test_help_version_and_a_bare_orchestrate(orchestrate_bin: str) -> None:
     assert "compare" in bare.stdout + bare.stderr and "compact" in bare.stdout + bare.stderr
     short = orchestrate(orchestrate_bin, "-h")
     assert short.returncode == 0 and short.stdout == orchestrate(orchestrate_bin, "--help").stdout
+    assert orchestrate(orchestrate_bin, "-h", "compare").stdout == short.stdout  # its own help: every verb
     version = orchestrate(orchestrate_bin, "--version")
     assert version.returncode == 0 and re.fullmatch(r"orchestrate \d+\.\d+\.\d+ \(commit \S+\)\n", version.stdout)
+
+
+def test_the_verb_map_names_what_each_module_registers() -> None:
+    """`VERBS` (what a run of one verb imports) against what each command module really registers."""
+    registered: dict[str, str] = {}
+    for module in COMMAND_MODULES:
+        alone = typer.Typer()
+        importlib.import_module(module).register(alone)
+        names = [c.name for c in alone.registered_commands] + [g.name for g in alone.registered_groups]
+        assert names and all(isinstance(n, str) for n in names), module
+        for name in names:
+            assert name not in registered, f"{name} registered by {registered.get(name)} and {module}"
+            registered[str(name)] = module
+    assert registered == VERBS
+    assert set(typer.main.get_command(app).commands) == set(VERBS)  # type: ignore[attr-defined]
+
+
+# Run a command line through `main` and print, at exit, the modules the process imported.
+IMPORTS = """
+import atexit, json, sys
+atexit.register(lambda: print("\\nIMPORTED " + json.dumps(sorted(sys.modules)), file=sys.stderr))
+from orchestrator.cli import main
+sys.argv = ["orchestrate", *sys.argv[1:]]
+main()
+"""
+
+
+def imported_by(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    out = subprocess.run([sys.executable, "-c", IMPORTS, *args], capture_output=True, text=True, env=child_env(),
+                         timeout=120)  # fmt: skip
+    marker = out.stderr.rindex("IMPORTED ")
+    return out, set(json.loads(out.stderr[marker + len("IMPORTED ") :]))
+
+
+def test_a_verb_imports_its_own_module_and_what_it_needs_alone(store_root: Path) -> None:
+    count, modules = imported_by("query", "select count(*) as n from results", "-r", str(store_root))
+    assert count.returncode == 0 and count.stdout.split()[-3:] == ["48", "(1", "rows)"], count.stdout + count.stderr
+    commands = {m for m in modules if m.startswith("orchestrator.commands.")}
+    assert commands == {"orchestrator.commands.query", "orchestrator.commands.options"}
+    # the count needs DuckDB and an Arrow table: not the comparison's statistics, pandas or Ray
+    assert not modules & {"pandas", "pyarrow.compute", "pyarrow.dataset", "rich.progress", "ray", "scipy", "tabulate",
+                          "orchestrator.stats", "orchestrator.specs", "orchestrator.point_index"}  # fmt: skip
+    compared, modules = imported_by("compare", "-r", str(store_root), "--by", "run", "-f", "json")
+    assert compared.returncode == 0 and json.loads(compared.stdout), compared.stderr
+    assert not modules & {"pandas", "pyarrow.dataset", "rich.progress", "ray", "orchestrator.commands.run"}
+    version, modules = imported_by("--version")
+    assert version.returncode == 0 and version.stdout.startswith("orchestrate ")
+    assert not {m for m in modules if m.startswith("orchestrator.commands.")}
+    helped, modules = imported_by("--help")
+    assert helped.returncode == 0 and {f"orchestrator.commands.{v}" for v in ("run", "compact", "query")} <= modules
+    assert all(f"\n  {verb} " in helped.stdout or f"\n  {verb}\n" in helped.stdout for verb in VERBS), helped.stdout
+
+
+def test_a_mistyped_verb_is_refused_with_the_closest_one(orchestrate_bin: str) -> None:
+    for typo, meant in (("comapre", "compare"), ("qurey", "query"), ("schedul", "schedule")):
+        out = orchestrate(orchestrate_bin, typo)
+        assert out.returncode == 2 and f"No such command '{typo}'. Did you mean '{meant}'?" in out.stderr, out.stderr
 
 
 def test_every_help_is_printed_as_written() -> None:

@@ -192,12 +192,14 @@ def test_remove_never_touches_a_file_outside_the_schedules(
 
 
 BENCH = bench_script(0.01)
+OLD_NIGHTS = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=5)
 
 
 def earlier_nights(results: Path, sweep: str, nights: int) -> None:
     """Copies of the one stored night as `nights` more stable nights, each a run of its own a
     second later, +-0.4 %: the history the detector needs (it judges a series from its 8th night)
-    without running the sweep that many more times."""
+    without running the sweep that many more times. They are stored five days back (their rows
+    keep their times), so the next scheduled run compacts that partition."""
     store = ResultStore(results)
     table = store.read(sweep=sweep)
     (run_id,) = set(table["run_id"].to_pylist())
@@ -209,7 +211,7 @@ def earlier_nights(results: Path, sweep: str, nights: int) -> None:
             ("value", pc.multiply(table["value"], 1 + 0.004 * (-1) ** i)),
         ):
             copy = copy.set_column(copy.schema.get_field_index(name), copy.schema.field(name), values)
-        store.write(copy, sweep=sweep, date=dt.date.today(), device="cpu", run_id=f"{run_id}-{i:02d}", job_key=f"h{i}")
+        store.write(copy, sweep=sweep, date=OLD_NIGHTS, device="cpu", run_id=f"{run_id}-{i:02d}", job_key=f"h{i}")
 
 
 @pytest.mark.slow
@@ -263,6 +265,10 @@ def test_scheduled_runs_over_commits_flag_the_slow_commit(tmp_path: Path, config
         if night == 0:
             earlier_nights(results, "nightly-engine", 6)
     assert codes == [0, 0, 1], "\n=====\n".join(outputs)
+    # the copied nights' partition was compacted after the second night's run (atomically, once)
+    assert "compacted 1 partitions of sweep nightly-engine dated 2 or more days ago (6 fragments" in outputs[1]
+    old = results / "sweep=nightly-engine" / f"date={OLD_NIGHTS.isoformat()}" / "device=cpu"
+    assert [p.name.split("-")[0] for p in old.iterdir()] == ["compact"] and "compacted" not in outputs[2]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("| regression |"))
     assert "| engine | native | prompt_tokens=512 | decode_tok_s |" in line and commits[2][:12] in line
     reports = sorted((config / "reports" / "nightly").glob("*.md"))
