@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,12 +216,12 @@ def test_status_then_sweep_over_two_kinds_puts_rows_on_the_right_hosts_and_colle
         assert secret not in node_log + raylet  # the token is never logged
 
 
-def wait_for(predicate: object, timeout: float, what: str) -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, *, poll: float = 0.1) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
-        time.sleep(0.1)
+        time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -233,11 +233,20 @@ def test_host_killed_mid_sweep_retries_on_its_kind_or_fails_with_the_reason(clus
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cluster.env, cwd=cluster.root,
     )  # fmt: skip
     try:
-        # Kill a1's and b1's whole Ray nodes (raylet, workers, the job) while each runs a job.
+        # Kill a1's and b1's whole Ray nodes (raylet, workers, the job) each as soon as its first job
+        # holds the lock. Waiting for both to hold it at once raced: a job is about a second, so b1 could
+        # finish its first job (an ok beta row) before a1's began.
         holders = {h: cluster.root / h / "gpu.lock.holder" for h in ("a1", "b1")}
-        wait_for(lambda: all(p.exists() for p in holders.values()), 120, "jobs running on a1 and b1")
-        for host in holders:
-            os.killpg(cluster.node_pid(host), signal.SIGKILL)
+        killed: set[str] = set()
+
+        def kill_those_running() -> bool:
+            for host, holder in holders.items():
+                if host not in killed and holder.exists():
+                    os.killpg(cluster.node_pid(host), signal.SIGKILL)
+                    killed.add(host)
+            return len(killed) == len(holders)
+
+        wait_for(kill_those_running, 120, "jobs running on a1 and b1", poll=0.02)
         # the holder file names the job each lost host was running: `cmd=<sweep>/<case>/<job key>`
         running = {
             host: next(ln for ln in p.read_text().splitlines() if ln.startswith("cmd=")).rsplit("/", 1)[-1]
