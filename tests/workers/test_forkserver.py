@@ -108,7 +108,7 @@ def test_a_childs_exit_reaches_its_client_at_once(server: forkserver.ForkServer,
 def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from workers.forkserver import ForkServer; "
-         "s = ForkServer.start({**__import__('os').environ}, preload_mlx=False); print(s.proc.pid, flush=True); "
+         "s = ForkServer.start({**__import__('os').environ}, preload='none'); print(s.proc.pid, flush=True); "
          "time.sleep(600)"],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -118,6 +118,38 @@ def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent.kill()
     parent.wait()
     assert _gone(pid)
+
+
+def test_a_server_that_preloads_only_mlxs_native_library_serves_jobs(tmp_path: Path) -> None:
+    """The CUDA backend's fallback (its Python module opens the GPU on import): the server maps
+    libmlx.so and what it links but has no MLX module, and its children import MLX and run jobs."""
+    srv = forkserver.ForkServer.start(job_env(), preload="mlx-library")
+    try:
+        assert srv.note == "mlx's native library preloaded"
+        assert srv.proc is not None
+        maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
+        assert "/libmlx.so" in maps and "/mlx/core.cpython" not in maps  # the library, not MLX's module
+        out = tmp_path / "out.txt"
+        with out.open("wb") as fh:
+            code, _ = forkserver.run_entry(
+                "workers", ["device"], env={}, changes={}, stdout=fh.fileno(), stderr=fh.fileno(), timeout=60,
+                server=srv,
+            )  # fmt: skip
+        assert code == 0 and json.loads(out.read_text().splitlines()[-1]) == {"device": "cpu", "backend": "cpu"}
+    finally:
+        srv.close()
+
+
+def test_an_mlx_without_a_native_library_falls_back_to_preloading_nothing(tmp_path: Path) -> None:
+    # an MLX package (here a stand-in shadowing the real one) that has no lib/libmlx.so
+    (tmp_path / "mlx").mkdir()
+    (tmp_path / "mlx" / "__init__.py").write_text("")
+    env = {**job_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{job_env().get('PYTHONPATH', REPO)}"}
+    srv = forkserver.ForkServer.start(env, preload="mlx-library")
+    try:
+        assert srv.note == "mlx not preloaded"
+    finally:
+        srv.close()
 
 
 def test_device_files_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
