@@ -35,7 +35,7 @@ note() { echo "== $*" | tee -a "$log"; }
 if [[ -n "${BEFORE:-}" && ! -e $state/before-copied ]]; then
   mkdir -p "$state/results"
   cp -r "$BEFORE"/sweep=* "$state/results/" && touch "$state/before-copied"
-  note "copied the earlier results of $BEFORE: $(find "$state/results" -name 'part-*.parquet' | wc -l) fragments"
+  note "copied the earlier results of $BEFORE: $(find "$state/results" -name '*.parquet' | wc -l) Parquet files"
 fi
 note "$(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 note "python3 -m workers device: $(python3 -m workers device 2>&1 | tail -1)"
@@ -82,5 +82,5 @@ for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # the report takes o
     || note "report of $sweep failed: $(tail -1 "$log")"
 done
 tar -C "$state" -cJf "$out/results.tar.xz" results 2>>"$log"
-note "packed $(find "$state/results" -name 'part-*.parquet' | wc -l) fragments ($(du -h "$out/results.tar.xz" | cut -f1))"
+note "packed $(find "$state/results" -name '*.parquet' | wc -l) Parquet files ($(du -h "$out/results.tar.xz" | cut -f1))"
 ((complete)) && note "all sweeps complete" || note "not complete: run the script again while the machine is up"

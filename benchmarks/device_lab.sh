@@ -10,13 +10,16 @@
 #    (OLD_TREE: its `workers/` and `kernels/`, e.g. `git archive <commit> workers kernels`) and by
 #    this one, alternately, in this one call; the medians' table (issue 13).
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma/, wgmma_ws/) and OUT/before_after.md.
+# GEMM_LAB=0 skips step 1 (the before/after alone, about 90 s on a machine whose MLX JIT cache is warm).
 set -u
 out=${1:?usage: device_lab.sh OUT [OLD_TREE]}
 old=${2:-}
 export PYTHONUNBUFFERED=1
 step() { echo "== $*"; "$@" || echo "!! failed ($?): $*"; }
-step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab"
-tail -25 "$out/gemm_lab/gemm_lab.txt" 2>/dev/null
+if [[ ${GEMM_LAB:-1} != 0 ]]; then
+  step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab"
+  tail -25 "$out/gemm_lab/gemm_lab.txt" 2>/dev/null
+fi
 if [[ -n $old ]]; then
   jobs=/tmp/before-after
   mkdir -p "$jobs"
