@@ -94,6 +94,7 @@ class RayExecutor:
         self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()
+        self._stopping: threading.Thread | None = None
 
     def __enter__(self) -> RayExecutor:
         self.start()
@@ -150,13 +151,33 @@ class RayExecutor:
         self._started = True
         self._signals.install()
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, wait: bool = True) -> None:
         """Stop what `start` started (an embedded instance, or our connection to the head).
 
         Ending the driver ends its tasks: Ray kills the worker processes running them, and with
         each its fork server and job processes (they die with their parent), so no job outlives
         the run and every GPU lock is free.
+
+        Args:
+            wait: False: our signal handlers go now, and Ray stops in a thread of its own (about
+                1.5 s on the 2-core CPU machine, most of it its autoscaler monitor's exit) while
+                the caller reports the stored rows; `wait_stopped` joins it. Only once every job
+                has ended: the processes it stops run no job then.
         """
+        self._signals.restore()  # in this thread: Python sets handlers in the main thread only
+        if wait:
+            self._stop()
+            return
+        self._stopping = threading.Thread(target=self._stop, name="ray-shutdown")  # not a daemon: exit waits
+        self._stopping.start()
+
+    def wait_stopped(self) -> None:
+        """Return once a `shutdown(wait=False)` has stopped Ray (at once when none is under way)."""
+        if self._stopping is not None:
+            self._stopping.join()
+            self._stopping = None
+
+    def _stop(self) -> None:
         import ray
 
         try:
@@ -165,7 +186,6 @@ class RayExecutor:
                 ray.shutdown()
         finally:
             self._started = False
-            self._signals.restore()
 
     def live_kinds(self) -> set[str]:
         """Device kinds with at least one live node offering a GPU slot."""
