@@ -29,9 +29,11 @@ import pyarrow as pa
 
 from orchestrator.embedded import NODE_CPUS, GpuNodes, local_gpus, node_labels
 from orchestrator.errors import InfrastructureError
+from orchestrator.inventory import HostSpec
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
-from workers.gpus import GPU_SLOTS_ENV, GpuInfo
+from workers.forkserver import ForkServer
+from workers.gpus import GPU_SLOTS_ENV, GpuInfo, pin_from_labels
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -85,12 +87,21 @@ class RayExecutor:
     """Runs jobs as Ray tasks on the inventory's cluster (or an embedded local instance)."""
 
     def __init__(
-        self, inventory: InventorySpec, *, job_timeout: float | None = None, gpus: list[GpuInfo] | None = None
+        self,
+        inventory: InventorySpec,
+        *,
+        job_timeout: float | None = None,
+        gpus: list[GpuInfo] | None = None,
+        first_job: JobSpec | None = None,
     ) -> None:
-        """`gpus`: the embedded host's GPUs when the caller resolved them already (`local_gpus`)."""
+        """`gpus`: the embedded host's GPUs when the caller resolved them already (`local_gpus`).
+        `first_job`: a job of the sweep; an embedded instance starts its first node's fork server
+        for it beside Ray's start (`workers.task.prestart_server`)."""
         self.inventory = inventory
         self.job_timeout = job_timeout
         self._gpus = gpus
+        self._first_job = first_job
+        self._prestarted: ForkServer | None = None
         self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()
@@ -123,6 +134,7 @@ class RayExecutor:
                 use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
                 if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
                     os.environ[GPU_SLOTS_ENV] = str(len(gpus))
+                self._prestart(host, gpus[0] if gpus else None)
                 context = ray.init(
                     address="local",
                     labels=node_labels(host, gpus[0] if gpus else None),
@@ -150,6 +162,15 @@ class RayExecutor:
             raise
         self._started = True
         self._signals.install()
+
+    def _prestart(self, host: HostSpec, gpu: GpuInfo | None) -> None:
+        """The first node's fork server for the first job, as that node's worker would localise it."""
+        if self._first_job is None or self._first_job.device != host.device:
+            return
+        from workers.task import prestart_server
+
+        pin = pin_from_labels(node_labels(host, gpu))
+        self._prestarted = prestart_server(self._first_job.model_copy(update={"gpu": pin}))
 
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop what `start` started (an embedded instance, or our connection to the head).
@@ -186,6 +207,12 @@ class RayExecutor:
                 ray.shutdown()
         finally:
             self._started = False
+            if self._prestarted is not None:  # after Ray: no worker uses it any more
+                from workers.task import PRESTARTED_ENV
+
+                os.environ.pop(PRESTARTED_ENV, None)
+                self._prestarted.close()
+                self._prestarted = None
 
     def live_kinds(self) -> set[str]:
         """Device kinds with at least one live node offering a GPU slot."""

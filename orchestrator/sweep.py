@@ -172,7 +172,7 @@ def run_sweep(
 
     if progress:
         progress("starting", todo[0], None)
-    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus)
+    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus, first_job=todo[0])
     try:
         executor.start()
         executor.check_kinds({j.device for j in todo})
