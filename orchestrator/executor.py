@@ -20,6 +20,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from types import FrameType
@@ -116,12 +117,20 @@ class RayExecutor:
 
     def start(self) -> None:
         """Start the embedded Ray instance, or connect to the inventory's head."""
+        loaded = sys.modules.get("ray")
+        if loaded is not None and loaded.is_initialized():
+            self._started = False
+            return
+        host = self.inventory.hosts[0]
+        gpus: list[GpuInfo] = []
+        if self.inventory.embedded:
+            gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
+            if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
+                os.environ[GPU_SLOTS_ENV] = str(len(gpus))
+            self._prestart(host, gpus[0] if gpus else None)  # before Ray's import (0.35 s on the CPU machine)
         import ray
         from ray.exceptions import RayError
 
-        if ray.is_initialized():
-            self._started = False
-            return
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
@@ -129,12 +138,7 @@ class RayExecutor:
 
                 # Ray's node processes inherit this: the probes on this host know them as ours
                 os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
-                host = self.inventory.hosts[0]
-                gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
                 use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
-                if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
-                    os.environ[GPU_SLOTS_ENV] = str(len(gpus))
-                self._prestart(host, gpus[0] if gpus else None)
                 context = ray.init(
                     address="local",
                     labels=node_labels(host, gpus[0] if gpus else None),

@@ -294,3 +294,55 @@ def test_a_job_forked_from_the_server_imports_nothing_it_could_have_preloaded(
     out = _probe(srv, tmp_path, "job", str(job))
     assert out["status"] == "ok"
     assert [m for m in out["imported"] if not m.startswith("kernels.")] == []
+
+
+def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded head starts the first node's server beside Ray's start; the Ray worker adopts
+    it only for the same key, sends each job its own (the worker's) whole environment, and leaves
+    the server to the head, which alone removes it."""
+    from workers import task
+
+    monkeypatch.setattr(task, "_server", None)
+    monkeypatch.setattr(task, "_server_key", None)
+    job = _job(tmp_path)
+    head = task.prestart_server(job)
+    assert head is not None and head.proc is not None
+    try:
+        assert task._adopt(("another code version", "1", sys.executable, "")) is None
+        monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
+        sent: list[dict[str, Any]] = []
+        spawn = forkserver.ForkServer.spawn
+
+        def spy(self: forkserver.ForkServer, entry: str, args: list[str], **kw: Any) -> forkserver.WarmProcess:
+            sent.append(kw["env"])
+            return spawn(self, entry, args, **kw)
+
+        monkeypatch.setattr(forkserver.ForkServer, "spawn", spy)
+        table = execute_job(job.model_dump_json())
+        phases = json.loads((table.schema.metadata or {})[META_PHASES])
+        assert (table.schema.metadata or {})[b"orchestrate.job_status"] == b"ok"
+        assert phases["process"].startswith("forked from a warm server (mlx preloaded, started beside Ray's start")
+        assert task._server is not None and task._server.adopted and task._server.path == head.path
+        assert sent and sent[0]["ORCHESTRATE_SET_AFTER_THE_SERVER"] == "1"
+        assert task.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
+        task._server.close()  # the worker's handle: the head's server stays
+        assert os.path.exists(head.path) and pid_alive(head.proc.pid)
+    finally:
+        os.environ.pop(task.PRESTARTED_ENV, None)
+        head.close()
+    assert not os.path.exists(os.path.dirname(head.path)) and _gone(head.proc.pid)
+
+
+def test_a_prestarted_server_that_ended_is_not_adopted(tmp_path: Path) -> None:
+    server = forkserver.ForkServer.launch(job_env())
+    assert server.proc is not None
+    server.proc.kill()
+    server.proc.wait()
+    try:
+        started = time.monotonic()
+        assert forkserver.ForkServer.adopt(server.path, server.proc.pid, timeout=60) is None
+        assert time.monotonic() - started < 5  # seen as ended, not waited for until the timeout
+    finally:
+        server.close()
