@@ -212,10 +212,9 @@ class RayExecutor:
         finally:
             self._started = False
             if self._prestarted is not None:  # after Ray: no worker uses it any more
-                from workers.task import PRESTARTED_ENV
+                from workers.prestart import withdraw
 
-                os.environ.pop(PRESTARTED_ENV, None)
-                self._prestarted.close()
+                withdraw(self._prestarted)
                 self._prestarted = None
 
     def live_kinds(self) -> set[str]:

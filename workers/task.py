@@ -32,17 +32,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers import forkserver
+from workers import forkserver, prestart
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
+from workers.prestart import PRESTARTED_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
 FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
-# JSON {"path", "pid", "key"}: a server the head started beside Ray's start (`prestart_server`), for
-# the Ray worker whose jobs have that server key to adopt instead of starting its own
-PRESTARTED_ENV = "ORCHESTRATE_PRESTARTED_SERVER"
+
 SPAWNED_AT_ENV = "ORCHESTRATE_SPAWNED_AT"  # wall-clock time the job's process was asked for
 TAIL_BYTES = 4096
 
@@ -127,7 +126,7 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | No
         return _server
     if _server is not None:
         _server.close()
-    _server = _adopt(key)
+    _server = prestart.adopt(key)
     if _server is not None:
         _server_key = key
         return _server
@@ -152,31 +151,14 @@ def server_key(job: JobSpec, env: dict[str, str]) -> tuple[str, ...]:
 def prestart_server(job: JobSpec) -> forkserver.ForkServer | None:
     """In the embedded head, before `ray.init`: start the fork server the first node's Ray worker
     would start for `job` (localised to that node), so that its imports run beside Ray's start;
-    the Ray worker, which inherits `PRESTARTED_ENV`, adopts it. None where jobs are not forked
-    or it cannot start (the worker then starts its own, as ever). The caller closes it after Ray.
+    the Ray worker, which inherits `PRESTARTED_ENV`, adopts it (`workers.prestart`). None where
+    jobs are not forked or it cannot start (the worker then starts its own, as ever). The caller
+    closes it after Ray.
     """
     if not warm_servers():
         return None
     env = job_env(job)
-    try:
-        server = forkserver.ForkServer.launch(env)
-    except OSError:
-        return None
-    assert server.proc is not None
-    info = {"path": server.path, "pid": server.proc.pid, "key": list(server_key(job, env))}
-    os.environ[PRESTARTED_ENV] = json.dumps(info)
-    return server
-
-
-def _adopt(key: tuple[str, ...]) -> forkserver.ForkServer | None:
-    """The head's prestarted server when it was started for `key` and is ready (None otherwise)."""
-    try:
-        info = json.loads(os.environ.get(PRESTARTED_ENV, ""))
-        if tuple(info["key"]) != key:
-            return None
-        return forkserver.ForkServer.adopt(str(info["path"]), int(info["pid"]))
-    except (ValueError, KeyError, TypeError):
-        return None
+    return prestart.launch(env, server_key(job, env))
 
 
 def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None) -> tuple[int | None, str]:

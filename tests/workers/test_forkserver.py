@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, child_env
-from workers import forkserver
+from workers import forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
 from workers.processes import pid_alive
 from workers.task import execute_job, job_env
@@ -310,7 +310,7 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
     head = task.prestart_server(job)
     assert head is not None and head.proc is not None
     try:
-        assert task._adopt(("another code version", "1", sys.executable, "")) is None
+        assert prestart.adopt(("another code version", "1", sys.executable, "")) is None
         monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
         sent: list[dict[str, Any]] = []
         spawn = forkserver.ForkServer.spawn
@@ -330,19 +330,20 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
         task._server.close()  # the worker's handle: the head's server stays
         assert os.path.exists(head.path) and pid_alive(head.proc.pid)
     finally:
-        os.environ.pop(task.PRESTARTED_ENV, None)
-        head.close()
+        prestart.withdraw(head)
     assert not os.path.exists(os.path.dirname(head.path)) and _gone(head.proc.pid)
 
 
-def test_a_prestarted_server_that_ended_is_not_adopted(tmp_path: Path) -> None:
-    server = forkserver.ForkServer.launch(job_env())
-    assert server.proc is not None
+def test_a_prestarted_server_that_ended_is_not_adopted() -> None:
+    key = ("v", "1", sys.executable, "")
+    server = prestart.launch(job_env(), key)
+    assert server is not None and server.proc is not None
     server.proc.kill()
     server.proc.wait()
     try:
         started = time.monotonic()
-        assert forkserver.ForkServer.adopt(server.path, server.proc.pid, timeout=60) is None
+        assert prestart.adopt(key, timeout=60) is None
         assert time.monotonic() - started < 5  # seen as ended, not waited for until the timeout
     finally:
-        server.close()
+        prestart.withdraw(server)
+    assert prestart.PRESTARTED_ENV not in os.environ and not os.path.exists(os.path.dirname(server.path))
