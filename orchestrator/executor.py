@@ -33,8 +33,8 @@ from orchestrator.errors import InfrastructureError
 from orchestrator.inventory import HostSpec
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
-from workers.forkserver import ForkServer
 from workers.gpus import GPU_SLOTS_ENV, GpuInfo, pin_from_labels
+from workers.prestart import Prestarted
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -102,7 +102,7 @@ class RayExecutor:
         self.job_timeout = job_timeout
         self._gpus = gpus
         self._first_job = first_job
-        self._prestarted: ForkServer | None = None
+        self._prestarted: Prestarted | None = None
         self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()

@@ -383,30 +383,39 @@ class ForkServer:
 
     @classmethod
     def start(
-        cls, env: dict[str, str], *, preload: str = "mlx", timeout: float = 300.0, path: str | None = None
+        cls,
+        env: dict[str, str],
+        *,
+        preload: str = "mlx",
+        timeout: float = 300.0,
+        path: str | None = None,
+        on_process: Callable[[subprocess.Popen[bytes]], None] | None = None,
     ) -> ForkServer:
-        """Start a server with `env` (at socket `path`, else a new one); where what `preload` loads
-        of MLX left the server unsafe to fork from (it opened the device), start one with the next
-        of PRELOAD_MODES.
+        """Start a server with `env` (at socket `path`, which its caller then removes, else a new
+        one); where what `preload` loads of MLX left the server unsafe to fork from (it opened the
+        device), start one with the next of PRELOAD_MODES. `on_process` hears of each process started.
 
         Raises:
             OSError: The server could not start (the caller falls back to fresh interpreters).
         """
-        path = path or new_socket_path()
+        given, path = path is not None, path or new_socket_path()
         argv = [sys.executable, "-m", "workers.forkserver", path]
         proc = subprocess.Popen([*argv, preload], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        if on_process is not None:
+            on_process(proc)
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline().decode().strip() if ready else ""
         if line.startswith("unsafe") and preload != PRELOAD_MODES[-1]:
             proc.wait()
             next_mode = PRELOAD_MODES[PRELOAD_MODES.index(preload) + 1]
-            return cls.start(env, preload=next_mode, timeout=timeout, path=path)
+            return cls.start(env, preload=next_mode, timeout=timeout, path=path, on_process=on_process)
         if not line.startswith("ready"):
             proc.kill()
             proc.wait()
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(path))
+            if not given:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(path))
             raise OSError(f"fork server did not start ({line or 'no answer'})")
         return cls(path, proc, line.split(" ", 3)[-1])
 

@@ -148,12 +148,12 @@ def server_key(job: JobSpec, env: dict[str, str]) -> tuple[str, ...]:
     return (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
 
 
-def prestart_server(job: JobSpec) -> forkserver.ForkServer | None:
+def prestart_server(job: JobSpec) -> prestart.Prestarted | None:
     """In the embedded head, before `ray.init`: start the fork server the first node's Ray worker
     would start for `job` (localised to that node), so that its imports run beside Ray's start;
     the Ray worker, which inherits `PRESTARTED_ENV`, adopts it (`workers.prestart`). None where
-    jobs are not forked or it cannot start (the worker then starts its own, as ever). The caller
-    closes it after Ray.
+    jobs are not forked; one that does not start leaves the worker to start its own, as ever. The
+    caller withdraws it after Ray (`prestart.withdraw`).
     """
     if not warm_servers():
         return None

@@ -19,7 +19,7 @@ from orchestrator.specs import load_inventory
 from tests.conftest import REPO, child_env
 from workers import task
 from workers.contract import JobSpec, LockSettings
-from workers.forkserver import ForkServer
+from workers.prestart import Prestarted
 from workers.processes import pid_alive
 
 
@@ -75,10 +75,10 @@ def test_a_ray_start_that_fails_is_one_error_and_ends_the_prestarted_fork_server
     def failing_init(*args: object, **kwargs: object) -> None:
         raise RuntimeError("raylet did not start")
 
-    started: list[ForkServer] = []
+    started: list[Prestarted] = []
     real = task.prestart_server
 
-    def spy(job: JobSpec) -> ForkServer | None:
+    def spy(job: JobSpec) -> Prestarted | None:
         server = real(job)
         started.extend([server] if server else [])
         return server
@@ -94,6 +94,8 @@ def test_a_ray_start_that_fails_is_one_error_and_ends_the_prestarted_fork_server
     executor = RayExecutor(inventory, gpus=[], first_job=job)
     with pytest.raises(InfrastructureError, match=r"^cannot start or reach Ray: raylet did not start$"):
         executor.start()
-    assert len(started) == 1 and started[0].proc is not None  # it was started beside the failed start
-    assert started[0].proc.poll() is not None and not os.path.exists(os.path.dirname(started[0].path))
+    assert len(started) == 1  # it was started beside the failed start
+    server = started[0]
+    assert server.process is None or server.process.poll() is not None
+    assert not os.path.exists(os.path.dirname(server.path))
     assert task.PRESTARTED_ENV not in os.environ

@@ -308,7 +308,7 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
     monkeypatch.setattr(task, "_server_key", None)
     job = _job(tmp_path)
     head = task.prestart_server(job)
-    assert head is not None and head.proc is not None
+    assert head is not None
     try:
         assert prestart.adopt(("another code version", "1", sys.executable, "")) is None
         monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
@@ -328,22 +328,34 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
         assert sent and sent[0]["ORCHESTRATE_SET_AFTER_THE_SERVER"] == "1"
         assert task.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
         task._server.close()  # the worker's handle: the head's server stays
-        assert os.path.exists(head.path) and pid_alive(head.proc.pid)
+        assert head.server is not None and head.server.proc is not None
+        assert os.path.exists(head.path) and pid_alive(head.server.proc.pid)
     finally:
         prestart.withdraw(head)
-    assert not os.path.exists(os.path.dirname(head.path)) and _gone(head.proc.pid)
+    assert not os.path.exists(os.path.dirname(head.path)) and head.server.proc.poll() is not None
 
 
-def test_a_prestarted_server_that_ended_is_not_adopted() -> None:
+def test_a_prestarted_server_that_did_not_start_is_not_waited_for() -> None:
+    """A server that ends before it is ready (here: killed as it starts) is seen as failed at once,
+    and the head's `withdraw` leaves nothing behind."""
     key = ("v", "1", sys.executable, "")
-    server = prestart.launch(job_env(), key)
-    assert server is not None and server.proc is not None
-    server.proc.kill()
-    server.proc.wait()
+    started = prestart.launch(job_env(), key)
+    deadline = time.monotonic() + 30
+    while started.process is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started.process is not None
+    started.process.kill()
     try:
-        started = time.monotonic()
+        t0 = time.monotonic()
         assert prestart.adopt(key, timeout=60) is None
-        assert time.monotonic() - started < 5  # seen as ended, not waited for until the timeout
+        assert time.monotonic() - t0 < 5  # seen as failed, not waited for until the timeout
     finally:
-        prestart.withdraw(server)
-    assert prestart.PRESTARTED_ENV not in os.environ and not os.path.exists(os.path.dirname(server.path))
+        prestart.withdraw(started)
+    assert prestart.PRESTARTED_ENV not in os.environ and not os.path.exists(os.path.dirname(started.path))
+
+
+def test_a_server_still_starting_is_ended_by_withdraw() -> None:
+    started = prestart.launch(job_env(), ("v", "1", sys.executable, ""))
+    prestart.withdraw(started)  # at once: the head's Ray start failed
+    assert started.process is None or started.process.poll() is not None
+    assert not os.path.exists(os.path.dirname(started.path))
