@@ -82,6 +82,18 @@ def verb_of(args: Sequence[str]) -> str | None:
     return None
 
 
+def early_probe(args: Sequence[str]) -> bool:
+    """Whether the command asks this machine's device first: `run` on the default inventory (whose
+    `device = "auto"` needs the probe before Ray can start), without `-h`."""
+    rest = list(args)[1:]
+    asks_help = any(a in ("-h", "--help") for a in rest)
+    return (
+        verb_of(args) == "run"
+        and not asks_help
+        and not any(a in ("-i", "--inventory") or a.startswith(("-i", "--inventory=")) for a in rest)
+    )
+
+
 def build_app(args: Sequence[str] | None = None) -> typer.Typer:
     """The CLI for a command line: only its verb's module where the verb is known, else every verb
     (a bare `orchestrate`, `--help`, or a mistyped verb, which typer answers with the closest)."""
@@ -160,6 +172,10 @@ def spare_pandas() -> None:
 def main() -> None:
     """Console-script entry point."""
     try:
+        if early_probe(sys.argv[1:]):
+            from orchestrator.localhost import probe_early
+
+            probe_early()  # beside the imports that follow: `run` on this machine asks it next
         app = build_app(sys.argv[1:])
         spare_pandas()
         code = app(standalone_mode=False)

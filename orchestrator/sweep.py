@@ -71,6 +71,7 @@ class RunSummary:
     wall_seconds: float = 0.0
     startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
+    wait_stopped: Callable[[], None] = lambda: None  # returns once Ray has stopped (`stop_in_background`)
 
     @property
     def ran(self) -> int:
@@ -128,8 +129,13 @@ def run_sweep(
     progress: Progress | None = None,
     spool_dir: str | None = None,
     job_timeout: float | None = None,
+    stop_in_background: bool = False,
 ) -> RunSummary:
-    """Run every job of `sweep` not already complete in `store`; return what happened."""
+    """Run every job of `sweep` not already complete in `store`; return what happened.
+
+    `stop_in_background`: once every job's rows are stored, Ray stops in a thread while the caller
+    reports them; the caller then calls `summary.wait_stopped()` before it exits.
+    """
     t0 = time.perf_counter()
     kinds = check_sweep_against_inventory(sweep, inventory, sweep_where)
     gpus = local_gpus(inventory) if inventory.embedded else None  # a `gpus` this machine lacks: exit 2 here
@@ -166,16 +172,24 @@ def run_sweep(
 
     if progress:
         progress("starting", todo[0], None)
+    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus, first_job=todo[0])
     try:
-        with RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus) as executor:
-            executor.check_kinds({j.device for j in todo})
-            last_done = time.perf_counter()
-            summary.startup_seconds = last_done - t0
-            if progress:
-                for job in todo:
-                    progress("queued", job, None)
-            executor.run(todo, on_done)
+        executor.start()
+        executor.check_kinds({j.device for j in todo})
+        last_done = time.perf_counter()
+        summary.startup_seconds = last_done - t0
+        if progress:
+            for job in todo:
+                progress("queued", job, None)
+        executor.run(todo, on_done)
     except Interrupted as stop:
         summary.interrupted = stop.signum  # what finished is stored; the caller says so and how to resume
+        executor.shutdown()
+    except BaseException:
+        executor.shutdown()
+        raise
+    else:  # every job ended and its rows are stored
+        executor.shutdown(wait=not stop_in_background)
+        summary.wait_stopped = executor.wait_stopped
     summary.wall_seconds = time.perf_counter() - t0
     return summary

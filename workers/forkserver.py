@@ -72,6 +72,7 @@ PRELOAD_NOTES = {
 # and what imports it), which every child would inherit (tests/workers/test_forkserver.py checks).
 DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri")
 PR_SET_PDEATHSIG = 1
+NOTE_SUFFIX = ".note"  # beside the socket: what the server preloaded, for a client that did not start it
 WAKE_POLL_S = 1.0  # the server's loop also looks for ended children this often (a missed wakeup)
 
 
@@ -252,6 +253,8 @@ def serve(path: str, preload: str) -> int:
             print("unsafe: MLX failed or hung in a forked child", flush=True)
             return 3
     mlx_note = PRELOAD_NOTES[preload]
+    with open(path + NOTE_SUFFIX, "w") as note:  # before the socket: a client that sees it finds the note
+        note.write(mlx_note)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     os.chmod(path, 0o600)
@@ -370,33 +373,49 @@ class WarmProcess:
 class ForkServer:
     """The client's handle on a running server (started here, or inherited through `SOCKET_ENV`)."""
 
-    def __init__(self, path: str, proc: subprocess.Popen[bytes] | None = None, note: str = "") -> None:
+    def __init__(
+        self, path: str, proc: subprocess.Popen[bytes] | None = None, note: str = "", *, adopted: bool = False
+    ) -> None:
         self.path = path
         self.proc = proc
         self.note = note  # what the server preloaded, for the rows
+        self.adopted = adopted  # started with another process's environment: send a child its whole one
 
     @classmethod
-    def start(cls, env: dict[str, str], *, preload: str = "mlx", timeout: float = 300.0) -> ForkServer:
-        """Start a server with `env`; where what `preload` loads of MLX left the server unsafe to
-        fork from (it opened the device), start one with the next of PRELOAD_MODES.
+    def start(
+        cls,
+        env: dict[str, str],
+        *,
+        preload: str = "mlx",
+        timeout: float = 300.0,
+        path: str | None = None,
+        on_process: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    ) -> ForkServer:
+        """Start a server with `env` (at socket `path`, which its caller then removes, else a new
+        one); where what `preload` loads of MLX left the server unsafe to fork from (it opened the
+        device), start one with the next of PRELOAD_MODES. `on_process` hears of each process started.
 
         Raises:
             OSError: The server could not start (the caller falls back to fresh interpreters).
         """
-        directory = tempfile.mkdtemp(prefix="orchestrate-fork-")  # mode 0700
-        path = os.path.join(directory, "socket")
+        given, path = path is not None, path or new_socket_path()
         argv = [sys.executable, "-m", "workers.forkserver", path]
         proc = subprocess.Popen([*argv, preload], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        if on_process is not None:
+            on_process(proc)
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
         line = proc.stdout.readline().decode().strip() if ready else ""
         if line.startswith("unsafe") and preload != PRELOAD_MODES[-1]:
             proc.wait()
-            os.rmdir(directory)
-            return cls.start(env, preload=PRELOAD_MODES[PRELOAD_MODES.index(preload) + 1], timeout=timeout)
+            next_mode = PRELOAD_MODES[PRELOAD_MODES.index(preload) + 1]
+            return cls.start(env, preload=next_mode, timeout=timeout, path=path, on_process=on_process)
         if not line.startswith("ready"):
             proc.kill()
             proc.wait()
+            if not given:
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(path))
             raise OSError(f"fork server did not start ({line or 'no answer'})")
         return cls(path, proc, line.split(" ", 3)[-1])
 
@@ -453,8 +472,12 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is None:
+            return  # not ours to remove: the process that started it does
+        for name in (self.path, self.path + NOTE_SUFFIX):
+            with contextlib.suppress(OSError):
+                os.unlink(name)
         with contextlib.suppress(OSError):
-            os.unlink(self.path)
             os.rmdir(os.path.dirname(self.path))
 
 
@@ -503,6 +526,11 @@ def run_entry(
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         return None, how
+
+
+def new_socket_path() -> str:
+    """A server's socket path, in a fresh directory of mode 0700."""
+    return os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-"), "socket")
 
 
 def _end_tree(pid: int) -> None:

@@ -32,14 +32,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers import forkserver
+from workers import forkserver, prestart
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
+from workers.prestart import PRESTARTED_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
 FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
+
 SPAWNED_AT_ENV = "ORCHESTRATE_SPAWNED_AT"  # wall-clock time the job's process was asked for
 TAIL_BYTES = 4096
 
@@ -97,6 +99,7 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     cores = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = str(cores)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop(PRESTARTED_ENV, None)  # for this worker alone, not the job's process
     if job is not None and job.gpu is not None:
         slots = os.environ.get(GPU_SLOTS_ENV, "")
         if slots.isdigit() and int(slots) > 1:  # the host's cores shared among its GPUs' jobs
@@ -116,20 +119,46 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | No
     or when the server cannot start.
     """
     global _server, _server_key
-    if not forkserver.supported() or os.environ.get(FRESH_ENV) == "1":
+    if not warm_servers():
         return None
-    pin = "" if job.gpu is None else f"{job.gpu.index}:{job.gpu.uuid}"
-    key = (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
+    key = server_key(job, env)
     if _server is not None and _server_key == key and _server.alive():
         return _server
     if _server is not None:
         _server.close()
-    _server = None
+    _server = prestart.adopt(key)
+    if _server is not None:
+        _server_key = key
+        return _server
     try:
         _server, _server_key = forkserver.ForkServer.start(env), key
     except OSError:
         return None
     return _server
+
+
+def warm_servers() -> bool:
+    """Whether jobs here are forked from a warm server (not off Linux or with `ORCHESTRATE_FRESH_INTERPRETERS=1`)."""
+    return forkserver.supported() and os.environ.get(FRESH_ENV) != "1"
+
+
+def server_key(job: JobSpec, env: dict[str, str]) -> tuple[str, ...]:
+    """What a job's warm server must share with it: the code version, thread count, interpreter, GPU."""
+    pin = "" if job.gpu is None else f"{job.gpu.index}:{job.gpu.uuid}"
+    return (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
+
+
+def prestart_server(job: JobSpec) -> prestart.Prestarted | None:
+    """In the embedded head, before `ray.init`: start the fork server the first node's Ray worker
+    would start for `job` (localised to that node), so that its imports run beside Ray's start;
+    the Ray worker, which inherits `PRESTARTED_ENV`, adopts it (`workers.prestart`). None where
+    jobs are not forked; one that does not start leaves the worker to start its own, as ever. The
+    caller withdraws it after Ray (`prestart.withdraw`).
+    """
+    if not warm_servers():
+        return None
+    env = job_env(job)
+    return prestart.launch(env, server_key(job, env))
 
 
 def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None) -> tuple[int | None, str]:
@@ -140,6 +169,8 @@ def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None
     env = job_env(job)
     server = warm_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
+    if server is not None and server.adopted:  # started with the head's environment: the job gets this worker's
+        changes = {**env, **changes}
     with log.open("wb") as out:
         return forkserver.run_entry(
             "workers", argv, env=env, changes=changes, stdout=out.fileno(), stderr=out.fileno(),

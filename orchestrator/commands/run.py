@@ -172,29 +172,47 @@ def register(app: typer.Typer) -> None:
                 force=force,
                 progress=view,
                 job_timeout=job_timeout,
+                stop_in_background=True,  # the rows are reported while Ray stops
             )
         finally:
             view.close()
-        if summary.interrupted:
-            stored = sum(1 for o in summary.outcomes if o.status == "ok")
-            print(
-                f"interrupted: {stored} of {summary.planned - summary.skipped} jobs stored"
-                f"{f' ({summary.skipped} were complete before)' if summary.skipped else ''}; rerun to resume",
-                file=sys.stderr,
-                flush=True,
-            )
-            raise typer.Exit(128 + summary.interrupted)  # as a shell reports a process ended by that signal
-        report_summary(summary, store, spec, view, results)
-        verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
-        if verdicts:
-            print(verdicts, flush=True)
-        if not no_compact and (line := compact_after_run(store, spec.name, after_days=compact_after, warn=warn)):
-            print(line, flush=True)
-        if any(o.error and "LockBusyError" in o.error for o in summary.outcomes):
-            raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
-        if summary.failed:
-            raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why
-        if summary.contended:
-            raise typer.Exit(EXIT_CONTENDED)  # points left unmeasured: a foreign GPU user was there
-        if verdict_code:
-            raise typer.Exit(verdict_code)  # 1: a criterion failed; 4: none failed, one ambiguous
+        try:
+            _report(summary, store, spec, view, results, compact_after=compact_after, no_compact=no_compact)
+        finally:
+            summary.wait_stopped()  # no Ray process outlives the command
+
+
+def _report(
+    summary: RunSummary,
+    store: ResultStore,
+    spec: SweepSpec,
+    view: ProgressView,
+    results: Path | None,
+    *,
+    compact_after: int,
+    no_compact: bool,
+) -> None:
+    """What `run` prints and its exit code, once the sweep's rows are stored."""
+    if summary.interrupted:
+        stored = sum(1 for o in summary.outcomes if o.status == "ok")
+        print(
+            f"interrupted: {stored} of {summary.planned - summary.skipped} jobs stored"
+            f"{f' ({summary.skipped} were complete before)' if summary.skipped else ''}; rerun to resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise typer.Exit(128 + summary.interrupted)  # as a shell reports a process ended by that signal
+    report_summary(summary, store, spec, view, results)
+    verdicts, verdict_code = judge_stored(store, spec)  # the sweep's [[criteria]], on intervals
+    if verdicts:
+        print(verdicts, flush=True)
+    if not no_compact and (line := compact_after_run(store, spec.name, after_days=compact_after, warn=warn)):
+        print(line, flush=True)
+    if any(o.error and "LockBusyError" in o.error for o in summary.outcomes):
+        raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
+    if summary.failed:
+        raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why
+    if summary.contended:
+        raise typer.Exit(EXIT_CONTENDED)  # points left unmeasured: a foreign GPU user was there
+    if verdict_code:
+        raise typer.Exit(verdict_code)  # 1: a criterion failed; 4: none failed, one ambiguous

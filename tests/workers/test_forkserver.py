@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, child_env
-from workers import forkserver
+from workers import forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
 from workers.processes import pid_alive
 from workers.task import execute_job, job_env
@@ -294,3 +294,68 @@ def test_a_job_forked_from_the_server_imports_nothing_it_could_have_preloaded(
     out = _probe(srv, tmp_path, "job", str(job))
     assert out["status"] == "ok"
     assert [m for m in out["imported"] if not m.startswith("kernels.")] == []
+
+
+def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded head starts the first node's server beside Ray's start; the Ray worker adopts
+    it only for the same key, sends each job its own (the worker's) whole environment, and leaves
+    the server to the head, which alone removes it."""
+    from workers import task
+
+    monkeypatch.setattr(task, "_server", None)
+    monkeypatch.setattr(task, "_server_key", None)
+    job = _job(tmp_path)
+    head = task.prestart_server(job)
+    assert head is not None
+    try:
+        assert prestart.adopt(("another code version", "1", sys.executable, "")) is None
+        monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
+        sent: list[dict[str, Any]] = []
+        spawn = forkserver.ForkServer.spawn
+
+        def spy(self: forkserver.ForkServer, entry: str, args: list[str], **kw: Any) -> forkserver.WarmProcess:
+            sent.append(kw["env"])
+            return spawn(self, entry, args, **kw)
+
+        monkeypatch.setattr(forkserver.ForkServer, "spawn", spy)
+        table = execute_job(job.model_dump_json())
+        phases = json.loads((table.schema.metadata or {})[META_PHASES])
+        assert (table.schema.metadata or {})[b"orchestrate.job_status"] == b"ok"
+        assert phases["process"].startswith("forked from a warm server (mlx preloaded, started beside Ray's start")
+        assert task._server is not None and task._server.adopted and task._server.path == head.path
+        assert sent and sent[0]["ORCHESTRATE_SET_AFTER_THE_SERVER"] == "1"
+        assert task.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
+        task._server.close()  # the worker's handle: the head's server stays
+        assert head.server is not None and head.server.proc is not None
+        assert os.path.exists(head.path) and pid_alive(head.server.proc.pid)
+    finally:
+        prestart.withdraw(head)
+    assert not os.path.exists(os.path.dirname(head.path)) and head.server.proc.poll() is not None
+
+
+def test_a_prestarted_server_that_did_not_start_is_not_waited_for() -> None:
+    """A server that ends before it is ready (here: killed as it starts) is seen as failed at once,
+    and the head's `withdraw` leaves nothing behind."""
+    key = ("v", "1", sys.executable, "")
+    started = prestart.launch(job_env(), key)
+    deadline = time.monotonic() + 30
+    while started.process is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started.process is not None
+    started.process.kill()
+    try:
+        t0 = time.monotonic()
+        assert prestart.adopt(key, timeout=60) is None
+        assert time.monotonic() - t0 < 5  # seen as failed, not waited for until the timeout
+    finally:
+        prestart.withdraw(started)
+    assert prestart.PRESTARTED_ENV not in os.environ and not os.path.exists(os.path.dirname(started.path))
+
+
+def test_a_server_still_starting_is_ended_by_withdraw() -> None:
+    started = prestart.launch(job_env(), ("v", "1", sys.executable, ""))
+    prestart.withdraw(started)  # at once: the head's Ray start failed
+    assert started.process is None or started.process.poll() is not None
+    assert not os.path.exists(os.path.dirname(started.path))
