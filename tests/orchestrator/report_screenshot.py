@@ -25,7 +25,7 @@ WINDOW = (1400, 900)
 
 def screenshot(document: str, out: Path, *, window: tuple[int, int] = WINDOW) -> list[str]:
     """Open `document` in headless Chromium at `window`, save the first screen to `out`; the page's errors."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:  # Chromium's helpers may still write
         page_file = write_report(Path(tmp) / "report.html", document)
         with DevToolsPage(Path(tmp) / "chromium") as page:
             page.set_window(*window)
