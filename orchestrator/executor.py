@@ -34,7 +34,7 @@ from orchestrator.inventory import HostSpec
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, GpuInfo, pin_from_labels
-from workers.prestart import Prestarted
+from workers.prestart import Prestarted, withdraw
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -212,8 +212,6 @@ class RayExecutor:
         finally:
             self._started = False
             if self._prestarted is not None:  # after Ray: no worker uses it any more
-                from workers.prestart import withdraw
-
                 withdraw(self._prestarted)
                 self._prestarted = None
 

@@ -400,24 +400,25 @@ class ForkServer:
         """
         given, path = path is not None, path or new_socket_path()
         argv = [sys.executable, "-m", "workers.forkserver", path]
-        proc = subprocess.Popen([*argv, preload], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-        if on_process is not None:
-            on_process(proc)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        line = proc.stdout.readline().decode().strip() if ready else ""
-        if line.startswith("unsafe") and preload != PRELOAD_MODES[-1]:
-            proc.wait()
-            next_mode = PRELOAD_MODES[PRELOAD_MODES.index(preload) + 1]
-            return cls.start(env, preload=next_mode, timeout=timeout, path=path, on_process=on_process)
-        if not line.startswith("ready"):
-            proc.kill()
-            proc.wait()
-            if not given:
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(path))
-            raise OSError(f"fork server did not start ({line or 'no answer'})")
-        return cls(path, proc, line.split(" ", 3)[-1])
+        modes = PRELOAD_MODES[PRELOAD_MODES.index(preload) :]
+        for mode in modes:
+            proc = subprocess.Popen([*argv, mode], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+            if on_process is not None:
+                on_process(proc)
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            line = proc.stdout.readline().decode().strip() if ready else ""
+            if line.startswith("ready"):
+                return cls(path, proc, line.split(" ", 3)[-1])
+            if not line.startswith("unsafe") or mode == modes[-1]:
+                break
+            proc.wait()  # it exits by itself: try the next mode
+        proc.kill()
+        proc.wait()
+        if not given:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))
+        raise OSError(f"fork server did not start ({line or 'no answer'})")
 
     @classmethod
     def from_env(cls) -> ForkServer | None:

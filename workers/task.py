@@ -36,12 +36,10 @@ from workers import forkserver, prestart
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
-from workers.prestart import PRESTARTED_ENV
 from workers.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.model_runner uses it
 from workers.spool import fragment_name, spool_root
 
 FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
-
 SPAWNED_AT_ENV = "ORCHESTRATE_SPAWNED_AT"  # wall-clock time the job's process was asked for
 TAIL_BYTES = 4096
 
@@ -99,7 +97,7 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     cores = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = str(cores)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.pop(PRESTARTED_ENV, None)  # for this worker alone, not the job's process
+    env.pop(prestart.PRESTARTED_ENV, None)  # for this worker alone, not the job's process
     if job is not None and job.gpu is not None:
         slots = os.environ.get(GPU_SLOTS_ENV, "")
         if slots.isdigit() and int(slots) > 1:  # the host's cores shared among its GPUs' jobs

@@ -17,7 +17,7 @@ from orchestrator.errors import InfrastructureError
 from orchestrator.executor import RayExecutor
 from orchestrator.specs import load_inventory
 from tests.conftest import REPO, child_env
-from workers import task
+from workers import prestart, task
 from workers.contract import JobSpec, LockSettings
 from workers.prestart import Prestarted
 from workers.processes import pid_alive
@@ -85,7 +85,7 @@ def test_a_ray_start_that_fails_is_one_error_and_ends_the_prestarted_fork_server
 
     monkeypatch.setattr(ray, "init", failing_init)
     monkeypatch.setattr(task, "prestart_server", spy)
-    monkeypatch.delenv(task.PRESTARTED_ENV, raising=False)
+    monkeypatch.delenv(prestart.PRESTARTED_ENV, raising=False)
     inventory = load_inventory(None)
     job = JobSpec(
         run_id="r", sweep="s", job_key="k", case="qmm", case_name="qmm", params={"tokens": 1}, arms=["native"],
@@ -98,4 +98,4 @@ def test_a_ray_start_that_fails_is_one_error_and_ends_the_prestarted_fork_server
     server = started[0]
     assert server.process is None or server.process.poll() is not None
     assert not os.path.exists(os.path.dirname(server.path))
-    assert task.PRESTARTED_ENV not in os.environ
+    assert prestart.PRESTARTED_ENV not in os.environ

@@ -326,7 +326,7 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
         assert phases["process"].startswith("forked from a warm server (mlx preloaded, started beside Ray's start")
         assert task._server is not None and task._server.adopted and task._server.path == head.path
         assert sent and sent[0]["ORCHESTRATE_SET_AFTER_THE_SERVER"] == "1"
-        assert task.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
+        assert prestart.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
         task._server.close()  # the worker's handle: the head's server stays
         assert head.server is not None and head.server.proc is not None
         assert os.path.exists(head.path) and pid_alive(head.server.proc.pid)
