@@ -9,7 +9,7 @@
 # 2. benchmarks.before_after: the same seed-shape qmm and moe-gather jobs by an older worker
 #    (OLD_TREE: its `workers/` and `kernels/`, e.g. `git archive <commit> workers kernels`) and by
 #    this one, alternately, in this one call; the medians' table (issue 13).
-# Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma/, wgmma_ws/) and OUT/before_after.md.
+# Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
 # GEMM_LAB=0 skips step 1 (the before/after alone, about 90 s on a machine whose MLX JIT cache is warm).
 set -u
 out=${1:?usage: device_lab.sh OUT [OLD_TREE]}

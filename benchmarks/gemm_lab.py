@@ -24,7 +24,8 @@ prints last):
   a child process (`DIR/wgmma/`, same method, its own baselines side by side), so that a fault in
   them cannot take the CUDA context, and the numbers already written, with it; the warp-specialised
   ones (`*p`: mbarrier handoff, where a protocol fault would hang the kernel) in another
-  (`DIR/wgmma_ws/`); each child's JSON is written after every path, and kept when it times out;
+  (`DIR/wgmma_ws/`), and the register-sourced ones (`r*`, gemm_nvfp4_rs.cu) first, in their own
+  (`DIR/wgmma_rs/`); each child's JSON is written after every path, and kept when it times out;
 * the recommended variant rule for `ORCHESTRATE_GEMM_VARIANT` (the fastest correct variant per M).
 
 TFLOP/s count 2 M N K per call; "of peak" is against 790 TFLOP/s (the bf16 rate measured on these
@@ -337,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, group in children.items():
         child = run_child(args.out / key, group, args.m, args.shape)
         results[key] = child
-        what = "wgmma variants (sm_90a through NVRTC)" + (", warp-specialised" if key == "wgmma_ws" else "")
+        kind = {"wgmma_ws": ", warp-specialised", "wgmma_rs": ", register-sourced"}.get(key, "")
+        what = "wgmma variants (sm_90a through NVRTC)" + kind
         if "per_m" in child:
             pooled += child["per_m"]
             results["recommended_rule"] = recommend(pooled, tolerance)
@@ -354,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def child_groups(chosen: list[str]) -> dict[str, list[str]]:
     """The variants each child process runs (its folder name -> names): the wgmma ones apart from
-    this process's, and the warp-specialised ones (mbarriers: a protocol fault hangs the kernel,
-    and the child with it) apart from the rest."""
-    groups = {"wgmma": [v for v in chosen if VARIANTS[v].wgmma and not VARIANTS[v].producer]}
+    this process's, the register-sourced ones (a kernel of its own) first, and the warp-specialised
+    ones (mbarriers: a protocol fault hangs the kernel, and the child with it) apart from the rest."""
+    groups = {"wgmma_rs": [v for v in chosen if VARIANTS[v].rs]}
+    groups["wgmma"] = [v for v in chosen if VARIANTS[v].wgmma and not (VARIANTS[v].producer or VARIANTS[v].rs)]
     groups["wgmma_ws"] = [v for v in chosen if VARIANTS[v].producer]
     return {key: names for key, names in groups.items() if names}
 

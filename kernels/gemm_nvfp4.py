@@ -54,6 +54,10 @@ GEMM_SOURCE = CudaKernelSource(
     outputs=("y",),
     headers=(HEADER_FILE, "gemm_nvfp4.cuh"),
 )
+# the register-sourced kernel (`gemm_layout` variants with `rs`): the same inputs, output and header
+GEMM_RS_SOURCE = CudaKernelSource(
+    body_file="gemm_nvfp4_rs.cu", inputs=GEMM_SOURCE.inputs, outputs=GEMM_SOURCE.outputs, headers=GEMM_SOURCE.headers
+)
 MIN_ROWS = 9  # below, the decode GEMV (kernels.gemv_nvfp4) is the kernel for the job
 DTYPES = ("bfloat16", "float16")
 __all__ = ["DTYPES", "MIN_ROWS", "TOLERANCE", "gemm_nvfp4", "gemm_nvfp4_cuda", "gemm_nvfp4_twin", "route"]
@@ -156,12 +160,19 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
     )  # fmt: skip
 
 
+def source_of(cfg: GemmConfig) -> CudaKernelSource:
+    """The kernel body a variant runs: gemm_nvfp4.cu, or gemm_nvfp4_rs.cu for the register-sourced ones."""
+    return GEMM_RS_SOURCE if cfg.rs else GEMM_SOURCE
+
+
 def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
     """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once per
     host (`nvrtc.build`: kept in the disk cache for the next process)."""
     cfg = VARIANTS[name]
     template = (("T", dtype), *cfg.template(n, k, dtype == "float16").items())
-    return nvrtc.build(GEMM_SOURCE, (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a", cfg.launch_bound)
+    return nvrtc.build(
+        source_of(cfg), (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a", cfg.launch_bound
+    )
 
 
 def gemm_nvfp4(

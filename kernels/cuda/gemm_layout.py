@@ -39,6 +39,11 @@ class GemmConfig:
             the wm / 4 consumer warpgroups copy their own x rows (a `stages`-deep ring each) and
             only issue wgmma, one k-tile of it in flight; mbarriers hand the tiles over.
         dstages, cstages: (producer) the decoded-tile and code rings.
+        rs: (wgmma) the register-sourced kernel, `gemm_nvfp4_rs.cu`: the weights are the MMA's A
+            operand, decoded straight into registers, x its B operand from shared memory; wm / 4
+            warpgroups of 64 weight rows each (BN = 16 wm) by BM = 8 tn x rows (128 or 256, the
+            wgmma's n); wn = tm = 1, BK = 64, no decoded tile (bdec and the producer fields unused).
+        abufs: (rs) A-fragment buffers, 2 or 4: the MMAs left queued while the next is decoded, + 1.
     """
 
     wm: int = 2
@@ -54,16 +59,18 @@ class GemmConfig:
     producer: bool = False
     dstages: int = 3
     cstages: int = 4
+    rs: bool = False
+    abufs: int = 4
 
     @property
     def bm(self) -> int:
         """Rows of x per block."""
-        return 16 * self.tm * self.wm
+        return 8 * self.tn if self.rs else 16 * self.tm * self.wm
 
     @property
     def bn(self) -> int:
         """Weight rows per block."""
-        return 8 * self.tn * self.wn
+        return 16 * self.wm if self.rs else 8 * self.tn * self.wn
 
     @property
     def bk(self) -> int:
@@ -100,12 +107,17 @@ class GemmConfig:
         return 256 if self.registers()[0] >= 160 else 128
 
     def stage_bytes(self) -> int:
-        """One ring slot: x (BM x BK, 16-bit), codes (BN x BK / 2) and scales (BN x BK / 16)."""
+        """One ring slot: x (BM x BK, 16-bit), codes (BN x BK / 2) and scales (BN x BK / 16); the
+        register-sourced kernel's padded to the swizzle's 1024-byte period."""
+        if self.rs:
+            return -(-(self.bm * 128 + self.bn * 36) // 1024) * 1024
         return self.kh * (self.bm * 128 + self.bn * 32) + self.bn * 4 * self.kh
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a block: the ring, and the two decoded tiles of block decode (a
         producer's: the x ring, its decoded and code rings, two mbarriers per decoded tile)."""
+        if self.rs:
+            return self.stages * self.stage_bytes()
         if self.producer:
             rings = self.stages * self.bm * 128 + self.dstages * self.bn * 128 + self.cstages * self.bn * 36
             return rings + 16 * self.dstages
@@ -118,6 +130,9 @@ class GemmConfig:
 
     def template(self, n: int, k: int, xf16: bool) -> dict[str, int | bool]:
         """The template constants after T, in the order MLX declares them."""
+        if self.rs:
+            return {"XF16": xf16, "N": n, "K": k, "WG": self.wm // 4, "BT": self.bm, "STAGES": self.stages,
+                    "GROUP_M": self.group_m, "NB": self.abufs}  # fmt: skip
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
         consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
@@ -134,6 +149,8 @@ class GemmConfig:
             return f"N={n} is not a multiple of 8"
         if k % self.bk:
             return f"K={k} is not a multiple of {self.bk}"
+        if self.rs:
+            return self._rs_reason()
         if self.tn % 2:
             return f"tn={self.tn} is odd"
         if self.producer:
@@ -160,7 +177,26 @@ class GemmConfig:
             return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
         return None
 
+    def _rs_reason(self) -> str | None:
+        """`reason` for the register-sourced kernel (gemm_nvfp4_rs.cu's static_asserts)."""
+        if not self.wgmma or self.wm % 4 or self.wn != 1 or self.tm != 1 or self.kh != 1 or self.bm not in (128, 256):
+            return f"{self}: wgmma, warpgroups of 64 weight rows, 128 or 256 x rows, BK = 64"
+        if self.stages < 4 or self.abufs not in (2, 4):
+            return f"{self}: the ring needs 4 slots or more, the A fragments 2 or 4 buffers"
+        if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
+            return f"{self} copies do not split evenly over {self.threads} threads"
+        if self.threads > 1024:
+            return f"{self}: {self.threads} threads in a block (at most 1024)"
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+        return None
+
     def __str__(self) -> str:
+        if self.rs:
+            return (
+                f"gemm-rs({self.bm}x{self.bn}x64, {self.wm // 4} warpgroups, {self.stages} stages, "
+                f"{self.abufs} A buffers, group {self.group_m})"
+            )
         dec = "producer" if self.producer else "block" if self.bdec else "warp"
         mma = (", wgmma, deep" if self.deep else ", wgmma") if self.wgmma else ""
         return (
@@ -190,6 +226,13 @@ VARIANTS: dict[str, GemmConfig] = {
     "g192x256k64s4": GemmConfig(wm=12, wn=1, tm=1, tn=32, wgmma=True),
     "g192x256k64s3p": GemmConfig(wm=12, wn=1, tm=1, tn=32, wgmma=True, stages=3, producer=True),
     "g128x256k64s4p": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, stages=4, producer=True),
+    # the register-sourced kernel (r: gemm_nvfp4_rs.cu, BM x rows by BN weight rows): each weight
+    # decoded once per block into wgmma's A registers, against 256 (128) x rows, no decoded tile
+    "r256x128k64s6": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6),
+    "r256x128k64s5": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5),
+    "r256x128k64s6b2": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=2),
+    "r128x256k64s6": GemmConfig(wm=16, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6),
+    "r128x128k64s6": GemmConfig(wm=8, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -74,11 +74,12 @@ def test_the_wgmma_child_reports_what_went_wrong_instead_of_failing_the_lab(tmp_
     assert out["error"].startswith("exit 3") and "CUDA" in out["error"]
 
 
-def test_the_warp_specialised_variants_get_a_child_of_their_own() -> None:
+def test_the_warp_specialised_and_register_sourced_variants_get_a_child_of_their_own() -> None:
     groups = gemm_lab.child_groups(list(VARIANTS))
-    assert set(groups) == {"wgmma", "wgmma_ws"}
-    assert all(VARIANTS[v].wgmma and not VARIANTS[v].producer for v in groups["wgmma"])
+    assert list(groups) == ["wgmma_rs", "wgmma", "wgmma_ws"]  # the register-sourced kernel first
+    assert all(VARIANTS[v].wgmma and not (VARIANTS[v].producer or VARIANTS[v].rs) for v in groups["wgmma"])
     assert groups["wgmma_ws"] == [v for v, cfg in VARIANTS.items() if cfg.producer] and groups["wgmma_ws"]
+    assert groups["wgmma_rs"] == [v for v, cfg in VARIANTS.items() if cfg.rs] and groups["wgmma_rs"]
     assert "g128x256k64s4" in groups["wgmma"]
     assert gemm_lab.child_groups(["b128x256k64s4", "g128x256k64s4"]) == {"wgmma": ["g128x256k64s4"]}
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from kernels.cuda.gemm_layout import GemmConfig
 from tests.kernels.gemm_emulator import GemmEmulator, decode_word_natural, scale_splat
+from tests.kernels.gemm_rs_emulator import RsGemmEmulator
 
 Region = tuple[str, int, int]  # ("x", consumer, slot) | ("dec", 0, tile) | ("code", 0, slot)
 Wait = tuple["Mbarrier", int] | None  # what a warpgroup waits for at a yield: (barrier, parity)
@@ -287,6 +288,9 @@ class WsGemmEmulator(GemmEmulator):
         return lambda: self._copy(dst, src, ok, n, glob)
 
 
-def emulator(cfg: GemmConfig, n: int, k: int, f16: bool, **kwargs: object) -> GemmEmulator:
-    """The model of the kernel at `cfg`: warp-specialised or not (`kwargs`: the dataclasses' fields)."""
+def emulator(cfg: GemmConfig, n: int, k: int, f16: bool, **kwargs: object) -> GemmEmulator | RsGemmEmulator:
+    """The model of the kernel at `cfg`: register-sourced (gemm_nvfp4_rs.cu), warp-specialised or
+    neither (`kwargs`: the dataclasses' fields)."""
+    if cfg.rs:
+        return RsGemmEmulator(cfg, n, k, f16, **kwargs)  # type: ignore[arg-type]
     return WsGemmEmulator(cfg, n, k, f16, **kwargs) if cfg.producer else GemmEmulator(cfg, n, k, f16, **kwargs)  # type: ignore[arg-type]

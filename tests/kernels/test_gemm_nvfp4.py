@@ -229,7 +229,9 @@ def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> No
     _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, cfg.bk * 2, False, 1)
     emu.run(xb, nvfp4.pack_codes(codes), scales, 1.0)
     kinds = {a.kind for a in emu.accesses}
-    if cfg.producer:  # its decode reads whole 16-byte code units and the row's 4 scale bytes
+    if cfg.rs:  # each thread decodes its A fragments from 8-byte code reads and its rows' scale words
+        assert kinds >= {"lds64-code", "lds32-scale"}
+    elif cfg.producer:  # its decode reads whole 16-byte code units and the row's 4 scale bytes
         assert kinds >= {"lds128-codes", "lds32-scales", "sts128-decode"}
     elif cfg.bdec:  # (wgmma reads its operands itself, through descriptors)
         assert kinds >= {"lds64-decode", "sts128-decode", "lds8-decode"} | (set() if cfg.wgmma else {"ldmatrix"})
@@ -239,7 +241,8 @@ def test_no_bank_conflicts_in_any_fragment_read_or_decode_write(name: str) -> No
     assert not bad, bad[:5]
 
 
-@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if not cfg.producer])  # WS: test_gemm_ws
+# WS and rs: their own tests (test_gemm_wgmma, test_gemm_rs)
+@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if not (cfg.producer or cfg.rs)])
 def test_one_issue_writes_every_byte_of_its_ring_slot_once(name: str) -> None:
     cfg = VARIANTS[name]
     emu = ge.GemmEmulator(cfg, cfg.bn + 8, 2 * cfg.bk, False, log=True)
@@ -257,7 +260,7 @@ def test_one_issue_writes_every_byte_of_its_ring_slot_once(name: str) -> None:
         assert count.sum() == stage
 
 
-@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if cfg.bdec and not cfg.producer])
+@pytest.mark.parametrize("name", [name for name, cfg in VARIANTS.items() if cfg.bdec and not (cfg.producer or cfg.rs)])
 def test_one_decode_writes_every_byte_of_its_tile_once(name: str) -> None:
     cfg = VARIANTS[name]  # (with 384 threads the last of 3 items is the first 256 threads')
     emu = ge.GemmEmulator(cfg, cfg.bn, cfg.bk, False, log=True)
@@ -521,7 +524,8 @@ def test_wgmma_variants_need_compute_capability_9_0_and_nvrtc(monkeypatch: pytes
 # every variant at the seed's shape and at tails in M, N and K (bfloat16); float16 for one variant
 # of each kind (each new N, K or dtype is one NVRTC build on the GPU)
 CUDA_CASES = [(name, mx.bfloat16, shape) for name in VARIANTS for shape in ((300, 520, 256), (512, 21504, 5376))]
-F16_CASES = ("b128x256k64s4", "w128x256k64s4", "g128x256k64s5d", "g192x256k64s4", "g192x256k64s3p", "g128x256k64s4p")
+F16_CASES = ("b128x256k64s4", "w128x256k64s4", "g128x256k64s5d", "g192x256k64s4", "g192x256k64s3p", "g128x256k64s4p",
+             "r256x128k64s6", "r128x256k64s6")  # fmt: skip
 CUDA_CASES += [(name, mx.float16, (20, 264, 384)) for name in F16_CASES]
 # the rings of the warp-specialised variants wrap several times (K = 1536: 24 k-tiles), every
 # consumer warpgroup's rows in play and the last tile partial in M and N

@@ -24,7 +24,7 @@ import pytest
 from kernels import nvfp4
 from kernels.cuda import nvrtc, precompiled_source, read_source
 from kernels.cuda.gemm_layout import CONSUMER_REGS, MAX_SHARED_BYTES, REGISTERS, VARIANTS
-from kernels.gemm_nvfp4 import GEMM_SOURCE
+from kernels.gemm_nvfp4 import source_of
 from tests.kernels import gemm_ws_emulator as gw
 from tests.kernels.test_gemm_nvfp4 import random_problem
 
@@ -156,13 +156,18 @@ def wgmma_source(name: str, dtype: str, prelude: str | None = None) -> str:
     consts = {"T": dtype, **VARIANTS[name].template(21504, 5376, dtype == "float16")}
     sig = ({"x": dtype, "w": "uint32", "scales": "uint8", "gsv": "float32"}, {"y": dtype})
     extra = {} if prelude is None else {"prelude": prelude}
-    bound = VARIANTS[name].launch_bound
-    return precompiled_source(GEMM_SOURCE, *sig, consts, f"gemm_{name}_{dtype}", max_threads=bound, **extra)
+    cfg, fn = VARIANTS[name], f"gemm_{name}_{dtype}"
+    return precompiled_source(source_of(cfg), *sig, consts, fn, max_threads=cfg.launch_bound, **extra)
 
 
 def check_sass(fn: str, name: str) -> None:
     """What the SASS of one wgmma kernel must hold (cuobjdump's text of its function)."""
     cfg = VARIANTS[name]
+    if cfg.rs:  # one m64n{BM}k16 per k16 step, A from registers, NB - 1 steps left in flight
+        assert fn.count(f"HGMMA.64x{cfg.bm}x16.F32") == 4, name
+        assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{cfg.abufs - 1}" in fn and "FENCE.VIEW.ASYNC.S" in fn, name
+        assert "SYNCS.ARRIVE" not in fn and "USETMAXREG" not in fn, name
+        return
     steps = "HGMMA.64x256x16.F32" if cfg.wgmma_n() == 256 else "HGMMA.64x128x16.F32"
     assert fn.count(steps) == 4 * 256 // cfg.wgmma_n(), name  # the k16 steps of one k-tile
     assert "FENCE.VIEW.ASYNC.S" in fn and "WARPGROUP.ARRIVE" in fn, name

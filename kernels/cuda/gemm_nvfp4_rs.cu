@@ -1,0 +1,193 @@
+// Body of the NVFP4 prefill GEMM with the weights in registers: y[M, N] = x[M, K] @ dequant(w)[N, K]^T * gsv.
+// (sm_90a only, built by kernels/cuda/nvrtc.py and launched through mx.fast.precompiled_cuda_kernel;
+// the header is nvfp4_mma.cuh followed by gemm_nvfp4.cuh. Same inputs and output as gemm_nvfp4.cu.)
+//
+// Template constants (kernels/cuda/gemm_layout.py writes them): T, XF16 (T is float16), N (a
+//          multiple of 8), K (a multiple of 64), WG (warpgroups: the block's weight rows BN = 64 WG),
+//          BT (x rows, tokens, per block: 128 or 256, the wgmma's n), STAGES (ring depth, >= 4),
+//          GROUP_M (raster group height), NB (A-fragment buffers: 2 or 4). M is read from x's shape.
+// Launch:  ceil(M / BT) * ceil(N / BN) blocks of 128 WG threads, dynamic shared memory
+//          STAGES * gemm_layout.stage_bytes().
+//
+// The roles of gemm_nvfp4.cu's wgmma variants swapped: D = W x^T. Each warpgroup owns 64 weight
+// rows and all BT x rows of the block: per k16 step one wgmma.m64n{BT}k16 whose A operand (the
+// weights, 64 x 16) its threads decode from the codes straight into registers, in the m16n8k16 A
+// fragment order (thread g, t of warp q: rows 16 q + g, + 8, k 2t, 2t + 1 and 2t + 8, 2t + 9: byte t
+// of code words 2s and 2s + 1 of the two rows in step s), and whose B operand is the x tile in shared
+// memory (K-major, 128-byte swizzle, as gemm_nvfp4.cu copies it). Every weight is decoded once per
+// block (by one thread, no shared-memory round trip, no barrier between the decode and its MMAs) and
+// feeds BT x rows' MMAs, against BM = 128..192 in gemm_nvfp4.cu's block decode.
+//
+// Pipeline: a ring of STAGES slots (x tile, code rows, scale rows) filled by cp.async, one block
+// barrier per k-tile. Each k16 step's MMA is its own commit group; after committing step i a thread
+// waits until at most NB - 1 groups run (step i - NB + 1 done), then decodes step i + 1 into the A
+// buffer step i - NB + 1 used, so NB - 1 MMAs stay queued while the next fragment is decoded, across
+// k-tiles and barriers. Ring discipline: at k-tile kt's barrier every thread has decoded from k-tile
+// kt - 1 at the latest and has at most NB - 1 <= 3 MMAs of steps 4 kt - 3 .. 4 kt - 1 in flight (of
+// k-tiles kt - 1 and kt), so the slot of k-tile kt - 2 is free: it is refilled with k-tile kt + STAGES
+// - 2, and k-tile kt + 1 (whose codes the last step of kt decodes) must have landed (STAGES >= 4).
+//
+// Epilogue: accumulator d[4j + c] is weight row 16 q + g + 8 (c >> 1) by x row 8 j + 2 t + (c & 1); y is
+// written element by element (16-bit stores: a warp's store covers 16 contiguous bytes of 8 rows of y).
+constexpr bool F16 = XF16;
+constexpr int NT = 128 * WG;
+constexpr int BN = 64 * WG;
+constexpr int KT = K / 64;
+constexpr int XS_BYTES = BT * 128;   // the x tile: BT rows of 64 values
+constexpr int CS_BYTES = BN * 32;    // the code rows: 64 codes each
+constexpr int SS_BYTES = BN * 4;     // the scale rows: 4 groups each
+constexpr int STAGE_BYTES = (XS_BYTES + CS_BYTES + SS_BYTES + 1023) / 1024 * 1024;  // the swizzle period
+constexpr int ACC = BT / 2;          // accumulators per thread (64 x BT over 128 threads)
+constexpr int NUM_N = (N + BN - 1) / BN;
+constexpr int XCOPIES = BT * 8 / NT;  // 16-byte copies of x per thread per k-tile
+constexpr int XROWS = NT / 8;         // x rows one pass of the block's threads covers
+static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
+static_assert(K % 64 == 0 && KT >= 1, "K must be a multiple of 64");
+static_assert(N % 8 == 0, "N must be a multiple of 8");
+static_assert(BT == 128 || BT == 256, "BT (the wgmma's n) is 128 or 256");
+static_assert(STAGES >= 4, "the ring needs STAGES >= 4 (MMAs of k-tile kt - 1 in flight, kt + 1 decoded)");
+static_assert(NB == 2 || NB == 4, "NB divides the 4 k16 steps of a k-tile");
+static_assert((BT * 8) % NT == 0 && XROWS % 8 == 0, "x copies must split evenly and keep row & 7");
+extern __shared__ __align__(1024) uint8_t smem[];
+const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+const int M = x_shape[0];
+const int tid = threadIdx.x;
+const int lane = tid & 31;
+const int warp = tid >> 5;
+const int g = lane >> 2;
+const int t = lane & 3;
+
+// ---- the block's tile: GROUP_M row tiles per column group, rows fastest (as gemm_nvfp4.cu)
+const int num_m = (M + BT - 1) / BT;
+const int per_group = GROUP_M * NUM_N;
+const int group = static_cast<int>(blockIdx.x) / per_group;
+const int first_m = group * GROUP_M;
+const int gsize = min(num_m - first_m, GROUP_M);
+const int in_group = static_cast<int>(blockIdx.x) - group * per_group;
+const int m0 = (first_m + in_group % gsize) * BT;
+const int n0 = (in_group / gsize) * BN;
+
+// ---- copies of k-tile kt into ring slot `slot` (an empty group past the last k-tile): x as in
+// gemm_nvfp4.cu (row xrow + p XROWS, 16-byte unit xu XOR-swizzled by row & 7), code row tid / 2
+// (16-byte half tid % 2; BN * 2 = NT pieces, one each), scale row tid (the first BN threads).
+// Rows past M or N are zero-filled from a clamped (valid) address.
+const int xrow = tid / 8;
+const int xu = tid % 8;
+const T* const xsrc = x + static_cast<size_t>(min(m0 + xrow, M - 1)) * K + xu * 8;
+const uint32_t xdst = xrow * 128 + ((xu ^ (xrow & 7)) << 4);
+const int wrow = tid / 2;
+const bool wok = n0 + wrow < N;
+const uint8_t* const wsrc = reinterpret_cast<const uint8_t*>(w) + static_cast<size_t>(min(n0 + wrow, N - 1)) * (K / 2) + (tid % 2) * 16;
+const uint32_t wdst = XS_BYTES + wrow * 32 + (tid % 2) * 16;
+const bool sok = tid < BN && n0 + tid < N;
+const uint8_t* const ssrc = scales + static_cast<size_t>(min(n0 + tid, N - 1)) * (K / 16);
+const uint32_t sdst = XS_BYTES + CS_BYTES + tid * 4;
+auto issue = [&](int kt, int slot) {
+  if (kt < KT) {
+    const uint32_t st = sbase + slot * STAGE_BYTES;
+#pragma unroll
+    for (int p = 0; p < XCOPIES; ++p) {
+      const bool ok = m0 + xrow + p * XROWS < M;
+      const T* src = xsrc + (ok ? static_cast<size_t>(p * XROWS) * K : 0) + kt * 64;
+      nvfp4g::cp_async<16>(st + xdst + p * XROWS * 128, src, ok);
+    }
+    nvfp4g::cp_async<16>(st + wdst, wsrc + kt * 32, wok);
+    if (tid < BN) nvfp4g::cp_async<4>(st + sdst, ssrc + kt * 4, sok);
+  }
+  nvfp4::cp_async_commit();
+};
+
+// ---- this thread's weight rows (of the block's BN) and its A fragments
+const int wg = warp / 4;
+const int arow = 64 * wg + 16 * (warp % 4) + g;  // and arow + 8
+const uint32_t acode = XS_BYTES + arow * 32;       // the row's code bytes in a slot
+const uint32_t ascale = XS_BYTES + CS_BYTES + arow * 4;
+const uint32_t sel = 0x4440u | static_cast<uint32_t>(t);  // byte t, zero-extended
+uint32_t afrag[NB][4];
+uint32_t sc[2];  // the two rows' four group scales of the k-tile being decoded
+auto load_scales = [&](int slot) {
+  const uint32_t st = sbase + slot * STAGE_BYTES;
+  sc[0] = nvfp4g::lds32(st + ascale);
+  sc[1] = nvfp4g::lds32(st + ascale + 8 * 4);
+};
+// Step s (group s) of the k-tile in `slot` into A buffer `b`: code words 2s, 2s + 1 of rows arow, arow + 8.
+auto decode_step = [&](int slot, int s, int b) {
+  const uint32_t st = sbase + slot * STAGE_BYTES;
+  const uint2 c0 = nvfp4g::lds64(st + acode + 8 * s);
+  const uint2 c1 = nvfp4g::lds64(st + acode + 8 * 32 + 8 * s);
+  const uint32_t s0 = nvfp4g::scale_splat<F16>(sc[0] >> (8 * s));
+  const uint32_t s1 = nvfp4g::scale_splat<F16>(sc[1] >> (8 * s));
+  afrag[b][0] = nvfp4g::decode_byte_pair<F16>(c0.x, sel, s0);  // row g, k 2t, 2t + 1
+  afrag[b][1] = nvfp4g::decode_byte_pair<F16>(c1.x, sel, s1);  // row g + 8
+  afrag[b][2] = nvfp4g::decode_byte_pair<F16>(c0.y, sel, s0);  // row g, k 2t + 8, 2t + 9
+  afrag[b][3] = nvfp4g::decode_byte_pair<F16>(c1.y, sel, s1);  // row g + 8
+};
+
+float d[ACC];
+#pragma unroll
+for (int c = 0; c < ACC; ++c) d[c] = 0.f;
+
+// ---- the pipeline (k-tile kt: slot kt % STAGES)
+#pragma unroll
+for (int s = 0; s < STAGES - 2; ++s) issue(s, s);
+nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...
+__syncthreads();                     // ... and everyone's
+load_scales(0);
+decode_step(0, 0, 0);
+int slot = 0;
+for (int kt = 0; kt < KT; ++kt) {
+  nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed
+  nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy (the x tiles) ...
+  __syncthreads();                     // ... and every thread; k-tile kt - 2's slot is free
+  const int next = slot + 1 == STAGES ? 0 : slot + 1;
+  issue(kt + STAGES - 2, slot >= 2 ? slot - 2 : slot + STAGES - 2);
+  const uint32_t xs = sbase + slot * STAGE_BYTES;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+    nvfp4g::wgmma_fence();
+    if constexpr (BT == 256) {
+      nvfp4g::wgmma_rs_m64n256k16<F16>(d, afrag[s % NB], nvfp4g::wgmma_desc(xs + s * 32));
+    } else {
+      nvfp4g::wgmma_rs_m64n128k16<F16>(d, afrag[s % NB], nvfp4g::wgmma_desc(xs + s * 32));
+    }
+    nvfp4g::wgmma_commit();
+    nvfp4g::wgmma_wait<NB - 1>();  // step i - NB + 1 is done: its A buffer, (s + 1) % NB, is free
+#pragma unroll
+    for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+    if (s < 3) {
+      decode_step(slot, s + 1, (s + 1) % NB);
+    } else {  // the next k-tile's first step (past the last k-tile: a stale slot, never used)
+      load_scales(next);
+      decode_step(next, 0, 0);
+    }
+  }
+  slot = next;
+}
+nvfp4::cp_async_wait<0>();
+nvfp4g::wgmma_wait<0>();
+#pragma unroll
+for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+
+// ---- epilogue: d[4j + c] = (weight row arow + 8 (c >> 1), x row 8 j + 2 t + (c & 1))
+const float mult = gsv[0] * (F16 ? NVFP4G_EPILOGUE_F16 : NVFP4G_EPILOGUE_BF16);
+#pragma unroll
+for (int hf = 0; hf < 2; ++hf) {
+  const int col = n0 + arow + 8 * hf;
+  if (col >= N) continue;
+#pragma unroll
+  for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int row = m0 + 8 * j + 2 * t + c;
+      if (row >= M) continue;
+      const float v = d[4 * j + 2 * hf + c] * mult;
+      if constexpr (F16) {
+        *reinterpret_cast<__half*>(y + static_cast<size_t>(row) * N + col) = __float2half_rn(v);
+      } else {
+        *reinterpret_cast<__nv_bfloat16*>(y + static_cast<size_t>(row) * N + col) = __float2bfloat16_rn(v);
+      }
+    }
+  }
+}
