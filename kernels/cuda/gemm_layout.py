@@ -43,7 +43,8 @@ class GemmConfig:
             operand, decoded straight into registers, x its B operand from shared memory; wm / 4
             warpgroups of 64 weight rows each (BN = 16 wm) by BM = 8 tn x rows (128 or 256, the
             wgmma's n); wn = tm = 1, BK = 64, no decoded tile (bdec and the producer fields unused).
-        abufs: (rs) A-fragment buffers, 2 or 4: the MMAs left queued while the next is decoded, + 1.
+        abufs: (rs) A-fragment buffers: 2 or 4 of one k16 step each (the MMAs left queued while the next
+            is decoded, + 1), or 8: two k-tiles', a k-tile's MMAs issued as one group.
     """
 
     wm: int = 2
@@ -181,8 +182,8 @@ class GemmConfig:
         """`reason` for the register-sourced kernel (gemm_nvfp4_rs.cu's static_asserts)."""
         if not self.wgmma or self.wm % 4 or self.wn != 1 or self.tm != 1 or self.kh != 1 or self.bm not in (128, 256):
             return f"{self}: wgmma, warpgroups of 64 weight rows, 128 or 256 x rows, BK = 64"
-        if self.stages < 4 or self.abufs not in (2, 4):
-            return f"{self}: the ring needs 4 slots or more, the A fragments 2 or 4 buffers"
+        if self.stages < 4 or self.abufs not in (2, 4, 8):
+            return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4 or 8 buffers"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
             return f"{self} copies do not split evenly over {self.threads} threads"
         if self.threads > 1024:
@@ -233,6 +234,10 @@ VARIANTS: dict[str, GemmConfig] = {
     "r256x128k64s6b2": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=2),
     "r128x256k64s6": GemmConfig(wm=16, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6),
     "r128x128k64s6": GemmConfig(wm=8, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6),
+    # (k: a k-tile's four MMAs issued as one group, the next k-tile decoded under them)
+    "r256x128k64s6k": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=8),
+    "r256x128k64s5k": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8),
+    "r128x256k64s6k": GemmConfig(wm=16, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6, abufs=8),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -225,12 +225,24 @@ class RsGemmEmulator:
             self.issue(s, s)
         self.cp_async_wait(S - 3)
         self.load_scales(0)
-        self.afrag = [self.decode_step(0, 0, 0)] + [np.zeros((self.NT, 4), dtype=U32)] * (self.NB - 1)
+        self.afrag = [np.zeros((self.NT, 4), dtype=U32)] * self.NB
+        for s in range(4 if self.NB == 8 else 1):
+            self.afrag[s] = self.decode_step(0, s, 0)
         slot = 0
         for kt in range(self.KT):
             self.cp_async_wait(S - 4)
             nxt = 0 if slot + 1 == S else slot + 1
             self.issue(kt + S - 2, slot - 2 if slot >= 2 else slot + S - 2)
+            if self.NB == 8:  # the k-tile's MMAs as one group; the next k-tile into the other half
+                base = 4 * (kt % 2)
+                for s in range(4):
+                    self.wgmma(base + s, slot, s, kt)
+                self.wgmma_wait(4)  # (one group of four: at most the k-tile's own four still run)
+                self.load_scales(nxt)
+                for s in range(4):
+                    self.afrag[(base + 4 + s) % 8] = self.decode_step(nxt, s, kt + 1)
+                slot = nxt
+                continue
             for s in range(4):
                 self.wgmma(s % self.NB, slot, s, kt)
                 self.wgmma_wait(self.NB - 1)

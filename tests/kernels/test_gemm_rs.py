@@ -46,7 +46,12 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...",
         "nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed",
         "issue(kt + STAGES - 2, slot >= 2 ? slot - 2 : slot + STAGES - 2);",
-        "nvfp4g::wgmma_rs_m64n256k16<F16>(d, afrag[s % NB], nvfp4g::wgmma_desc(xs + s * 32));",
+        "nvfp4g::wgmma_rs_m64n256k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));",
+        "mma(s, afrag[s % NB]);",
+        "for (int s = 0; s < 4; ++s) mma(s, afrag[base + s]);",
+        "nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: the other half of the buffers is free",
+        "for (int s = 0; s < 4; ++s) decode_step(next, s, (base + 4 + s) % 8);",
+        "if (kt + 1 < KT) ktile(kt + 1, 4);",
         "nvfp4g::wgmma_wait<NB - 1>();  // step i - NB + 1 is done: its A buffer, (s + 1) % NB, is free",
         "decode_step(slot, s + 1, (s + 1) % NB);",
         "const int row = m0 + 8 * j + 2 * t + c;",
@@ -95,10 +100,10 @@ class ShortWait(gr.RsGemmEmulator):
 
 
 class OneBuffer(gr.RsGemmEmulator):
-    """The next step's A fragments decoded into the buffer the step just issued still reads."""
+    """One wait too few: the next fragments decoded into a buffer a running MMA still reads."""
 
     def wgmma_wait(self, allowed: int) -> None:
-        super().wgmma_wait(allowed + 1 if allowed else 0)
+        super().wgmma_wait(allowed + (4 if self.NB == 8 else 1) if allowed else 0)
 
 
 class WrongByte(gr.RsGemmEmulator):
@@ -117,13 +122,14 @@ class WrongScaleRow(gr.RsGemmEmulator):
         self.sc = [self.sc[0], self.sc[0]]
 
 
+@pytest.mark.parametrize("name", ["r256x128k64s6", "r256x128k64s6k"])
 @pytest.mark.parametrize("broken", [EarlyRefill, ShortWait, OneBuffer, WrongByte, WrongScaleRow])
-def test_every_planted_bug_fails(broken: type[gr.RsGemmEmulator]) -> None:
+def test_every_planted_bug_fails(broken: type[gr.RsGemmEmulator], name: str) -> None:
     m, n, k = SHAPE
     xv, xb, codes, scales = random_problem(m, n, k, False, 12)
     ref = xv @ nvfp4.dequantize(codes, scales).T
     try:
-        y, _ = broken(VARIANTS["r256x128k64s6"], n, k, False).run(xb, nvfp4.pack_codes(codes), scales, 1.0)
+        y, _ = broken(VARIANTS[name], n, k, False).run(xb, nvfp4.pack_codes(codes), scales, 1.0)
     except AssertionError:  # the slot-tag check of the model (a slot refilled under its MMAs)
         return
     assert not np.allclose(y, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
