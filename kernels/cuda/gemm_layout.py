@@ -41,8 +41,8 @@ class GemmConfig:
         dstages, cstages: (producer) the decoded-tile and code rings.
         rs: (wgmma) the register-sourced kernel, `gemm_nvfp4_rs.cu`: the weights are the MMA's A
             operand, decoded straight into registers, x its B operand from shared memory; wm / 4
-            warpgroups of 64 weight rows each (BN = 16 wm) by BM = 8 tn x rows (128 or 256, the
-            wgmma's n); wn = tm = 1, BK = 64, no decoded tile (bdec and the producer fields unused).
+            warpgroups of 64 weight rows each (BN = 16 wm) by BM = 8 tn x rows (128, 192 or 256,
+            the wgmma's n); wn = tm = 1, BK = 64, no decoded tile (bdec and the producer fields unused).
         abufs: (rs) A-fragment buffers: 2 or 4 of one k16 step each (the MMAs left queued while the next
             is decoded, + 1), or 8: two k-tiles', a k-tile's MMAs issued as one group.
     """
@@ -180,8 +180,15 @@ class GemmConfig:
 
     def _rs_reason(self) -> str | None:
         """`reason` for the register-sourced kernel (gemm_nvfp4_rs.cu's static_asserts)."""
-        if not self.wgmma or self.wm % 4 or self.wn != 1 or self.tm != 1 or self.kh != 1 or self.bm not in (128, 256):
-            return f"{self}: wgmma, warpgroups of 64 weight rows, 128 or 256 x rows, BK = 64"
+        if (
+            not self.wgmma
+            or self.wm % 4
+            or self.wn != 1
+            or self.tm != 1
+            or self.kh != 1
+            or self.bm not in (128, 192, 256)
+        ):
+            return f"{self}: wgmma, warpgroups of 64 weight rows, 128, 192 or 256 x rows, BK = 64"
         if self.stages < 4 or self.abufs not in (2, 4, 8):
             return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4 or 8 buffers"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
@@ -238,6 +245,10 @@ VARIANTS: dict[str, GemmConfig] = {
     "r256x128k64s6k": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=8),
     "r256x128k64s5k": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8),
     "r128x256k64s6k": GemmConfig(wm=16, wn=1, tm=1, tn=16, wgmma=True, rs=True, stages=6, abufs=8),
+    # 192 x rows: at N = 21504 (168 column tiles) 11 row tiles are 14 whole waves of 132 blocks (M = 2048),
+    # 22 are 28 (M = 4096), where 256-row tiles leave the last wave 18 % full at M = 2048
+    "r192x128k64s6k": GemmConfig(wm=8, wn=1, tm=1, tn=24, wgmma=True, rs=True, stages=6, abufs=8),
+    "r192x128k64s7k": GemmConfig(wm=8, wn=1, tm=1, tn=24, wgmma=True, rs=True, stages=7, abufs=8),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

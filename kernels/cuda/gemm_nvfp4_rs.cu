@@ -4,7 +4,7 @@
 //
 // Template constants (kernels/cuda/gemm_layout.py writes them): T, XF16 (T is float16), N (a
 //          multiple of 8), K (a multiple of 64), WG (warpgroups: the block's weight rows BN = 64 WG),
-//          BT (x rows, tokens, per block: 128 or 256, the wgmma's n), STAGES (ring depth, >= 4),
+//          BT (x rows, tokens, per block: 128, 192 or 256, the wgmma's n), STAGES (ring depth, >= 4),
 //          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4 or 8). M is read from x's shape.
 // Launch:  ceil(M / BT) * ceil(N / BN) blocks of 128 WG threads, dynamic shared memory
 //          STAGES * gemm_layout.stage_bytes().
@@ -47,7 +47,7 @@ constexpr int XROWS = NT / 8;         // x rows one pass of the block's threads 
 static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
 static_assert(K % 64 == 0 && KT >= 1, "K must be a multiple of 64");
 static_assert(N % 8 == 0, "N must be a multiple of 8");
-static_assert(BT == 128 || BT == 256, "BT (the wgmma's n) is 128 or 256");
+static_assert(BT == 128 || BT == 192 || BT == 256, "BT (the wgmma's n) is 128, 192 or 256");
 static_assert(STAGES >= 4, "the ring needs STAGES >= 4 (MMAs of k-tile kt - 1 in flight, kt + 1 decoded)");
 static_assert(NB == 2 || NB == 4 || NB == 8, "NB: 2 or 4 buffers of one step each, or 8 (two k-tiles)");
 static_assert((BT * 8) % NT == 0 && XROWS % 8 == 0, "x copies must split evenly and keep row & 7");
@@ -151,6 +151,8 @@ auto ktile = [&](int kt, int base) {
   auto mma = [&](int s, const uint32_t (&a)[4]) {
     if constexpr (BT == 256) {
       nvfp4g::wgmma_rs_m64n256k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));
+    } else if constexpr (BT == 192) {
+      nvfp4g::wgmma_rs_m64n192k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));
     } else {
       nvfp4g::wgmma_rs_m64n128k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));
     }
