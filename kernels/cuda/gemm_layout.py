@@ -254,11 +254,11 @@ VARIANTS: dict[str, GemmConfig] = {
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
 # environment variable overrides it for a run without a code change, e.g.
 #   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
-# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, fourth session of 2026-12-01):
-# g128x256k64s4 is the fastest correct variant at M = 512 (0.59x dense), g192x256k64s4 above it
-# (0.71x dense at 2048, 0.78x at 4096, 0.76x at 16384; the 128-row one 0.62-0.65x); where wgmma
-# cannot run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants at each M.
-DEFAULT_RULE = "g128x256k64s4@512,g192x256k64s4"
+# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, first session of 2026-12-02): the
+# register-sourced r256x128k64s5k is the fastest correct variant, or within the noise of r256x128k64s6k,
+# at every M from 512 to 16384 (0.75-0.81x dense; g192x256k64s4, the rule before, 0.68-0.78x);
+# where wgmma cannot run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants.
+DEFAULT_RULE = "r256x128k64s5k"
 PORTABLE_RULE = "b128x128k64s3@512,b256x128k64s4"
 DEFAULT_VARIANT = DEFAULT_RULE.rsplit(",", 1)[-1]
 VARIANT_ENV = "ORCHESTRATE_GEMM_VARIANT"
