@@ -117,15 +117,10 @@ const int t = lane & 3;
 const int wm = warp / WN;
 const int wn = warp % WN;
 
-// ---- the block's tile: GROUP_M row tiles per column group, rows fastest
-const int num_m = (M + BM - 1) / BM;
-const int per_group = GROUP_M * NUM_N;
-const int group = static_cast<int>(blockIdx.x) / per_group;
-const int first_m = group * GROUP_M;
-const int gsize = min(num_m - first_m, GROUP_M);
-const int in_group = static_cast<int>(blockIdx.x) - group * per_group;
-const int m0 = (first_m + in_group % gsize) * BM;
-const int n0 = (in_group / gsize) * BN;
+// ---- the block's tile (gemm_nvfp4.cuh's raster)
+const int2 tile = nvfp4g::raster(static_cast<int>(blockIdx.x), M, BM, BN, NUM_N, GROUP_M);
+const int m0 = tile.x;
+const int n0 = tile.y;
 
 // ---- copies of k-tile kt into ring slot `slot` (an empty group past the last k-tile). Each
 // thread's copies keep their rows and units from k-tile to k-tile: copy p of a kind moves row

@@ -106,6 +106,18 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
   }
 }
 
+// The block's output tile (x row m0, weight row n0) for `bid`: GROUP_M tiles of bm rows per group of
+// columns, rows fastest, so that a wave's x rows and weight rows stay in L2 (both GEMM kernels).
+__device__ __forceinline__ int2 raster(int bid, int m, int bm, int bn, int num_n, int group_m) {
+  const int num_m = (m + bm - 1) / bm;
+  const int per_group = group_m * num_n;
+  const int group = bid / per_group;
+  const int first_m = group * group_m;
+  const int gsize = min(num_m - first_m, group_m);
+  const int in_group = bid - group * per_group;
+  return make_int2((first_m + in_group % gsize) * bm, (in_group / gsize) * bn);
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -60,15 +60,10 @@ const int warp = tid >> 5;
 const int g = lane >> 2;
 const int t = lane & 3;
 
-// ---- the block's tile: GROUP_M row tiles per column group, rows fastest (as gemm_nvfp4.cu)
-const int num_m = (M + BT - 1) / BT;
-const int per_group = GROUP_M * NUM_N;
-const int group = static_cast<int>(blockIdx.x) / per_group;
-const int first_m = group * GROUP_M;
-const int gsize = min(num_m - first_m, GROUP_M);
-const int in_group = static_cast<int>(blockIdx.x) - group * per_group;
-const int m0 = (first_m + in_group % gsize) * BT;
-const int n0 = (in_group / gsize) * BN;
+// ---- the block's tile (gemm_nvfp4.cuh's raster)
+const int2 tile = nvfp4g::raster(static_cast<int>(blockIdx.x), M, BT, BN, NUM_N, GROUP_M);
+const int m0 = tile.x;
+const int n0 = tile.y;
 
 // ---- copies of k-tile kt into ring slot `slot` (an empty group past the last k-tile): x as in
 // gemm_nvfp4.cu (row xrow + p XROWS, 16-byte unit xu XOR-swizzled by row & 7), code row tid / 2

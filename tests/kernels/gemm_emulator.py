@@ -167,8 +167,54 @@ class Access:
     addrs: np.ndarray  # [32]
 
 
+def raster(bid: int, m: int, bm: int, bn: int, num_n: int, group_m: int) -> tuple[int, int]:
+    """The block's tile (m0, n0): GROUP_M row tiles per column group, rows fastest (both kernels)."""
+    num_m = -(-m // bm)
+    per_group = group_m * num_n
+    group = bid // per_group
+    first_m = group * group_m
+    gsize = min(num_m - first_m, group_m)
+    in_group = bid - group * per_group
+    return (first_m + in_group % gsize) * bm, (in_group // gsize) * bn
+
+
+class SharedMemory:
+    """A block's shared memory as bytes (`smem`), the global arrays as bytes, and the access log."""
+
+    smem: np.ndarray
+    log: bool
+    accesses: list[Access]
+
+    def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
+        idx = np.asarray(addr)[..., None] + np.arange(nbytes)
+        return self.smem[idx]
+
+    def _words(self, addr: np.ndarray, count: int, kind: str) -> list[np.ndarray]:
+        b = self._read(addr, 4 * count).astype(U32)
+        self._note(kind, 4 * count, addr)
+        return [
+            b[..., 4 * i]
+            | (b[..., 4 * i + 1] << U32(8))
+            | (b[..., 4 * i + 2] << U32(16))
+            | (b[..., 4 * i + 3] << U32(24))
+            for i in range(count)
+        ]
+
+    def _note(self, kind: str, width: int, addr: np.ndarray) -> None:
+        if self.log:
+            flat = np.asarray(addr).reshape(-1, 32)  # one row per warp instruction
+            self.accesses.extend(Access(kind, width, row.copy()) for row in flat)
+
+    def load(self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> None:
+        """The global arrays as bytes: x [M, K] (16-bit patterns), codes [N, K/8], scales [N, K/16]."""
+        self.M = xbits.shape[0]
+        self.xg = xbits.astype(np.uint16).reshape(-1).view(np.uint8)  # x as bytes, row-major
+        self.wg = packed.astype(U32).reshape(-1).view(np.uint8)
+        self.sg = scales.astype(np.uint8).reshape(-1)
+
+
 @dataclass
-class GemmEmulator:
+class GemmEmulator(SharedMemory):
     """gemm_nvfp4.cu at one launch shape, for N, K and 16-bit type of x (f16 or bf16)."""
 
     cfg: GemmConfig
@@ -206,48 +252,15 @@ class GemmEmulator:
             assert c.smem_bytes() == self.STAGES * self.STAGE + (self.NBUF * self.KH * self.DS if self.BDEC else 0)
 
     # -- memory
-    def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
-        idx = np.asarray(addr)[..., None] + np.arange(nbytes)
-        return self.smem[idx]
-
-    def _words(self, addr: np.ndarray, count: int, kind: str) -> list[np.ndarray]:
-        b = self._read(addr, 4 * count).astype(U32)
-        self._note(kind, 4 * count, addr)
-        return [
-            b[..., 4 * i]
-            | (b[..., 4 * i + 1] << U32(8))
-            | (b[..., 4 * i + 2] << U32(16))
-            | (b[..., 4 * i + 3] << U32(24))
-            for i in range(count)
-        ]
-
     def _write_words(self, addr: np.ndarray, words: list[np.ndarray], kind: str) -> None:
         self._note(kind, 4 * len(words), addr)
         for i, wv in enumerate(words):
             for byte in range(4):
                 self.smem[np.asarray(addr) + 4 * i + byte] = ((wv >> U32(8 * byte)) & U32(0xFF)).astype(np.uint8)
 
-    def _note(self, kind: str, width: int, addr: np.ndarray) -> None:
-        if self.log:
-            flat = np.asarray(addr).reshape(-1, 32)  # one row per warp instruction
-            self.accesses.extend(Access(kind, width, row.copy()) for row in flat)
-
     # -- the block's tile
     def tile(self, bid: int, m: int) -> tuple[int, int]:
-        num_m = -(-m // self.BM)
-        per_group = self.GROUP_M * self.NUM_N
-        group = bid // per_group
-        first_m = group * self.GROUP_M
-        gsize = min(num_m - first_m, self.GROUP_M)
-        in_group = bid - group * per_group
-        return (first_m + in_group % gsize) * self.BM, (in_group // gsize) * self.BN
-
-    def load(self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> None:
-        """The global arrays as bytes: x [M, K] (16-bit patterns), codes [N, K/8], scales [N, K/16]."""
-        self.M = xbits.shape[0]
-        self.xg = xbits.astype(np.uint16).reshape(-1).view(np.uint8)  # x as bytes, row-major
-        self.wg = packed.astype(U32).reshape(-1).view(np.uint8)
-        self.sg = scales.astype(np.uint8).reshape(-1)
+        return raster(bid, m, self.BM, self.BN, self.NUM_N, self.GROUP_M)
 
     def run(
         self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray, gsv: float

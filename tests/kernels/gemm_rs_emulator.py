@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels.cuda.gemm_layout import GemmConfig
-from tests.kernels.gemm_emulator import U32, Access, e2m1_pair, fragments_to_a, mul2, scale_splat, value16
+from tests.kernels.gemm_emulator import (
+    U32,
+    Access,
+    SharedMemory,
+    e2m1_pair,
+    fragments_to_a,
+    mul2,
+    raster,
+    scale_splat,
+    value16,
+)
 
 
 def byte_perm_lanes(x: np.ndarray, y: np.ndarray, sel: np.ndarray) -> np.ndarray:
@@ -40,7 +50,7 @@ def decode_byte_pair(word: np.ndarray, sel: np.ndarray, s: np.ndarray, f16: bool
 
 
 @dataclass
-class RsGemmEmulator:
+class RsGemmEmulator(SharedMemory):
     """gemm_nvfp4_rs.cu at one launch shape, for N, K and the 16-bit type of x."""
 
     cfg: GemmConfig
@@ -62,36 +72,8 @@ class RsGemmEmulator:
         self.XCOPIES, self.XROWS = self.BT * 8 // self.NT, self.NT // 8
         assert c.stage_bytes() == self.STAGE and c.smem_bytes() == self.STAGES * self.STAGE
 
-    # -- memory
-    def _read(self, addr: np.ndarray, nbytes: int) -> np.ndarray:
-        return self.smem[np.asarray(addr)[..., None] + np.arange(nbytes)]
-
-    def _words(self, addr: np.ndarray, count: int, kind: str) -> list[np.ndarray]:
-        if self.log:
-            self.accesses.extend(Access(kind, 4 * count, row.copy()) for row in np.asarray(addr).reshape(-1, 32))
-        b = self._read(addr, 4 * count).astype(U32)
-        return [
-            b[..., 4 * i]
-            | (b[..., 4 * i + 1] << U32(8))
-            | (b[..., 4 * i + 2] << U32(16))
-            | (b[..., 4 * i + 3] << U32(24))
-            for i in range(count)
-        ]
-
     def tile(self, bid: int, m: int) -> tuple[int, int]:
-        num_m = -(-m // self.BT)
-        per_group = self.GROUP_M * self.NUM_N
-        group = bid // per_group
-        first_m = group * self.GROUP_M
-        gsize = min(num_m - first_m, self.GROUP_M)
-        in_group = bid - group * per_group
-        return (first_m + in_group % gsize) * self.BT, (in_group // gsize) * self.BN
-
-    def load(self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray) -> None:
-        self.M = xbits.shape[0]
-        self.xg = xbits.astype(np.uint16).reshape(-1).view(np.uint8)
-        self.wg = packed.astype(U32).reshape(-1).view(np.uint8)
-        self.sg = scales.astype(np.uint8).reshape(-1)
+        return raster(bid, m, self.BT, self.BN, self.NUM_N, self.GROUP_M)
 
     def run(
         self, xbits: np.ndarray, packed: np.ndarray, scales: np.ndarray, gsv: float

@@ -56,11 +56,12 @@ def test_the_mirrored_lines_are_the_sources() -> None:
         "__byte_perm(d[0], d[1], 0x7632), __byte_perm(d[2], d[3], 0x7632));",
         "p[1] = __byte_perm(v.x, v.z, 0x7632);",
         "p[2] = __byte_perm(v.y, v.w, 0x5410);",
+        "const int gsize = min(num_m - first_m, group_m);",
+        "return make_int2((first_m + in_group % gsize) * bm, (in_group / gsize) * bn);",
     ):
         assert line in header, line
     for line in (
-        "const int m0 = (first_m + in_group % gsize) * BM;",
-        "const int n0 = (in_group / gsize) * BN;",
+        "const int2 tile = nvfp4g::raster(static_cast<int>(blockIdx.x), M, BM, BN, NUM_N, GROUP_M);",
         "const T* const xsrc = x + static_cast<size_t>(min(m0 + xrow, M - 1)) * K + xu * 8;",
         "const uint32_t xdst = (xu / 8) * XS_BYTES + xrow * 128 + (((xu % 8) ^ (xrow & 7)) << 4);",
         "const uint32_t wdst = KH * XS_BYTES + (wu / 2) * WS_BYTES + wrow * 32 + (wu % 2) * 16;",

@@ -32,6 +32,7 @@ SHAPE = (300, 200, 7 * 64)
 def test_the_mirrored_rs_lines_are_the_source() -> None:
     body, header = read_source("gemm_nvfp4_rs.cu"), read_source("gemm_nvfp4.cuh")
     for line in (
+        "const int2 tile = nvfp4g::raster(static_cast<int>(blockIdx.x), M, BT, BN, NUM_N, GROUP_M);",
         "const uint32_t xdst = xrow * 128 + ((xu ^ (xrow & 7)) << 4);",
         "const uint32_t wdst = XS_BYTES + wrow * 32 + (tid % 2) * 16;",
         "const bool sok = tid < BN && n0 + tid < N;",
