@@ -96,13 +96,26 @@ def unpack_affine(packed: npt.ArrayLike, bits: int = AFFINE_BITS) -> npt.NDArray
     return levels.reshape(*p.shape[:-1], p.shape[-1] * per_word).astype(np.uint8)
 
 
+# 4-bit levels: a byte of MLX's words holds two (the low nibble first), tabulated as float64
+_LEVEL_PAIRS = np.stack([np.arange(256) & 0xF, np.arange(256) >> 4], axis=-1).astype(np.float64)
+
+
 def affine_weights(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GROUP) -> np.ndarray:
-    """The float64 weights an affine-quantized matrix holds: scale * level + bias, per group."""
-    levels = unpack_affine(np.array(packed)).astype(np.float64)
+    """The float64 weights an affine-quantized matrix holds: scale * level + bias, per group.
+
+    4-bit levels are read a byte (two levels) at a time from a table, and scaled in place: the
+    values of `unpack_affine`'s route, bit for bit, in about a third of its time.
+    """
     s = np.array(scales.astype(mx.float32), dtype=np.float64)
     b = np.array(biases.astype(mx.float32), dtype=np.float64)
-    grouped = levels.reshape(*s.shape, group) * s[..., None] + b[..., None]
-    return grouped.reshape(levels.shape)
+    words = np.ascontiguousarray(np.array(packed), dtype=np.uint32)
+    if AFFINE_BITS == 4 and np.little_endian:
+        levels = np.take(_LEVEL_PAIRS, words.view(np.uint8), axis=0).reshape(*s.shape, group)
+    else:
+        levels = unpack_affine(words).astype(np.float64).reshape(*s.shape, group)
+    levels *= s[..., None]
+    levels += b[..., None]
+    return levels.reshape(*s.shape[:-1], s.shape[-1] * group)
 
 
 def to_float64(a: Any) -> np.ndarray:
