@@ -182,7 +182,9 @@ def test_rejects_a_last_axis_not_divisible_by_16() -> None:
 
 @pytest.mark.parametrize("global_scale", [None, 3.7])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
-def test_dequantize_packed_is_dequantize_of_the_unpacked_codes_bit_for_bit(global_scale: float | None, dtype: type) -> None:
+def test_dequantize_packed_is_dequantize_of_the_unpacked_codes_bit_for_bit(
+    global_scale: float | None, dtype: type
+) -> None:
     """The table route (what the float64 references use) against the definition: every word,
     every one of the 256 scale bit patterns (NaN, subnormals, negative scales included), the
     sign of each zero too, over a leading axis as an MoE's experts have."""
