@@ -15,8 +15,8 @@ Side by side on the CPU machine (BENCHMARKS.md): the first task ran 0.7-1.0 s so
 What stays as with `ray.init`: the node's labels, its one `gpu_slot`, one CPU, token authentication
 (the head's token, inherited through the environment), and its end with the run. The launcher sets
 `PR_SET_PDEATHSIG` (`embedded._LAUNCH`), so a head killed outright still stops its node; `stop`
-ends the node's process group (SIGTERM, which `ray start --block` turns into stopping every process
-it started; SIGKILL after a grace period).
+ends the node (SIGTERM to `ray start --block`, which stops every process it started; SIGKILL to
+its process group after a grace period, for anything left).
 
 The ports are picked free just before the start (bound to port 0 together, then released). Another
 process may take one in between: the node then exits at start, and the start is tried once more
@@ -47,6 +47,7 @@ STOP_GRACE_S = 10.0
 STARTS = 2  # the second with fresh ports: a picked port may be taken before Ray binds it
 LOG_TAIL_LINES = 5
 POLL_S = 0.05
+LOG = "ray-start.log"
 _COLOURS = re.compile(r"\x1b\[[0-9;]*m")
 _PORT_OPTIONS = (
     "--port",
@@ -87,44 +88,64 @@ class EmbeddedHead:
         self.proc: subprocess.Popen[bytes] | None = None
         self.address: str | None = None  # `127.0.0.1:<GCS port>` once started
         self._dir: Path | None = None  # holds the log of `ray start`
+        self._labels: dict[str, str] = {}
+        self._cpus = 1
+        self._attempt = 0
+        self._port = 0
 
     def start(self, labels: dict[str, str], *, num_cpus: int, timeout: float = START_TIMEOUT_S) -> str:
-        """Start the node and wait until it runs; return the GCS address a driver joins.
+        """`launch`, then `wait`: start the node and return the GCS address a driver joins."""
+        self.launch(labels, num_cpus=num_cpus)
+        return self.wait(timeout)
+
+    def launch(self, labels: dict[str, str], *, num_cpus: int) -> None:
+        """Launch `ray start` for a node with `labels`, one `gpu_slot` and `num_cpus` CPUs; return at once."""
+        self._dir = Path(tempfile.mkdtemp(prefix="orchestrate-head-"))
+        self._labels, self._cpus, self._attempt = dict(labels), num_cpus, 1
+        self._spawn()
+
+    def _spawn(self) -> None:
+        from orchestrator.embedded import _LAUNCH  # the launcher the extra GPU nodes use
+
+        assert self._dir is not None
+        ports = free_ports(len(_PORT_OPTIONS))
+        argv = [
+            sys.executable, "-c", _LAUNCH, str(os.getpid()),
+            sys.executable, *RAY_CLI, "start", "--head", "--block",
+            *[arg for option, port in zip(_PORT_OPTIONS, ports, strict=True) for arg in (option, str(port))],
+            "--num-cpus", str(self._cpus), "--resources", json.dumps({"gpu_slot": 1}),
+            "--labels", ",".join(f"{k}={v}" for k, v in self._labels.items()),
+            "--include-dashboard", "false", "--include-log-monitor", "false", "--no-monitor",
+            "--disable-usage-stats",
+        ]  # fmt: skip
+        with (self._dir / LOG).open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv, env={**os.environ, **RAY_BIND_ENV}, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self._port = ports[0]
+
+    def wait(self, timeout: float = START_TIMEOUT_S) -> str:
+        """Wait until the launched node runs (launching it once more with fresh ports when it exits
+        at start); return the GCS address a driver joins.
 
         Raises:
             InfrastructureError: the node exited at start (twice) or did not start in time; nothing
                 of it is left running.
         """
-        from orchestrator.embedded import _LAUNCH  # the launcher the extra GPU nodes use
-
-        self._dir = Path(tempfile.mkdtemp(prefix="orchestrate-head-"))
-        log = self._dir / "ray-start.log"
-        env = {**os.environ, **RAY_BIND_ENV}
-        for attempt in range(1, STARTS + 1):
-            ports = free_ports(len(_PORT_OPTIONS))
-            argv = [
-                sys.executable, "-c", _LAUNCH, str(os.getpid()),
-                sys.executable, *RAY_CLI, "start", "--head", "--block",
-                *[arg for option, port in zip(_PORT_OPTIONS, ports, strict=True) for arg in (option, str(port))],
-                "--num-cpus", str(num_cpus), "--resources", json.dumps({"gpu_slot": 1}),
-                "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
-                "--include-dashboard", "false", "--include-log-monitor", "false", "--no-monitor",
-                "--disable-usage-stats",
-            ]  # fmt: skip
-            with log.open("wb") as out:
-                self.proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            if self._wait_started(log, time.monotonic() + timeout):
-                self.address = f"127.0.0.1:{ports[0]}"
-                return self.address
-            if attempt == STARTS:
+        assert self.proc is not None and self._dir is not None
+        log = self._dir / LOG
+        deadline = time.monotonic() + timeout
+        while not self._wait_started(log, deadline):
+            if self._attempt >= STARTS:
                 message = f"the Ray head node exited at start ({self.proc.returncode}); last lines of `ray start`: "
                 message += tail(log)  # before `stop` removes it
                 self.stop()
                 raise InfrastructureError(message)
-        raise AssertionError("unreachable")
+            self._attempt += 1
+            self._spawn()
+        self.address = f"127.0.0.1:{self._port}"
+        return self.address
 
     def _wait_started(self, log: Path, deadline: float) -> bool:
         """True once `ray start` says its node runs; False when it exited first.
@@ -149,8 +170,10 @@ class EmbeddedHead:
         """End the node's whole process group (GCS, raylet, agents, workers, jobs) and its log."""
         proc, self.proc, self.address = self.proc, None, None
         if proc is not None:
+            # `ray start` alone: it stops its processes in 0.7 s; SIGTERM to its whole group at once
+            # kept it waiting on them for 10-30 s on the CPU machine
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(STOP_GRACE_S)
             with contextlib.suppress(ProcessLookupError, PermissionError):

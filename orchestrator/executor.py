@@ -131,21 +131,19 @@ class RayExecutor:
             if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
                 os.environ[GPU_SLOTS_ENV] = str(len(gpus))
             self._prestart(host, gpus[0] if gpus else None)  # before Ray's import (0.35 s on the CPU machine)
+            try:  # and the head node: its `ray start` imports Ray beside this process's import
+                self._launch_head(host, gpus[0] if gpus else None)
+            except BaseException:
+                self.shutdown()
+                raise
         import ray
         from ray.exceptions import RayError
 
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
-                from orchestrator.auth_token import ensure_token, use_token
-
-                # Ray's node processes inherit this: the probes on this host know them as ours
-                os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
-                use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
-                self._head = EmbeddedHead()  # `ray start`, not `ray.init(address="local")`: see embedded_head
-                # NODE_CPUS: one Python worker started ahead, the one the slot needs
-                address = self._head.start(node_labels(host, gpus[0] if gpus else None), num_cpus=NODE_CPUS)
-                context = ray.init(address=address, **common)
+                assert self._head is not None
+                context = ray.init(address=self._head.wait(), **common)
                 self._started = True
                 if len(gpus) > 1:
                     self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
@@ -165,6 +163,18 @@ class RayExecutor:
             raise
         self._started = True
         self._signals.install()
+
+    def _launch_head(self, host: HostSpec, gpu: GpuInfo | None) -> None:
+        """Launch the embedded head node (`ray start`, not `ray.init(address="local")`: see
+        `orchestrator.embedded_head`), token-authenticated; `start` waits for it after Ray's import."""
+        from orchestrator.auth_token import ensure_token, use_token
+
+        # Ray's node processes inherit this: the probes on this host know them as ours
+        os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
+        use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
+        self._head = EmbeddedHead()
+        # NODE_CPUS: one Python worker started ahead, the one the slot needs
+        self._head.launch(node_labels(host, gpu), num_cpus=NODE_CPUS)
 
     def _prestart(self, host: HostSpec, gpu: GpuInfo | None) -> None:
         """The first node's fork server for the first job, as that node's worker would localise it."""

@@ -87,17 +87,17 @@ def test_a_ray_start_that_fails_is_one_error_and_ends_the_prestarted_fork_server
         return server
 
     heads: list[EmbeddedHead] = []
-    real_start = EmbeddedHead.start
+    real_wait = EmbeddedHead.wait
 
-    def head_start(self: EmbeddedHead, *args: Any, **kwargs: Any) -> str:
+    def head_wait(self: EmbeddedHead, *args: Any, **kwargs: Any) -> str:
         heads.append(self)
-        address = real_start(self, *args, **kwargs)
+        address = real_wait(self, *args, **kwargs)
         pids.append(self.proc.pid if self.proc else -1)
         return address
 
     pids: list[int] = []
     monkeypatch.setattr(ray, "init", failing_init)
-    monkeypatch.setattr(EmbeddedHead, "start", head_start)
+    monkeypatch.setattr(EmbeddedHead, "wait", head_wait)
     monkeypatch.setattr(task, "prestart_server", spy)
     monkeypatch.delenv(prestart.PRESTARTED_ENV, raising=False)
     inventory = load_inventory(None)
