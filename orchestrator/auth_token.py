@@ -97,8 +97,6 @@ def use_token(path: Path) -> None:
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
     os.environ.pop("RAY_AUTH_TOKEN", None)  # a literal token would win over the file we checked
-    if "ray._raylet" not in sys.modules:  # nothing cached yet: Ray reads the variables when it loads
-        return
     try:  # Ray caches the token per process; a test or a second inventory may point elsewhere.
         from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 

@@ -5,9 +5,8 @@ Each worker node carries the labels `device-kind`, `backend` and `host` and offe
 with several GPUs (`gpus` in the inventory) is one node per GPU, labelled `gpu-index` too: Ray
 spreads a sweep's jobs over every GPU of every host of the kind, and the task pins its job to its
 node's GPU (`workers.task`). With an embedded inventory, Ray is started here
-(a `ray start --head` child joined by `ray.init(address=...)`: `orchestrator.embedded_head`, plus
-a node per further GPU: `orchestrator.embedded`) with this machine's labels from
-`inventories/local.toml`.
+(`ray.init(address="local", ...)`, plus a node per further GPU: `orchestrator.embedded`) with this
+machine's labels from `inventories/local.toml`.
 
 A job whose node (a host, or one GPU's node) or worker process is lost mid-job is retried by Ray
 (`max_retries`) on a live node of its kind: another GPU when its node is gone; any free slot,
@@ -30,7 +29,6 @@ from typing import Any
 import pyarrow as pa
 
 from orchestrator.embedded import NODE_CPUS, GpuNodes, local_gpus, node_labels
-from orchestrator.embedded_head import EmbeddedHead
 from orchestrator.errors import InfrastructureError
 from orchestrator.inventory import HostSpec
 from orchestrator.specs import InventorySpec
@@ -106,7 +104,6 @@ class RayExecutor:
         self._first_job = first_job
         self._prestarted: Prestarted | None = None
         self._nodes = GpuNodes()
-        self._head: EmbeddedHead | None = None
         self._started = False
         self._signals = _StopOnSignal()
         self._stopping: threading.Thread | None = None
@@ -131,19 +128,25 @@ class RayExecutor:
             if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
                 os.environ[GPU_SLOTS_ENV] = str(len(gpus))
             self._prestart(host, gpus[0] if gpus else None)  # before Ray's import (0.35 s on the CPU machine)
-            try:  # and the head node: its `ray start` imports Ray beside this process's import
-                self._launch_head(host, gpus[0] if gpus else None)
-            except BaseException:
-                self.shutdown()
-                raise
         import ray
         from ray.exceptions import RayError
 
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
-                assert self._head is not None
-                context = ray.init(address=self._head.wait(), **common)
+                from orchestrator.auth_token import ensure_token, use_token
+
+                # Ray's node processes inherit this: the probes on this host know them as ours
+                os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
+                use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
+                context = ray.init(
+                    address="local",
+                    labels=node_labels(host, gpus[0] if gpus else None),
+                    resources={"gpu_slot": 1},
+                    num_cpus=NODE_CPUS,  # one Python worker started ahead: the one the slot needs
+                    include_dashboard=False,
+                    **common,
+                )
                 self._started = True
                 if len(gpus) > 1:
                     self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
@@ -158,23 +161,11 @@ class RayExecutor:
             self.shutdown()
             hint = "" if self.inventory.embedded else " (is the cluster up? `orchestrate cluster up --inventory ...`)"
             raise InfrastructureError(f"cannot start or reach Ray: {exc}{hint}") from None
-        except BaseException:
-            self.shutdown()  # a head or an extra GPU node that did not start or join, an interrupt: stop what did
+        except InfrastructureError:
+            self.shutdown()  # an extra GPU node that did not join: stop what did start
             raise
         self._started = True
         self._signals.install()
-
-    def _launch_head(self, host: HostSpec, gpu: GpuInfo | None) -> None:
-        """Launch the embedded head node (`ray start`, not `ray.init(address="local")`: see
-        `orchestrator.embedded_head`), token-authenticated; `start` waits for it after Ray's import."""
-        from orchestrator.auth_token import ensure_token, use_token
-
-        # Ray's node processes inherit this: the probes on this host know them as ours
-        os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
-        use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
-        self._head = EmbeddedHead()
-        # NODE_CPUS: one Python worker started ahead, the one the slot needs
-        self._head.launch(node_labels(host, gpu), num_cpus=NODE_CPUS)
 
     def _prestart(self, host: HostSpec, gpu: GpuInfo | None) -> None:
         """The first node's fork server for the first job, as that node's worker would localise it."""
@@ -220,9 +211,6 @@ class RayExecutor:
                 ray.shutdown()
         finally:
             self._started = False
-            if self._head is not None:  # after the driver left it: its node's processes, its jobs
-                self._head.stop()
-                self._head = None
             if self._prestarted is not None:  # after Ray: no worker uses it any more
                 withdraw(self._prestarted)
                 self._prestarted = None
