@@ -24,7 +24,8 @@ Each arm's reference is the float64 NumPy product of x with the weights that arm
 affine, the dense weights for dense), so the relative error measures the kernel's arithmetic
 alone. `tolerance` states how much of it each path and dtype may show, and why. Where the whole
 float64 product would cost more than the measurement (over `kernels.checking.FULL_REFERENCE_MACS`
-multiply-adds), a stratified subset of its rows and columns is checked instead (every 64-row and
+multiply-adds, or weights to decode on the host over `FULL_REFERENCE_WEIGHTS`: the seeds' shape at
+any token count), a stratified subset of its rows and columns is checked instead (every 64-row and
 21-column tile of the seeds' shape has checked elements), and only those rows of the weights are
 read back and decoded on the host by the NumPy definition: the rows record what was checked
 (`reference_subset`).
@@ -221,7 +222,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     native_build = time.perf_counter() - t_draw
     wq, wscales = w.packed, w.scales
     # the reference's rows and columns: all of them, or a stratified subset (kernels.checking)
-    subset = checking.grid_subset(m, n, m * n * k, rng)
+    subset = checking.grid_subset(m, n, m * n * k, rng, weights=n * k)
     rows, cols = subset if subset is not None else (None, np.arange(n))
     w_nvfp4 = w.dequantized(None if subset is None else cols)  # float64, exact: what every NVFP4 arm holds
     dense: list[mx.array] = []  # the NVFP4 values in the dtype (exact), made on the device once
