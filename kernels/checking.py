@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 
 FULL_REFERENCE_MACS = 2e9  # a float64 product of this many multiply-adds takes about a second: check it all
+# ... and a matrix of this many weights is decoded whole on the host (134 MB as float64, 0.1 s per
+# arm's copy). A decode-sized product is cheap, but the seeds' 21504 x 5376 weights are 115 M, which
+# each fresh job process decoded for the native, affine and dense arms: 2.8 GB and seconds per job.
+FULL_REFERENCE_WEIGHTS = 2**24
 MAX_ROWS = 256  # strata along the token axis when the product is larger
 MAX_COLS = 1024  # strata along the output-feature axis
 
@@ -68,10 +72,13 @@ class ReferenceSubset:
 Reference = np.ndarray | ReferenceSubset
 
 
-def grid_subset(m: int, n: int, macs: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray] | None:
+def grid_subset(
+    m: int, n: int, macs: float, rng: np.random.Generator, *, weights: float = 0
+) -> tuple[np.ndarray, np.ndarray] | None:
     """The rows and columns of an m x n output to check where its float64 product costs `macs`
-    multiply-adds, over `FULL_REFERENCE_MACS` (stratified, from a child of `rng`); None: check all."""
-    if macs <= FULL_REFERENCE_MACS:
+    multiply-adds, over `FULL_REFERENCE_MACS`, or needs `weights` decoded on the host, over
+    `FULL_REFERENCE_WEIGHTS` (stratified, from a child of `rng`); None: check all."""
+    if macs <= FULL_REFERENCE_MACS and weights <= FULL_REFERENCE_WEIGHTS:
         return None
     pick = np.random.default_rng(rng.integers(2**63))
     return stratified(m, MAX_ROWS, pick), stratified(n, MAX_COLS, pick)

@@ -104,29 +104,37 @@ class DeviceWeights:
     def host(self, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(codes uint8 [..., r, k], scale bits uint8 [..., r, k/16]) of `rows` (all without),
         read back from the device."""
+        packed, scales = self._read(rows)
+        return nvfp4.unpack_codes(packed), scales
+
+    def _read(self, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(packed uint32, scale bits uint8) of `rows` (all without), read back from the device."""
         packed, scales = self.packed, self.scales
         if rows is not None:
             at = mx.array(np.asarray(rows, dtype=np.int32))
             packed, scales = mx.take(packed, at, axis=-2), mx.take(scales, at, axis=-2)
-        return nvfp4.unpack_codes(np.array(packed)), np.array(scales)
+        return np.array(packed), np.array(scales)
 
     def global_scales(self) -> np.ndarray | None:
         """The global scales as float32 NumPy (shape of the leading axes), or None."""
         return None if self.global_scale is None else np.array(self.global_scale).astype(np.float32)
 
     def dequantized(self, rows: np.ndarray | None = None) -> np.ndarray:
-        """The float64 weights of `rows` (all without), decoded by the NumPy definition."""
-        codes, scales = self.host(rows)
+        """The float64 weights of `rows` (all without), decoded by the NumPy definition (its tables:
+        `nvfp4.dequantize_packed`)."""
+        packed, scales = self._read(rows)
         gs = self.global_scales()
         if gs is None:
-            return nvfp4.dequantize(codes, scales)
+            return nvfp4.dequantize_packed(packed, scales)
         if gs.ndim == 0:
-            return nvfp4.dequantize(codes, scales, np.float32(gs))
+            return nvfp4.dequantize_packed(packed, scales, np.float32(gs))
         lead = gs.reshape(-1)
-        flat_codes = codes.reshape(lead.size, *codes.shape[-2:])
+        flat_packed = packed.reshape(lead.size, *packed.shape[-2:])
         flat_scales = scales.reshape(lead.size, *scales.shape[-2:])
-        out = np.stack([nvfp4.dequantize(c, s, g) for c, s, g in zip(flat_codes, flat_scales, lead, strict=True)])
-        return out.reshape(codes.shape)
+        out = np.stack(
+            [nvfp4.dequantize_packed(p, s, g) for p, s, g in zip(flat_packed, flat_scales, lead, strict=True)]
+        )
+        return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
 def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -297,7 +297,7 @@ def check_layers(
         # scale or layout shows in any of them.
         picked = np.sort(rng.choice(scales.shape[0], size=min(scales.shape[0], out_rows), replace=False))
         packed = np.array(stored[f"{layer}.weight"])[picked]
-        w = nvfp4.dequantize(nvfp4.unpack_codes(packed), scales[picked], gs)
+        w = nvfp4.dequantize_packed(packed, scales[picked], gs)
         if arm == "affine":
             tol = AFFINE_TOLERANCE
         else:

@@ -249,6 +249,52 @@ def dequantize(
     return out.reshape(c.shape).astype(dtype)
 
 
+# A byte of MLX's packed words holds two codes (element 2j in its low nibble, 2j+1 in its high one),
+# and a group's 16 codes are 8 bytes under one E4M3 scale. Tabulated from the definitions above:
+# byte -> its two E2M1 values, E4M3 bits -> value, and (scale, byte) -> the two weights in float64
+# (1 MiB; E2M1 x E4M3 is exact in float32, so these are `dequantize`'s values bit for bit).
+_E2M1_PAIRS = np.stack([E2M1_VALUES[np.arange(256) & 0xF], E2M1_VALUES[np.arange(256) >> 4]], axis=-1)
+_E4M3_TABLE = decode_e4m3(np.arange(256, dtype=np.uint8))
+_WEIGHT_PAIRS = (_E4M3_TABLE[:, None, None] * _E2M1_PAIRS[None]).astype(np.float64).reshape(256 * 256, 2)
+
+
+def dequantize_packed(
+    packed: npt.ArrayLike,
+    scales: npt.ArrayLike,
+    global_scale: GlobalScale | None = None,
+    dtype: npt.DTypeLike = np.float64,
+) -> FloatArray:
+    """`dequantize(unpack_codes(packed), scales, global_scale, dtype)`, equal bit for bit, from MLX's
+    packed words by table look-ups (`np.take`, a byte's two weights at once): 4x faster (float64, no
+    global scale) on the CPU machine. The float64 reference of a seeds'-shape job decodes 1024 x
+    5376 weights on the host in each fresh job process.
+
+    Args:
+        packed: MLX-packed codes, uint32 [..., K/8].
+        scales: E4M3 scale bits, uint8 [..., K/16].
+        global_scale: MLX-convention global scale, or None.
+        dtype: the result's dtype.
+    """
+    p = np.ascontiguousarray(packed, dtype=np.uint32)
+    s = np.asarray(scales, dtype=np.uint8)
+    k = p.shape[-1] * 8
+    if k % GROUP_SIZE or s.shape != (*p.shape[:-1], k // GROUP_SIZE):
+        raise ValueError(f"scales shape {s.shape} does not match packed codes shape {p.shape}")
+    if not np.little_endian:  # the byte view below assumes the low nibble in the first byte
+        return dequantize(unpack_codes(p), s, global_scale, dtype)
+    groups = p.view(np.uint8).reshape(*s.shape, GROUP_SIZE // 2)  # [..., K/16, 8]: a group's bytes
+    if global_scale is None and np.dtype(dtype) == np.float64:
+        at = s.astype(np.intp)[..., None] * 256 + groups
+        return np.take(_WEIGHT_PAIRS, at, axis=0).reshape(*s.shape[:-1], k)
+    # MLX's float32 order, as `dequantize`: E2M1 * (E4M3 * (global_scale / 2688)), then the dtype
+    per_group = np.take(_E4M3_TABLE, s)
+    if global_scale is not None:
+        per_group = per_group * (np.float32(global_scale) / np.float32(MLX_GLOBAL_SCALE_DIVISOR))
+    values = np.take(_E2M1_PAIRS, groups, axis=0).reshape(*s.shape, GROUP_SIZE)
+    values *= per_group[..., None]
+    return values.reshape(*s.shape[:-1], k).astype(dtype, copy=False)
+
+
 def pack_codes(codes: npt.ArrayLike) -> npt.NDArray[np.uint32]:
     """Pack code points [..., K] into MLX's layout: uint32 [..., K/8], element 0 in bits 0-3."""
     c = np.asarray(codes, dtype=np.uint32)

@@ -154,3 +154,29 @@ def test_an_index_of_another_form_falls_back_to_the_whole_output() -> None:
     ref = ReferenceSubset(full[index], index, full.shape, "pairs")
     assert relative_error(mx.array(full.astype(np.float32)), ref) == 0.0
     assert checking._outer_axes(index, 2) is None
+
+
+def test_a_decode_point_with_many_weights_checks_a_column_subset_that_catches_a_wrong_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One token: the product is cheap, but over `FULL_REFERENCE_WEIGHTS` the weights are not all
+    decoded on the host; the one row is checked at a stratified subset of the columns, which still
+    sees a GEMV that gets one block of 32 outputs wrong, wherever it is."""
+    monkeypatch.setattr(checking, "FULL_REFERENCE_WEIGHTS", 1000)  # the seeds' 115 M at a CPU-sized shape
+    monkeypatch.setattr(checking, "MAX_COLS", 24)
+    wl = qmm.build({"tokens": 1, "n": 384, "k": 128, "dtype": "float32"}, ["native", "affine", "dense"],
+                   np.random.default_rng(7))  # fmt: skip
+    (x,) = wl.make_inputs(np.random.default_rng(1))
+    for arm, path in wl.arms.items():
+        ref = wl.reference(arm, x)
+        assert isinstance(ref, ReferenceSubset) and ref.describe() == "1 of 1 rows x 24 of 384 columns", arm
+        assert relative_error(np.array(path.run(x)), ref) <= path.tolerance, arm
+    native, ref = wl.arms["native"], wl.reference("native", x)
+    for c0 in (0, 160, 352):
+        y = np.array(native.run(x))
+        y[:, c0 : c0 + 32] *= 1.5
+        assert relative_error(y, ref) > 50 * native.tolerance, c0
+    # under the limit (and the product's), the whole output is checked as before
+    monkeypatch.setattr(checking, "FULL_REFERENCE_WEIGHTS", 384 * 128)
+    whole = qmm.build({"tokens": 1, "n": 384, "k": 128, "dtype": "float32"}, ["native"], np.random.default_rng(7))
+    assert not isinstance(whole.reference("native", x), ReferenceSubset)

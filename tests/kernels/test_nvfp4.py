@@ -178,3 +178,28 @@ def test_global_scale_convention_round_trip() -> None:
 def test_rejects_a_last_axis_not_divisible_by_16() -> None:
     with pytest.raises(ValueError, match="divisible by 16"):
         nvfp4.quantize(np.ones((2, 24), dtype=np.float32))
+
+
+@pytest.mark.parametrize("global_scale", [None, 3.7])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_dequantize_packed_is_dequantize_of_the_unpacked_codes_bit_for_bit(
+    global_scale: float | None, dtype: type
+) -> None:
+    """The table route (what the float64 references use) against the definition: every word,
+    every one of the 256 scale bit patterns (NaN, subnormals, negative scales included), the
+    sign of each zero too, over a leading axis as an MoE's experts have."""
+    rng, seed = fresh_rng()
+    packed = rng.integers(0, 2**32, size=(3, 256, 64), dtype=np.uint32)  # k = 512: 32 groups per row
+    scales = rng.integers(0, 256, size=(3, 256, 32), dtype=np.uint8)
+    scales[0, :8] = np.arange(256, dtype=np.uint8).reshape(8, 32)  # every bit pattern at least once
+    want = nvfp4.dequantize(nvfp4.unpack_codes(packed), scales, global_scale, dtype)
+    got = nvfp4.dequantize_packed(packed, scales, global_scale, dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape == (3, 256, 512), seed
+    np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+    assert np.array_equal(np.signbit(got), np.signbit(want)), seed
+    assert np.isnan(got).any() and (got != 0).any()  # the NaN scales decode as NaN: nothing was skipped
+
+
+def test_dequantize_packed_refuses_scales_of_another_shape() -> None:
+    with pytest.raises(ValueError, match="does not match"):
+        nvfp4.dequantize_packed(np.zeros((4, 8), dtype=np.uint32), np.zeros((4, 3), dtype=np.uint8))

@@ -11,6 +11,7 @@ import pytest
 
 from kernels import device_nvfp4, nvfp4, qmm
 from kernels.registry import CASES, Workload
+from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 # The MLX arms this module builds; custom/auto are issue 7's (tested there).
 RUNNABLE = ["native", "affine", "dequant-gemm", "dense"]
@@ -145,3 +146,17 @@ def test_reference_is_shared_by_arms_holding_the_same_weights() -> None:
     assert wl.reference("native", x) is wl.reference("dense", x)  # float32 holds NVFP4 values exactly
     (x2,) = wl.make_inputs(np.random.default_rng())
     assert not np.array_equal(wl.reference("native", x2), wl.reference("native", x))
+
+
+def test_affine_weights_are_scale_times_level_plus_bias_bit_for_bit() -> None:
+    """The table route of `affine_weights` against the plain unpacking, group by group."""
+    seed = secrets.randbits(32)
+    w = mx.array(np.random.default_rng(seed).standard_normal((96, 512)).astype(np.float32)).astype(mx.bfloat16)
+    aq, scales, biases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
+    levels = qmm.unpack_affine(np.array(aq)).astype(np.float64).reshape(96, -1, AFFINE_GROUP)
+    s = np.array(scales.astype(mx.float32), dtype=np.float64)[..., None]
+    b = np.array(biases.astype(mx.float32), dtype=np.float64)[..., None]
+    want = (levels * s + b).reshape(96, 512)
+    got = qmm.affine_weights(aq, scales, biases)
+    np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+    # what the affine arm computes with is checked against these in test_arms_hold_the_reference_weights
