@@ -98,3 +98,19 @@ def test_a_child_that_hangs_keeps_what_it_wrote_and_names_where(
     got = gemm_lab.run_child(out, ["g192x256k64s3p"], "512", "21504,5376")
     assert got["per_m"][0]["paths"] == [{"path": "dense"}]
     assert got["error"] == "timed out after 150 s: M=512 g192x256k64s3p: ..."
+
+
+@pytest.mark.skipif(cuda_backend_available(), reason="checks the refusal off CUDA")
+def test_the_twin_check_does_not_pass_where_it_checked_nothing() -> None:
+    from benchmarks import gemm_twin_check
+
+    assert gemm_twin_check.main() == 3
+
+
+def test_the_qmm_check_sweep_is_the_nvfp4_prefill_sweeps_qmm_case() -> None:
+    from orchestrator.specs import load_sweep
+
+    check = load_sweep(str(Path(__file__).parents[2] / "benchmarks" / "qmm-check.toml"))
+    builtin = next(case for case in load_sweep("nvfp4-prefill").cases if case.case == "qmm")
+    assert [case.model_dump() for case in check.cases] == [builtin.model_dump()]
+    assert check.repetitions == load_sweep("nvfp4-prefill").repetitions
