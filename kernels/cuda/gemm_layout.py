@@ -145,13 +145,25 @@ class GemmConfig:
 
     def reason(self, n: int, k: int) -> str | None:
         """Why this shape cannot run N = n, K = k (the kernel's static_asserts), or None."""
-        threads = self.wm * self.wn * 32  # the ones that copy and decode together (no producer)
         if n % 8:
             return f"N={n} is not a multiple of 8"
         if k % self.bk:
             return f"K={k} is not a multiple of {self.bk}"
-        if self.rs:
-            return self._rs_reason()
+        specific = self._rs_reason() if self.rs else self._smem_decode_reason()
+        if specific is not None:
+            return specific
+        if self.threads > 1024:
+            return f"{self}: {self.threads} threads in a block (at most 1024)"
+        _, consumer, producer = self.registers()
+        if self.producer and (self.wm // 4 * consumer + producer) * 128 > REGISTERS:
+            return f"{self}: consumers at {consumer} and the producer at {producer} registers exceed {REGISTERS}"
+        if self.smem_bytes() > MAX_SHARED_BYTES:
+            return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
+        return None
+
+    def _smem_decode_reason(self) -> str | None:
+        """`reason`'s checks of gemm_nvfp4.cu's own static_asserts (the block, warp and producer decode)."""
+        threads = self.wm * self.wn * 32  # the ones that copy and decode together (no producer)
         if self.tn % 2:
             return f"tn={self.tn} is odd"
         if self.producer:
@@ -169,17 +181,10 @@ class GemmConfig:
             return f"{self} decode groups do not split evenly over {threads} threads"
         if self.wgmma and not (self.bdec and self.wn == 1 and self.tm == 1 and self.tn == 32 and self.wm % 4 == 0):
             return f"{self}: wgmma needs warpgroups along M of 64 x rows by 256 weight rows, block decode"
-        if self.threads > 1024:
-            return f"{self}: {self.threads} threads in a block (at most 1024)"
-        _, consumer, producer = self.registers()
-        if self.producer and (self.wm // 4 * consumer + producer) * 128 > REGISTERS:
-            return f"{self}: consumers at {consumer} and the producer at {producer} registers exceed {REGISTERS}"
-        if self.smem_bytes() > MAX_SHARED_BYTES:
-            return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
         return None
 
     def _rs_reason(self) -> str | None:
-        """`reason` for the register-sourced kernel (gemm_nvfp4_rs.cu's static_asserts)."""
+        """`reason`'s checks of gemm_nvfp4_rs.cu's own static_asserts (the register-sourced kernel)."""
         if (
             not self.wgmma
             or self.wm % 4
@@ -193,10 +198,6 @@ class GemmConfig:
             return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4 or 8 buffers"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
             return f"{self} copies do not split evenly over {self.threads} threads"
-        if self.threads > 1024:
-            return f"{self}: {self.threads} threads in a block (at most 1024)"
-        if self.smem_bytes() > MAX_SHARED_BYTES:
-            return f"{self} needs {self.smem_bytes()} bytes of shared memory (at most {MAX_SHARED_BYTES})"
         return None
 
     def __str__(self) -> str:
