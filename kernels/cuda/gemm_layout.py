@@ -44,7 +44,9 @@ class GemmConfig:
             warpgroups of 64 weight rows each (BN = 16 wm) by BM = 8 tn x rows (128, 192 or 256,
             the wgmma's n); wn = tm = 1, BK = 64, no decoded tile (bdec and the producer fields unused).
         abufs: (rs) A-fragment buffers: 2 or 4 of one k16 step each (the MMAs left queued while the next
-            is decoded, + 1), or 8: two k-tiles', a k-tile's MMAs issued as one group.
+            is decoded, + 1), or 8: two k-tiles', a k-tile's MMAs issued as one group; or 12: three
+            k-tiles', the next k-tile decoded into the set two k-tiles back before the wait for the
+            last one, so two k-tiles' MMAs stay queued under the decode.
     """
 
     wm: int = 2
@@ -194,8 +196,8 @@ class GemmConfig:
             or self.bm not in (128, 192, 256)
         ):
             return f"{self}: wgmma, warpgroups of 64 weight rows, 128, 192 or 256 x rows, BK = 64"
-        if self.stages < 4 or self.abufs not in (2, 4, 8):
-            return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4 or 8 buffers"
+        if self.stages < 4 or self.abufs not in (2, 4, 8, 12):
+            return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4, 8 or 12 buffers"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
             return f"{self} copies do not split evenly over {self.threads} threads"
         return None
@@ -250,6 +252,11 @@ VARIANTS: dict[str, GemmConfig] = {
     # 22 are 28 (M = 4096), where 256-row tiles leave the last wave 18 % full at M = 2048
     "r192x128k64s6k": GemmConfig(wm=8, wn=1, tm=1, tn=24, wgmma=True, rs=True, stages=6, abufs=8),
     "r192x128k64s7k": GemmConfig(wm=8, wn=1, tm=1, tn=24, wgmma=True, rs=True, stages=7, abufs=8),
+    # (q: three k-tiles of A fragments; the next k-tile is decoded before the wait for the last one, under
+    # two k-tiles' MMAs where k has one: the tensor cores idle less while the warps decode. A wait for two
+    # k-tiles instead, ptxas serialises the MMAs: C7513)
+    "r256x128k64s6q": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=12),
+    "r256x128k64s5q": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -5,7 +5,7 @@
 // Template constants (kernels/cuda/gemm_layout.py writes them): T, XF16 (T is float16), N (a
 //          multiple of 8), K (a multiple of 64), WG (warpgroups: the block's weight rows BN = 64 WG),
 //          BT (x rows, tokens, per block: 128, 192 or 256, the wgmma's n), STAGES (ring depth, >= 4),
-//          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4 or 8). M is read from x's shape.
+//          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4, 8 or 12). M is read from x's shape.
 // Launch:  ceil(M / BT) * ceil(N / BN) blocks of 128 WG threads, dynamic shared memory
 //          STAGES * gemm_layout.stage_bytes().
 //
@@ -24,11 +24,13 @@
 // the A buffer step i - NB + 1 used, so NB - 1 MMAs stay queued while the next fragment is decoded,
 // across k-tiles and barriers. NB = 8: a k-tile's four MMAs are one group (one fence, issued back to
 // back, as dense GEMMs do), and the next k-tile's 16 fragment registers are decoded while they run,
-// after a wait for the k-tile before, whose buffers they reuse.
+// after a wait for the k-tile before, whose buffers they reuse. NB = 12: three k-tiles' buffers; the next
+// k-tile is decoded into those of k-tile kt - 2 (retired by k-tile kt - 1's wait) before the wait for
+// kt - 1, so two k-tiles' MMAs stay queued while the warps decode, one across the barrier.
 // Ring discipline: at k-tile kt's barrier every thread has decoded from k-tile kt - 1 at the latest,
-// and its MMAs still in flight are of k-tiles kt - 1 and kt (NB - 1 <= 3 steps; NB = 8: k-tile kt - 1),
-// so the slot of k-tile kt - 2 is free: it is refilled with k-tile kt + STAGES - 2, and k-tile kt + 1
-// (whose codes the end of kt decodes) must have landed (STAGES >= 4).
+// and its MMAs still in flight are of k-tiles kt - 1 and kt (NB - 1 <= 3 steps; NB = 8, 12: k-tile
+// kt - 1), so the slot of k-tile kt - 2 is free: it is refilled with k-tile kt + STAGES - 2, and k-tile
+// kt + 1 (whose codes the end of kt decodes) must have landed (STAGES >= 4).
 //
 // Epilogue: accumulator d[4j + c] is weight row 16 q + g + 8 (c >> 1) by x row 8 j + 2 t + (c & 1); y is
 // written element by element (16-bit stores: a warp's store covers 16 contiguous bytes of 8 rows of y).
@@ -44,12 +46,13 @@ constexpr int ACC = BT / 2;          // accumulators per thread (64 x BT over 12
 constexpr int NUM_N = (N + BN - 1) / BN;
 constexpr int XCOPIES = BT * 8 / NT;  // 16-byte copies of x per thread per k-tile
 constexpr int XROWS = NT / 8;         // x rows one pass of the block's threads covers
+constexpr int KSETS = NB >= 8 ? NB / 4 : 1;  // k-tiles of A fragments held (NB >= 8: a k-tile's MMAs one group)
 static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
 static_assert(K % 64 == 0 && KT >= 1, "K must be a multiple of 64");
 static_assert(N % 8 == 0, "N must be a multiple of 8");
 static_assert(BT == 128 || BT == 192 || BT == 256, "BT (the wgmma's n) is 128, 192 or 256");
 static_assert(STAGES >= 4, "the ring needs STAGES >= 4 (MMAs of k-tile kt - 1 in flight, kt + 1 decoded)");
-static_assert(NB == 2 || NB == 4 || NB == 8, "NB: 2 or 4 buffers of one step each, or 8 (two k-tiles)");
+static_assert(NB == 2 || NB == 4 || NB == 8 || NB == 12, "NB: 2 or 4 buffers of one step each, or 8 / 12 (two / three k-tiles)");
 static_assert((BT * 8) % NT == 0 && XROWS % 8 == 0, "x copies must split evenly and keep row & 7");
 extern __shared__ __align__(1024) uint8_t smem[];
 const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -132,10 +135,10 @@ nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copie
 __syncthreads();                     // ... and everyone's
 load_scales(0);
 #pragma unroll
-for (int s = 0; s < (NB == 8 ? 4 : 1); ++s) decode_step(0, s, s);
+for (int s = 0; s < (NB >= 8 ? 4 : 1); ++s) decode_step(0, s, s);
 int slot = 0;
-// One k-tile, its A fragments in buffers base .. base + 3 (NB = 8: the k-tiles alternate between the
-// two halves, so the loop below runs them in pairs to keep every register index static).
+// One k-tile, its A fragments in buffers base .. base + 3 (NB = 8 / 12: the k-tiles take the KSETS sets of
+// buffers in turn, so the loop below runs them in pairs / threes to keep every register index static).
 auto ktile = [&](int kt, int base) {
   nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed
   nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy (the x tiles) ...
@@ -152,19 +155,26 @@ auto ktile = [&](int kt, int base) {
       nvfp4g::wgmma_rs_m64n128k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));
     }
   };
-  if constexpr (NB == 8) {  // the k-tile's four MMAs as one group, the next k-tile decoded under them
+  if constexpr (NB >= 8) {  // the k-tile's four MMAs as one group, the next k-tile decoded under them
 #pragma unroll
     for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
     nvfp4g::wgmma_fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) mma(s, afrag[base + s]);
     nvfp4g::wgmma_commit();
-    nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: the other half of the buffers is free
+    if constexpr (NB == 8) {
+      nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: the other half of the buffers is free
 #pragma unroll
-    for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+      for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+    }
     load_scales(next);  // (past the last k-tile: a stale slot, never used)
 #pragma unroll
-    for (int s = 0; s < 4; ++s) decode_step(next, s, (base + 4 + s) % 8);
+    for (int s = 0; s < 4; ++s) decode_step(next, s, (base + 4 + s) % NB);  // NB = 12: k-tile kt - 2's set
+    if constexpr (NB == 12) {
+      nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: its set is free for k-tile kt + 2
+#pragma unroll
+      for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
+    }
   } else {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -186,9 +196,12 @@ auto ktile = [&](int kt, int base) {
   }
   slot = next;
 };
-for (int kt = 0; kt < KT; kt += 2) {
+for (int kt = 0; kt < KT; kt += KSETS == 3 ? 3 : 2) {
   ktile(kt, 0);
   if (kt + 1 < KT) ktile(kt + 1, 4);
+  if constexpr (KSETS == 3) {
+    if (kt + 2 < KT) ktile(kt + 2, 8);
+  }
 }
 nvfp4::cp_async_wait<0>();
 nvfp4g::wgmma_wait<0>();

@@ -65,7 +65,10 @@ class RsGemmEmulator(SharedMemory):
         c = self.cfg
         assert c.rs
         self.WG, self.BT, self.STAGES, self.GROUP_M, self.NB = c.wm // 4, c.bm, c.stages, c.group_m, c.abufs
+
         self.NT, self.BN, self.KT = 128 * self.WG, 64 * self.WG, self.k // 64
+        # NB >= 8: sets of a k-tile's four A fragments; NB = 12 decodes the next k-tile before its wait
+        self.sets, self.decode_first = max(1, self.NB // 4), self.NB == 12
         self.XS, self.CS, self.SS = self.BT * 128, self.BN * 32, self.BN * 4
         self.STAGE = -(-(self.XS + self.CS + self.SS) // 1024) * 1024
         self.NUM_N = -(-self.n // self.BN)
@@ -208,21 +211,24 @@ class RsGemmEmulator(SharedMemory):
         self.cp_async_wait(S - 3)
         self.load_scales(0)
         self.afrag = [np.zeros((self.NT, 4), dtype=U32)] * self.NB
-        for s in range(4 if self.NB == 8 else 1):
+        for s in range(4 if self.NB >= 8 else 1):
             self.afrag[s] = self.decode_step(0, s, 0)
         slot = 0
         for kt in range(self.KT):
             self.cp_async_wait(S - 4)
             nxt = 0 if slot + 1 == S else slot + 1
             self.issue(kt + S - 2, slot - 2 if slot >= 2 else slot + S - 2)
-            if self.NB == 8:  # the k-tile's MMAs as one group; the next k-tile into the other half
-                base = 4 * (kt % 2)
+            if self.NB >= 8:  # the k-tile's MMAs as one group; the next k-tile into the next set
+                base = 4 * (kt % self.sets)
                 for s in range(4):
                     self.wgmma(base + s, slot, s, kt)
-                self.wgmma_wait(4)  # (one group of four: at most the k-tile's own four still run)
+                if not self.decode_first:
+                    self.wgmma_wait(4)  # (one group of four: at most the k-tile's own four still run)
                 self.load_scales(nxt)
-                for s in range(4):
-                    self.afrag[(base + 4 + s) % 8] = self.decode_step(nxt, s, kt + 1)
+                for s in range(4):  # NB = 12: into k-tile kt - 2's set, k-tiles kt - 1 and kt still running
+                    self.afrag[(base + 4 + s) % (4 * self.sets)] = self.decode_step(nxt, s, kt + 1)
+                if self.decode_first:
+                    self.wgmma_wait(4)
                 slot = nxt
                 continue
             for s in range(4):

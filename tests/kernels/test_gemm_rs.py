@@ -43,6 +43,7 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "const uint2 c1 = nvfp4g::lds64(st + acode + 8 * 32 + 8 * s);",
         "afrag[b][1] = nvfp4g::decode_byte_pair<F16>(c1.x, sel, s1);  // row g + 8",
         "afrag[b][2] = nvfp4g::decode_byte_pair<F16>(c0.y, sel, s0);  // row g, k 2t + 8, 2t + 9",
+        "constexpr int KSETS = NB >= 8 ? NB / 4 : 1;",
         "for (int s = 0; s < STAGES - 2; ++s) issue(s, s);",
         "nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...",
         "nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed",
@@ -51,8 +52,11 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "mma(s, afrag[s % NB]);",
         "for (int s = 0; s < 4; ++s) mma(s, afrag[base + s]);",
         "nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: the other half of the buffers is free",
-        "for (int s = 0; s < 4; ++s) decode_step(next, s, (base + 4 + s) % 8);",
+        "for (int s = 0; s < 4; ++s) decode_step(next, s, (base + 4 + s) % NB);  // NB = 12: k-tile kt - 2's set",
+        "nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: its set is free for k-tile kt + 2",
+        "for (int kt = 0; kt < KT; kt += KSETS == 3 ? 3 : 2) {",
         "if (kt + 1 < KT) ktile(kt + 1, 4);",
+        "if (kt + 2 < KT) ktile(kt + 2, 8);",
         "nvfp4g::wgmma_wait<NB - 1>();  // step i - NB + 1 is done: its A buffer, (s + 1) % NB, is free",
         "decode_step(slot, s + 1, (s + 1) % NB);",
         "const int row = m0 + 8 * j + 2 * t + c;",
@@ -104,7 +108,16 @@ class OneBuffer(gr.RsGemmEmulator):
     """One wait too few: the next fragments decoded into a buffer a running MMA still reads."""
 
     def wgmma_wait(self, allowed: int) -> None:
-        super().wgmma_wait(allowed + (4 if self.NB == 8 else 1) if allowed else 0)
+        super().wgmma_wait(allowed + (4 if self.NB >= 8 else 1) if allowed else 0)
+
+
+class TwoSetsDecodedFirst(gr.RsGemmEmulator):
+    """The q schedule (the next k-tile decoded before the wait) with two sets of A fragments, not three:
+    the decode overwrites k-tile kt - 1's fragments while its MMAs may still run."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.sets = 2
 
 
 class WrongByte(gr.RsGemmEmulator):
@@ -123,8 +136,12 @@ class WrongScaleRow(gr.RsGemmEmulator):
         self.sc = [self.sc[0], self.sc[0]]
 
 
-@pytest.mark.parametrize("name", ["r256x128k64s6", "r256x128k64s6k"])
-@pytest.mark.parametrize("broken", [EarlyRefill, ShortWait, OneBuffer, WrongByte, WrongScaleRow])
+PLANTED = [(bug, name) for name in ("r256x128k64s6", "r256x128k64s6k", "r256x128k64s5q")
+           for bug in (EarlyRefill, ShortWait, OneBuffer, WrongByte, WrongScaleRow)]  # fmt: skip
+PLANTED.append((TwoSetsDecodedFirst, "r256x128k64s5q"))  # a bug of the q schedule only
+
+
+@pytest.mark.parametrize(("broken", "name"), PLANTED, ids=lambda v: v if isinstance(v, str) else v.__name__)
 def test_every_planted_bug_fails(broken: type[gr.RsGemmEmulator], name: str) -> None:
     m, n, k = SHAPE
     xv, xb, codes, scales = random_problem(m, n, k, False, 12)

@@ -163,9 +163,9 @@ def wgmma_source(name: str, dtype: str, prelude: str | None = None) -> str:
 def check_sass(fn: str, name: str) -> None:
     """What the SASS of one wgmma kernel must hold (cuobjdump's text of its function)."""
     cfg = VARIANTS[name]
-    if cfg.rs:  # one m64n{BM}k16 per k16 step, A from registers, NB - 1 steps (NB = 8: a k-tile) in flight
+    if cfg.rs:  # one m64n{BM}k16 per k16 step, A from registers, NB - 1 steps (NB = 8, 12: a k-tile) in flight
         assert fn.count(f"HGMMA.64x{cfg.bm}x16.F32") == 4, name
-        held = 1 if cfg.abufs == 8 else cfg.abufs - 1
+        held = 1 if cfg.abufs >= 8 else cfg.abufs - 1  # a k-tile of MMAs (NB = 8, 12) or NB - 1 steps in flight
         assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{held}" in fn and "FENCE.VIEW.ASYNC.S" in fn, name
         assert "SYNCS.ARRIVE" not in fn and "USETMAXREG" not in fn, name
         return
