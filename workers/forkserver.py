@@ -191,6 +191,8 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
+        if request.get("replace_env"):  # the client's whole environment, not changes to the server's
+            os.environ.clear()
         for key, value in request.get("env", {}).items():
             if value is None:
                 os.environ.pop(key, None)
@@ -379,7 +381,7 @@ class ForkServer:
         self.path = path
         self.proc = proc
         self.note = note  # what the server preloaded, for the rows
-        self.adopted = adopted  # started with another process's environment: send a child its whole one
+        self.adopted = adopted  # started with another process's environment: a child gets its client's whole one
 
     @classmethod
     def start(
@@ -433,9 +435,18 @@ class ForkServer:
         return os.path.exists(self.path)
 
     def spawn(
-        self, entry: str, args: list[str], *, env: dict[str, str | None], stdout: int, stderr: int, cwd: str = ""
+        self,
+        entry: str,
+        args: list[str],
+        *,
+        env: dict[str, str | None],
+        stdout: int,
+        stderr: int,
+        cwd: str = "",
+        replace_env: bool = False,
     ) -> WarmProcess:
-        """Fork a child running `entry`'s `main(args)` with `env` applied (None removes a key).
+        """Fork a child running `entry`'s `main(args)` with `env` applied (None removes a key) to the
+        server's environment, or, with `replace_env`, with `env` as its whole environment.
 
         Raises:
             OSError: The server is gone.
@@ -447,6 +458,7 @@ class ForkServer:
                 "entry": entry,
                 "args": args,
                 "env": {**env, SOCKET_ENV: self.path, NOTE_ENV: self.note},
+                "replace_env": replace_env,
                 "cwd": cwd,
             }
             socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [stdout, stderr])
@@ -496,14 +508,17 @@ def run_entry(
     """Run `entry`'s `main(args)` in a process of its own; (exit code, how it was started).
 
     Forked from `server` when one is given and answers (only `changes` applied to the server's
-    environment), else a fresh interpreter with `env` (+ `changes`). A timeout kills the
-    process's group and gives exit code None.
+    environment, which is `env`; a server `adopted` from another process, started with that one's,
+    gives the child `env` + `changes` as its whole environment, so no key of the other process's
+    stays), else a fresh interpreter with `env` (+ `changes`). A timeout kills the process's group
+    and gives exit code None.
     """
     proc: WarmProcess | subprocess.Popen[bytes] | None = None
     how = "fresh interpreter"
     if server is not None:
+        sent: dict[str, str | None] = {**env, **changes} if server.adopted else dict(changes)
         try:
-            proc = server.spawn(entry, args, env=dict(changes), stdout=stdout, stderr=stderr)
+            proc = server.spawn(entry, args, env=sent, stdout=stdout, stderr=stderr, replace_env=server.adopted)
             how = f"forked from a warm server ({server.note}; no device state, no weights)"
         except OSError:
             proc = None

@@ -167,9 +167,7 @@ def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None
     env = job_env(job)
     server = warm_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
-    if server is not None and server.adopted:  # started with the head's environment: the job gets this worker's
-        changes = {**env, **changes}
-    with log.open("wb") as out:
+    with log.open("wb") as out:  # (a server the head started: the job gets this worker's whole environment)
         return forkserver.run_entry(
             "workers", argv, env=env, changes=changes, stdout=out.fileno(), stderr=out.fileno(),
             timeout=timeout, server=server,

@@ -20,6 +20,7 @@ import pytest
 from tests.conftest import REPO, child_env
 from workers import forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
+from workers.gpus import FAKE_GPUS_ENV
 from workers.processes import pid_alive
 from workers.task import execute_job, job_env
 
@@ -333,6 +334,30 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
     finally:
         prestart.withdraw(head)
     assert not os.path.exists(os.path.dirname(head.path)) and head.server.proc.poll() is not None
+
+
+def test_a_child_of_an_adopted_server_has_its_clients_whole_environment_and_no_other(tmp_path: Path) -> None:
+    """A server started with another process's environment (the head's) gives a child exactly its
+    client's: a key only the head had is gone, not inherited from the server. A server started with
+    the client's own environment applies the changes alone, so the same key stays (the contrast)."""
+    head_env = {**job_env(), FAKE_GPUS_ENV: "3"}  # the head's environment: a key the worker's lacks
+    started = forkserver.ForkServer.start(head_env)
+    try:
+        seen = {}
+        for adopted in (True, False):
+            handle = forkserver.ForkServer(started.path, note=started.note, adopted=adopted)
+            out = tmp_path / f"gpus-{adopted}.txt"
+            with out.open("wb") as fh:
+                code, how = forkserver.run_entry(
+                    "workers", ["gpus", "cpu"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
+                    timeout=60, server=handle,
+                )  # fmt: skip
+            assert code == 0 and how.startswith("forked from a warm server"), out.read_text()
+            seen[adopted] = json.loads(out.read_text().strip().splitlines()[-1])
+        assert seen[True] == []  # the CPU backend's GPUs: none; the head's fake ones did not reach the child
+        assert [g["uuid"] for g in seen[False]] == ["fake-gpu-0", "fake-gpu-1", "fake-gpu-2"]
+    finally:
+        started.close()
 
 
 def test_a_prestarted_server_that_did_not_start_is_not_waited_for() -> None:
