@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.specs import load_sweep
-from workers import forkserver, phases
+from workers import forkclient, forkserver, phases
 from workers.contract import JobSpec
 from workers.model_runner import Sample, SampleRequest, _checkpoint, _sample, sample_phases
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     if forkserver.supported():
         try:
-            server = forkserver.ForkServer.start(dict(os.environ))
+            server = forkclient.ForkServer.start(dict(os.environ))
             os.environ[forkserver.SOCKET_ENV], os.environ[forkserver.NOTE_ENV] = server.path, server.note
         except OSError as exc:
             print(f"no fork server ({exc}): fresh interpreters")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import registry
-from workers import forkserver, phases
+from workers import forkclient, phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder, Window
 from workers.measure import abba_order
 from workers.task import DEFAULT_SPOOL
@@ -213,9 +213,9 @@ def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
     """
     root = str(Path(__file__).resolve().parent.parent)
     base = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    server = None if env else forkserver.ForkServer.from_env()
+    server = None if env else forkclient.ForkServer.from_env()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        code, how = forkserver.run_entry(
+        code, how = forkclient.run_entry(
             "model_runner", args, env=base, changes=env, stdout=out.fileno(), stderr=err.fileno(),
             timeout=timeout, server=server,
         )  # fmt: skip

@@ -20,7 +20,8 @@ import subprocess
 import threading
 import time
 
-from workers.forkserver import NOTE_SUFFIX, ForkServer, new_socket_path
+from workers.forkclient import ForkServer, new_socket_path
+from workers.forkserver import NOTE_SUFFIX
 from workers.processes import pid_alive
 
 # JSON {"path", "pid" (the head's), "key"}: the server the head starts, for a worker of that key

@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workers import forkserver, prestart
+from workers import forkclient, forkserver, prestart
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.own_processes import HEAD_AT_ENV
@@ -43,7 +43,7 @@ FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
 SPAWNED_AT_ENV = "ORCHESTRATE_SPAWNED_AT"  # wall-clock time the job's process was asked for
 TAIL_BYTES = 4096
 
-_server: forkserver.ForkServer | None = None
+_server: forkclient.ForkServer | None = None
 _server_key: tuple[str, ...] | None = None
 
 
@@ -110,7 +110,7 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     return env
 
 
-def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | None:
+def warm_server(job: JobSpec, env: dict[str, str]) -> forkclient.ForkServer | None:
     """This Ray worker's fork server for `job`'s code version (started or restarted as needed).
 
     None where jobs start in fresh interpreters: off Linux, with `ORCHESTRATE_FRESH_INTERPRETERS=1`,
@@ -129,7 +129,7 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkserver.ForkServer | No
         _server_key = key
         return _server
     try:
-        _server, _server_key = forkserver.ForkServer.start(env), key
+        _server, _server_key = forkclient.ForkServer.start(env), key
     except OSError:
         return None
     return _server
@@ -168,7 +168,7 @@ def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None
     server = warm_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
     with log.open("wb") as out:  # (a server the head started: the job gets this worker's whole environment)
-        return forkserver.run_entry(
+        return forkclient.run_entry(
             "workers", argv, env=env, changes=changes, stdout=out.fileno(), stderr=out.fileno(),
             timeout=timeout, server=server,
         )  # fmt: skip

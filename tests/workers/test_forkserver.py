@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, child_env
-from workers import forkserver, prestart
+from workers import forkclient, forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
 from workers.gpus import FAKE_GPUS_ENV
 from workers.processes import pid_alive
@@ -46,17 +46,17 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def server() -> forkserver.ForkServer:
-    srv = forkserver.ForkServer.start(job_env())
+def server() -> forkclient.ForkServer:
+    srv = forkclient.ForkServer.start(job_env())
     yield srv
     srv.close()
 
 
-def test_a_forked_child_runs_an_entry_with_its_env(server: forkserver.ForkServer, tmp_path: Path) -> None:
+def test_a_forked_child_runs_an_entry_with_its_env(server: forkclient.ForkServer, tmp_path: Path) -> None:
     assert server.note == "mlx preloaded"  # MLX's CPU backend forks safely: the server checked it
     out = tmp_path / "out.txt"
     with out.open("wb") as fh:
-        code, how = forkserver.run_entry(
+        code, how = forkclient.run_entry(
             "workers", ["device"], env={}, changes={"MLX_SOMETHING": "1"}, stdout=fh.fileno(), stderr=fh.fileno(),
             timeout=60, server=server,
         )  # fmt: skip
@@ -64,7 +64,7 @@ def test_a_forked_child_runs_an_entry_with_its_env(server: forkserver.ForkServer
     assert json.loads(out.read_text().strip().splitlines()[-1]) == {"device": "cpu", "backend": "cpu"}
 
 
-def test_a_timeout_kills_the_child(server: forkserver.ForkServer, tmp_path: Path) -> None:
+def test_a_timeout_kills_the_child(server: forkclient.ForkServer, tmp_path: Path) -> None:
     job = tmp_path / "job.json"
     job.write_text(_job(tmp_path, reps=100000, n=512).model_dump_json())
     with (tmp_path / "log").open("wb") as fh:
@@ -78,7 +78,7 @@ def test_a_timeout_kills_the_child(server: forkserver.ForkServer, tmp_path: Path
     assert _gone(proc.pid)
 
 
-def test_a_client_that_goes_away_takes_its_child_with_it(server: forkserver.ForkServer, tmp_path: Path) -> None:
+def test_a_client_that_goes_away_takes_its_child_with_it(server: forkclient.ForkServer, tmp_path: Path) -> None:
     job = tmp_path / "job.json"
     job.write_text(_job(tmp_path, reps=100000, n=512).model_dump_json())
     with (tmp_path / "log").open("wb") as fh:
@@ -90,14 +90,14 @@ def test_a_client_that_goes_away_takes_its_child_with_it(server: forkserver.Fork
     assert _gone(proc.pid)
 
 
-def test_a_childs_exit_reaches_its_client_at_once(server: forkserver.ForkServer, tmp_path: Path) -> None:
+def test_a_childs_exit_reaches_its_client_at_once(server: forkclient.ForkServer, tmp_path: Path) -> None:
     """The server hears of a child's exit from SIGCHLD, not from its once-a-second poll: one after
     the other, short children would each wait for the next poll (a second) if the wakeup broke."""
     trips = []
     with (tmp_path / "log").open("wb") as fh:
         for _ in range(5):
             t0 = time.perf_counter()
-            code, _ = forkserver.run_entry(
+            code, _ = forkclient.run_entry(
                 "workers", ["--help"], env={}, changes={}, stdout=fh.fileno(), stderr=fh.fileno(), timeout=60,
                 server=server,
             )  # fmt: skip
@@ -108,7 +108,7 @@ def test_a_childs_exit_reaches_its_client_at_once(server: forkserver.ForkServer,
 
 def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from workers.forkserver import ForkServer; "
+        [sys.executable, "-c", "import sys, time; from workers.forkclient import ForkServer; "
          "s = ForkServer.start({**__import__('os').environ}, preload='none'); print(s.proc.pid, flush=True); "
          "time.sleep(600)"],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, text=True,
@@ -124,7 +124,7 @@ def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
 def test_a_server_that_preloads_only_mlxs_native_library_serves_jobs(tmp_path: Path) -> None:
     """The CUDA backend's fallback (its Python module opens the GPU on import): the server maps
     libmlx.so and what it links but has no MLX module, and its children import MLX and run jobs."""
-    srv = forkserver.ForkServer.start(job_env(), preload="mlx-library")
+    srv = forkclient.ForkServer.start(job_env(), preload="mlx-library")
     try:
         assert srv.note == "mlx's native library preloaded"
         assert srv.proc is not None
@@ -132,7 +132,7 @@ def test_a_server_that_preloads_only_mlxs_native_library_serves_jobs(tmp_path: P
         assert "/libmlx.so" in maps and "/mlx/core.cpython" not in maps  # the library, not MLX's module
         out = tmp_path / "out.txt"
         with out.open("wb") as fh:
-            code, _ = forkserver.run_entry(
+            code, _ = forkclient.run_entry(
                 "workers", ["device"], env={}, changes={}, stdout=fh.fileno(), stderr=fh.fileno(), timeout=60,
                 server=srv,
             )  # fmt: skip
@@ -146,7 +146,7 @@ def test_an_mlx_without_a_native_library_falls_back_to_preloading_nothing(tmp_pa
     (tmp_path / "mlx").mkdir()
     (tmp_path / "mlx" / "__init__.py").write_text("")
     env = {**job_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{job_env().get('PYTHONPATH', REPO)}"}
-    srv = forkserver.ForkServer.start(env, preload="mlx-library")
+    srv = forkclient.ForkServer.start(env, preload="mlx-library")
     try:
         assert srv.note == "mlx not preloaded"
     finally:
@@ -198,7 +198,7 @@ def test_a_timed_out_sample_is_ended_with_what_left_its_group(tmp_path: Path) ->
     assert root.stdout is not None
     helper = int(root.stdout.readline())
     assert os.getpgid(helper) != os.getpgid(root.pid)
-    forkserver._end_tree(root.pid)
+    forkserver.end_tree(root.pid)
     assert root.wait(timeout=30) == -signal.SIGKILL
     assert _gone(helper)
 
@@ -207,11 +207,11 @@ def test_a_timed_out_sample_is_ended_with_what_left_its_group(tmp_path: Path) ->
 
 
 @pytest.fixture
-def probe_server() -> Iterator[Callable[[dict[str, str]], forkserver.ForkServer]]:
+def probe_server() -> Iterator[Callable[[dict[str, str]], forkclient.ForkServer]]:
     """Start real fork servers that also offer the test entry `probe` (tests/workers/fork_probe.py)."""
-    started: list[forkserver.ForkServer] = []
+    started: list[forkclient.ForkServer] = []
 
-    def start(env: dict[str, str]) -> forkserver.ForkServer:
+    def start(env: dict[str, str]) -> forkclient.ForkServer:
         path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
         code = (
             "import sys; from workers import forkserver; "
@@ -221,7 +221,7 @@ def probe_server() -> Iterator[Callable[[dict[str, str]], forkserver.ForkServer]
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
         assert line.startswith("ready"), line
-        started.append(forkserver.ForkServer(path, proc, line.split(" ", 3)[-1].strip()))
+        started.append(forkclient.ForkServer(path, proc, line.split(" ", 3)[-1].strip()))
         return started[-1]
 
     yield start
@@ -230,7 +230,7 @@ def probe_server() -> Iterator[Callable[[dict[str, str]], forkserver.ForkServer]
 
 
 def _probe(
-    srv: forkserver.ForkServer, tmp_path: Path, *args: str, changes: dict[str, str | None] | None = None
+    srv: forkclient.ForkServer, tmp_path: Path, *args: str, changes: dict[str, str | None] | None = None
 ) -> dict[str, Any]:
     out = tmp_path / f"probe-{time.monotonic_ns()}.json"
     with (tmp_path / "probe.log").open("ab") as log:
@@ -314,13 +314,13 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
         assert prestart.adopt(("another code version", "1", sys.executable, "")) is None
         monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
         sent: list[dict[str, Any]] = []
-        spawn = forkserver.ForkServer.spawn
+        spawn = forkclient.ForkServer.spawn
 
-        def spy(self: forkserver.ForkServer, entry: str, args: list[str], **kw: Any) -> forkserver.WarmProcess:
+        def spy(self: forkclient.ForkServer, entry: str, args: list[str], **kw: Any) -> forkclient.WarmProcess:
             sent.append(kw["env"])
             return spawn(self, entry, args, **kw)
 
-        monkeypatch.setattr(forkserver.ForkServer, "spawn", spy)
+        monkeypatch.setattr(forkclient.ForkServer, "spawn", spy)
         table = execute_job(job.model_dump_json())
         phases = json.loads((table.schema.metadata or {})[META_PHASES])
         assert (table.schema.metadata or {})[b"orchestrate.job_status"] == b"ok"
@@ -341,14 +341,14 @@ def test_a_child_of_an_adopted_server_has_its_clients_whole_environment_and_no_o
     client's: a key only the head had is gone, not inherited from the server. A server started with
     the client's own environment applies the changes alone, so the same key stays (the contrast)."""
     head_env = {**job_env(), FAKE_GPUS_ENV: "3"}  # the head's environment: a key the worker's lacks
-    started = forkserver.ForkServer.start(head_env)
+    started = forkclient.ForkServer.start(head_env)
     try:
         seen = {}
         for adopted in (True, False):
-            handle = forkserver.ForkServer(started.path, note=started.note, adopted=adopted)
+            handle = forkclient.ForkServer(started.path, note=started.note, adopted=adopted)
             out = tmp_path / f"gpus-{adopted}.txt"
             with out.open("wb") as fh:
-                code, how = forkserver.run_entry(
+                code, how = forkclient.run_entry(
                     "workers", ["gpus", "cpu"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
                     timeout=60, server=handle,
                 )  # fmt: skip

@@ -133,7 +133,7 @@ def test_job_env_pins_the_process_and_the_warm_server_is_kept_per_gpu(monkeypatc
         started.append(env)
         return Server(env)
 
-    monkeypatch.setattr(task.forkserver.ForkServer, "start", staticmethod(start))
+    monkeypatch.setattr(task.forkclient.ForkServer, "start", staticmethod(start))
     monkeypatch.setattr(task, "_server", None)
     monkeypatch.delenv(task.FRESH_ENV, raising=False)
     other = job.model_copy(update={"gpu": GpuPin(index=4, uuid="GPU-00000000000000aa")})
