@@ -11,15 +11,29 @@
 #    this one, alternately, in this one call; the medians' table (issue 13).
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
 # GEMM_LAB=0 skips step 1 (the before/after alone, about 90 s on a machine whose MLX JIT cache is warm).
+# ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);
+# TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned);
+# NCU=name,name then profiles each of those variants' kernel once under Nsight Compute at M = 4096
+# (OUT/gemm_lab_ncu/ncu_NAME_m4096.txt; where the machine's ncu reads no counters it says so there).
 set -u
 out=${1:?usage: device_lab.sh OUT [OLD_TREE]}
 old=${2:-}
 export PYTHONUNBUFFERED=1
 step() { echo "== $*"; "$@" || echo "!! failed ($?): $*"; }
+if [[ ${TWIN:-0} == 1 ]]; then
+  step timeout 180 python3 -m benchmarks.gemm_twin_check
+fi
 if [[ ${GEMM_LAB:-1} != 0 ]]; then
-  step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab"
+  narrow=()
+  [[ -n ${ONLY:-} ]] && narrow+=(--only "$ONLY")
+  [[ -n ${MS:-} ]] && narrow+=(--m "$MS")
+  step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab" "${narrow[@]}"
   tail -25 "$out/gemm_lab/gemm_lab.txt" 2>/dev/null
 fi
+ncu_names=${NCU:-}
+for name in ${ncu_names//,/ }; do
+  step timeout 150 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab_ncu" --ncu "$name" --m 4096
+done
 if [[ -n $old ]]; then
   jobs=/tmp/before-after
   mkdir -p "$jobs"
