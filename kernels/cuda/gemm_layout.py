@@ -47,6 +47,9 @@ class GemmConfig:
             is decoded, + 1), or 8: two k-tiles', a k-tile's MMAs issued as one group; or 12: three
             k-tiles', the next k-tile decoded into the set two k-tiles back before the wait for the
             last one, so two k-tiles' MMAs stay queued under the decode.
+        early: (rs, abufs 8 or 12) a k-tile's MMAs issued before its barrier rather than after it (its
+            x tile and fragments are ready at the barrier before), so two k-tiles' MMAs stay queued
+            across each barrier.
     """
 
     wm: int = 2
@@ -64,6 +67,7 @@ class GemmConfig:
     cstages: int = 4
     rs: bool = False
     abufs: int = 4
+    early: bool = False
 
     @property
     def bm(self) -> int:
@@ -135,7 +139,7 @@ class GemmConfig:
         """The template constants after T, in the order MLX declares them."""
         if self.rs:
             return {"XF16": xf16, "N": n, "K": k, "WG": self.wm // 4, "BT": self.bm, "STAGES": self.stages,
-                    "GROUP_M": self.group_m, "NB": self.abufs}  # fmt: skip
+                    "GROUP_M": self.group_m, "NB": self.abufs, "EARLY": self.early}  # fmt: skip
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
         consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
@@ -198,6 +202,8 @@ class GemmConfig:
             return f"{self}: wgmma, warpgroups of 64 weight rows, 128, 192 or 256 x rows, BK = 64"
         if self.stages < 4 or self.abufs not in (2, 4, 8, 12):
             return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4, 8 or 12 buffers"
+        if self.early and self.abufs < 8:
+            return f"{self}: early MMAs are a whole k-tile's group (8 or 12 A buffers)"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
             return f"{self} copies do not split evenly over {self.threads} threads"
         return None
@@ -206,7 +212,7 @@ class GemmConfig:
         if self.rs:
             return (
                 f"gemm-rs({self.bm}x{self.bn}x64, {self.wm // 4} warpgroups, {self.stages} stages, "
-                f"{self.abufs} A buffers, group {self.group_m})"
+                f"{self.abufs} A buffers{', early MMAs' if self.early else ''}, group {self.group_m})"
             )
         dec = "producer" if self.producer else "block" if self.bdec else "warp"
         mma = (", wgmma, deep" if self.deep else ", wgmma") if self.wgmma else ""
@@ -257,6 +263,10 @@ VARIANTS: dict[str, GemmConfig] = {
     # k-tiles instead, ptxas serialises the MMAs: C7513)
     "r256x128k64s6q": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=12),
     "r256x128k64s5q": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12),
+    # (e: each k-tile's MMAs issued before its barrier, so two k-tiles' are queued across it)
+    "r256x128k64s5ke": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, early=True),
+    "r256x128k64s5qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12, early=True),
+    "r256x128k64s6qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=12, early=True),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

@@ -5,7 +5,8 @@
 // Template constants (kernels/cuda/gemm_layout.py writes them): T, XF16 (T is float16), N (a
 //          multiple of 8), K (a multiple of 64), WG (warpgroups: the block's weight rows BN = 64 WG),
 //          BT (x rows, tokens, per block: 128, 192 or 256, the wgmma's n), STAGES (ring depth, >= 4),
-//          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4, 8 or 12). M is read from x's shape.
+//          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4, 8 or 12), EARLY (NB >= 8: a k-tile's
+//          MMAs issued before its barrier). M is read from x's shape.
 // Launch:  ceil(M / BT) * ceil(N / BN) blocks of 128 WG threads, dynamic shared memory
 //          STAGES * gemm_layout.stage_bytes().
 //
@@ -27,6 +28,10 @@
 // after a wait for the k-tile before, whose buffers they reuse. NB = 12: three k-tiles' buffers; the next
 // k-tile is decoded into those of k-tile kt - 2 (retired by k-tile kt - 1's wait) before the wait for
 // kt - 1, so two k-tiles' MMAs stay queued while the warps decode, one across the barrier.
+// EARLY (NB >= 8): k-tile kt's MMAs are issued before k-tile kt's barrier, not after it: its x tile landed
+// and was fenced and made visible at k-tile kt - 1's barrier, and its fragments were decoded at the end
+// of kt - 1, so the barrier only orders what comes after it (the refill, the decode of kt + 1); the
+// tensor cores then have k-tiles kt - 1 and kt queued across the barrier where they had kt - 1 alone.
 // Ring discipline: at k-tile kt's barrier every thread has decoded from k-tile kt - 1 at the latest,
 // and its MMAs still in flight are of k-tiles kt - 1 and kt (NB - 1 <= 3 steps; NB = 8, 12: k-tile
 // kt - 1), so the slot of k-tile kt - 2 is free: it is refilled with k-tile kt + STAGES - 2, and k-tile
@@ -53,6 +58,7 @@ static_assert(N % 8 == 0, "N must be a multiple of 8");
 static_assert(BT == 128 || BT == 192 || BT == 256, "BT (the wgmma's n) is 128, 192 or 256");
 static_assert(STAGES >= 4, "the ring needs STAGES >= 4 (MMAs of k-tile kt - 1 in flight, kt + 1 decoded)");
 static_assert(NB == 2 || NB == 4 || NB == 8 || NB == 12, "NB: 2 or 4 buffers of one step each, or 8 / 12 (two / three k-tiles)");
+static_assert(!EARLY || NB >= 8, "EARLY issues a whole k-tile's MMAs as one group (NB = 8 or 12)");
 static_assert((BT * 8) % NT == 0 && XROWS % 8 == 0, "x copies must split evenly and keep row & 7");
 extern __shared__ __align__(1024) uint8_t smem[];
 const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -140,11 +146,6 @@ int slot = 0;
 // One k-tile, its A fragments in buffers base .. base + 3 (NB = 8 / 12: the k-tiles take the KSETS sets of
 // buffers in turn, so the loop below runs them in pairs / threes to keep every register index static).
 auto ktile = [&](int kt, int base) {
-  nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed
-  nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy (the x tiles) ...
-  __syncthreads();                     // ... and every thread; k-tile kt - 2's slot is free
-  const int next = slot + 1 == STAGES ? 0 : slot + 1;
-  issue(kt + STAGES - 2, slot >= 2 ? slot - 2 : slot + STAGES - 2);
   const uint32_t xs = sbase + slot * STAGE_BYTES;
   auto mma = [&](int s, const uint32_t (&a)[4]) {
     if constexpr (BT == 256) {
@@ -155,13 +156,22 @@ auto ktile = [&](int kt, int base) {
       nvfp4g::wgmma_rs_m64n128k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));
     }
   };
-  if constexpr (NB >= 8) {  // the k-tile's four MMAs as one group, the next k-tile decoded under them
+  auto mma_group = [&]() {  // (NB >= 8) the k-tile's four MMAs as one commit group
 #pragma unroll
     for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
     nvfp4g::wgmma_fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) mma(s, afrag[base + s]);
     nvfp4g::wgmma_commit();
+  };
+  if constexpr (EARLY) mma_group();    // before the barrier: k-tile kt's tile and fragments are ready
+  nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed
+  nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy (the x tiles) ...
+  __syncthreads();                     // ... and every thread; k-tile kt - 2's slot is free
+  const int next = slot + 1 == STAGES ? 0 : slot + 1;
+  issue(kt + STAGES - 2, slot >= 2 ? slot - 2 : slot + STAGES - 2);
+  if constexpr (NB >= 8) {  // the k-tile's four MMAs as one group, the next k-tile decoded under them
+    if constexpr (!EARLY) mma_group();
     if constexpr (NB == 8) {
       nvfp4g::wgmma_wait<1>();  // k-tile kt - 1's MMAs are done: the other half of the buffers is free
 #pragma unroll

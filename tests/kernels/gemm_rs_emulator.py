@@ -69,6 +69,7 @@ class RsGemmEmulator(SharedMemory):
         self.NT, self.BN, self.KT = 128 * self.WG, 64 * self.WG, self.k // 64
         # NB >= 8: sets of a k-tile's four A fragments; NB = 12 decodes the next k-tile before its wait
         self.sets, self.decode_first = max(1, self.NB // 4), self.NB == 12
+        self.early = c.early  # a k-tile's MMAs before its barrier's wait and refill
         self.XS, self.CS, self.SS = self.BT * 128, self.BN * 32, self.BN * 4
         self.STAGE = -(-(self.XS + self.CS + self.SS) // 1024) * 1024
         self.NUM_N = -(-self.n // self.BN)
@@ -215,13 +216,17 @@ class RsGemmEmulator(SharedMemory):
             self.afrag[s] = self.decode_step(0, s, 0)
         slot = 0
         for kt in range(self.KT):
+            base = 4 * (kt % self.sets)
+            if self.early:
+                for s in range(4):
+                    self.wgmma(base + s, slot, s, kt)
             self.cp_async_wait(S - 4)
             nxt = 0 if slot + 1 == S else slot + 1
             self.issue(kt + S - 2, slot - 2 if slot >= 2 else slot + S - 2)
             if self.NB >= 8:  # the k-tile's MMAs as one group; the next k-tile into the next set
-                base = 4 * (kt % self.sets)
-                for s in range(4):
-                    self.wgmma(base + s, slot, s, kt)
+                if not self.early:
+                    for s in range(4):
+                        self.wgmma(base + s, slot, s, kt)
                 if not self.decode_first:
                     self.wgmma_wait(4)  # (one group of four: at most the k-tile's own four still run)
                 self.load_scales(nxt)

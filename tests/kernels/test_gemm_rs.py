@@ -57,6 +57,8 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "for (int kt = 0; kt < KT; kt += KSETS == 3 ? 3 : 2) {",
         "if (kt + 1 < KT) ktile(kt + 1, 4);",
         "if (kt + 2 < KT) ktile(kt + 2, 8);",
+        "if constexpr (EARLY) mma_group();    // before the barrier: k-tile kt's tile and fragments are ready",
+        "if constexpr (!EARLY) mma_group();",
         "nvfp4g::wgmma_wait<NB - 1>();  // step i - NB + 1 is done: its A buffer, (s + 1) % NB, is free",
         "decode_step(slot, s + 1, (s + 1) % NB);",
         "const int row = m0 + 8 * j + 2 * t + c;",
@@ -136,7 +138,7 @@ class WrongScaleRow(gr.RsGemmEmulator):
         self.sc = [self.sc[0], self.sc[0]]
 
 
-PLANTED = [(bug, name) for name in ("r256x128k64s6", "r256x128k64s6k", "r256x128k64s5q")
+PLANTED = [(bug, name) for name in ("r256x128k64s6", "r256x128k64s6k", "r256x128k64s5q", "r256x128k64s5qe")
            for bug in (EarlyRefill, ShortWait, OneBuffer, WrongByte, WrongScaleRow)]  # fmt: skip
 PLANTED.append((TwoSetsDecodedFirst, "r256x128k64s5q"))  # a bug of the q schedule only
 
