@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.gpulock import GpuLock, LockStatus
+from workers.gpulock import GpuLock
+from workers.lockfile import LockStatus
 
 
 def gpu_lock_path(path: str, gpu_index: int) -> str:

@@ -32,7 +32,8 @@ from types import FrameType
 import typer
 
 from orchestrator.errors import InputError, LockTimeoutError
-from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError, LockStatus, lock_status
+from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError
+from workers.lockfile import LockStatus, lock_status
 from workers.process_tree import ProcessTree
 from workers.slotlock import SlotLock, gpu_lock_path
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import GUARD_ENV, holder_path, lock_status
+from workers.gpulock import GUARD_ENV
+from workers.lockfile import holder_path, lock_status
 from workers.processes import pid_alive
 
 

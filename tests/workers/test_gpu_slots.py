@@ -18,7 +18,7 @@ import pytest
 from tests.workers.test_probes import fake_nvidia_smi, spawn_foreign
 from workers.contract import GpuPin, JobSpec, LockSettings
 from workers.fingerprint import static_fingerprint
-from workers.gpulock import GUARD_ENV, LockBusyError, lock_status
+from workers.gpulock import GUARD_ENV, LockBusyError
 from workers.gpus import (
     FAKE_GPUS_ENV,
     GpuListError,
@@ -30,6 +30,7 @@ from workers.gpus import (
     select_gpus,
     visibility_env,
 )
+from workers.lockfile import lock_status
 from workers.probes import KfdProbe, NvidiaSmiProbe, probe_for
 from workers.slotlock import SlotLock, gpu_lock_path
 

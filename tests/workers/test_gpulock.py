@@ -14,15 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import (
-    GUARD_ENV,
-    GpuLock,
-    LockBusyError,
-    LockPathError,
-    holder_path,
-    lock_status,
-    read_holder,
-)
+from workers.gpulock import GUARD_ENV, GpuLock, LockBusyError, LockPathError
+from workers.lockfile import holder_path, lock_status, read_holder
 
 HELPER = str(Path(__file__).with_name("lock_helper.py"))
 

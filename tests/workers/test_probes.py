@@ -20,7 +20,8 @@ import pytest
 
 from workers.contract import HostFingerprint, JobSpec, LockSettings
 from workers.fingerprint import host_fingerprint
-from workers.gpulock import GUARD_ENV, LockBusyError, lock_status
+from workers.gpulock import GUARD_ENV, LockBusyError
+from workers.lockfile import lock_status
 from workers.probes import (
     ContentionMonitor,
     CpuQuietProbe,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import GUARD_ENV, lock_status
+from workers.gpulock import GUARD_ENV
+from workers.lockfile import lock_status
 from workers.process_tree import keeper_supported
 from workers.processes import pid_alive
 from workers.workload_run import run_tree, workload_env
