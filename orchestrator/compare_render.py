@@ -11,20 +11,17 @@ On a terminal each case is one table, in the first layout that fits the width (`
 `--wide` prints layout 1 with everything, whatever its width; Markdown is that layout too.
 Verdicts are coloured on a terminal; `only_changed` hides what is SAME (as asv's `--only-changed`).
 
-CSV and JSON are tidy records with one fixed schema (`RECORD_SCHEMA`, documented in
-`docs/results.md`): one record per case, point, device, arm, side and metric, with the median,
-its interval, the ratio to the case's own baseline with its interval and verdict, the unit, the
-run and the commit; numbers typed, missing values null.
+CSV and JSON are the tidy records of `orchestrator.compare_records` (one fixed schema,
+documented in `docs/results.md`).
 """
 
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,12 +30,12 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.compare import CompareResult, CompareRow, CrossDeviceRow, over_peak, varying_params
+from orchestrator.compare_records import CROSS_SCHEMA, cross_records, records_table, verdict_label
 from orchestrator.console import fit, grid, print_fitted, print_wide, verdict_text
 from orchestrator.output import Format, markdown, write_records
 from orchestrator.stats import Comparison, Verdict
 from orchestrator.units import format_value as format_in_unit
 from orchestrator.units import header_unit, metric_label, unit_of
-from workers.contract import TYPED_PARAMS
 
 FORMATS = tuple(f.value for f in Format)
 # The metrics a table shows by default (the users' tables), where a case measures them.
@@ -58,13 +55,6 @@ def format_value(metric: str, value: float | None) -> str:
 def ratio_label(metric: str) -> tuple[str, bool]:
     """The label of a metric's ratio column and whether its cells are a gap in % (else a factor)."""
     return RATIO_LABELS.get(metric, (f"{metric_label(metric)} ratio", False))
-
-
-def verdict_label(verdict: Verdict, metric: str) -> str:
-    """FASTER/SLOWER for times and rates; LOWER/HIGHER for memory and errors (lower is better there)."""
-    if metric.endswith("_bytes") or metric == "rel_error":
-        return {Verdict.FASTER: "LOWER", Verdict.SLOWER: "HIGHER"}.get(verdict, verdict.value)
-    return verdict.value
 
 
 def format_comparison(metric: str, c: Comparison, *, interval: bool = True, hint: bool = True) -> str:
@@ -388,117 +378,6 @@ def _print(out: Console, renderable: RenderableType) -> None:
     print_fitted(out, [renderable])
 
 
-# ------------------------------------------------------------------------------------ records
-
-RECORD_SCHEMA = pa.schema(
-    [
-        pa.field("sweep", pa.string()),
-        pa.field("case", pa.string()),
-        pa.field("by", pa.string()),
-        pa.field("side", pa.string()),
-        pa.field("baseline", pa.string()),
-        pa.field("device", pa.string()),
-        pa.field("arm", pa.string()),
-        *[pa.field(name, dtype) for name, dtype in TYPED_PARAMS.items()],
-        pa.field("params", pa.string()),
-        pa.field("metric", pa.string()),
-        pa.field("unit", pa.string()),
-        pa.field("n_samples", pa.int64()),
-        pa.field("value", pa.float64()),
-        pa.field("ci_low", pa.float64()),
-        pa.field("ci_high", pa.float64()),
-        pa.field("cv", pa.float64()),
-        pa.field("ratio", pa.float64()),
-        pa.field("ratio_ci_low", pa.float64()),
-        pa.field("ratio_ci_high", pa.float64()),
-        pa.field("verdict", pa.string()),
-        pa.field("more_samples", pa.int64()),
-        pa.field("paired", pa.bool_()),
-        pa.field("p_value", pa.float64()),
-        pa.field("note", pa.string()),
-        pa.field("outliers", pa.int64()),
-        pa.field("run_id", pa.string()),
-        pa.field("code_version", pa.string()),
-        pa.field("commit", pa.string()),
-    ]
-)
-
-
-def typed(value: str) -> int | float | bool | str:
-    """A parameter's text as the number or flag it reads as."""
-    if value in ("True", "False", "true", "false"):
-        return value.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def _finite(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else float(value)
-
-
-def records(result: CompareResult) -> list[dict[str, Any]]:
-    """Tidy records (see `RECORD_SCHEMA`): one per case, point, device, arm, side and metric."""
-    # The record's own column for the side; a commit side (`ref@commit`) is `side`, with the
-    # group's `commit` and `code_version` beside it.
-    column = {"arm": "arm", "run": "run_id", "device": "device"}.get(result.by)
-    out = []
-    for row in result.rows:
-        base = result.baseline_of(row.case_name)
-        point = dict(row.point)
-        params = {k: typed(v) for k, v in point.items()}
-        ordered = [(m, side) for m in result.metrics for side in result.sides_of(row.case_name)]
-        for metric, side in [k for k in ordered if k in row.values]:  # metric by metric, the baseline first
-            s = row.values[(metric, side)]
-            group = row.samples.get((metric, side))
-            c = row.comparisons.get((metric, side))
-            rec: dict[str, Any] = {
-                "sweep": result.sweep,
-                "case": row.case_name,
-                "by": result.by,
-                "side": side,
-                "baseline": base,
-                "device": row.dims.get("device"),
-                "arm": row.dims.get("arm"),
-                **{k: (params[k] if k in params and TYPED_PARAMS[k] == pa.string() else None) for k in TYPED_PARAMS},
-                "params": json.dumps(params, sort_keys=True),
-                "metric": metric,
-                "unit": unit_of(metric, result.units.get(metric)),
-                "n_samples": s.n,
-                "value": _finite(s.median),
-                "ci_low": _finite(s.ci_low),
-                "ci_high": _finite(s.ci_high),
-                "cv": _finite(s.cv),
-                "ratio": _finite(c.ratio.ratio) if c else None,
-                "ratio_ci_low": _finite(c.ratio.ci_low) if c else None,
-                "ratio_ci_high": _finite(c.ratio.ci_high) if c else None,
-                "verdict": verdict_label(c.verdict, metric) if c else None,
-                "more_samples": c.more_samples if c else None,
-                "paired": c.ratio.paired if c else None,
-                "p_value": _finite(c.p_value) if c else None,
-                "note": c.note if c else None,
-                "outliers": s.outliers,
-                "run_id": group.one(tuple(sorted(set(group.run_ids)))) if group else None,
-                "code_version": group.one(group.code_versions) if group else None,
-                "commit": group.one(group.commits) if group else None,
-            }
-            for k, dtype in TYPED_PARAMS.items():
-                if k in params and dtype != pa.string() and isinstance(params[k], int | float):
-                    rec[k] = int(params[k])
-            if column is not None:
-                rec[column] = side
-            out.append(rec)
-    return out
-
-
-def records_table(result: CompareResult) -> pa.Table:
-    """The tidy records as an Arrow table in `RECORD_SCHEMA`."""
-    return pa.Table.from_pylist(records(result), schema=RECORD_SCHEMA)
-
-
 def write_comparison(
     result: CompareResult,
     fmt: Format,
@@ -572,45 +451,6 @@ def cross_display(rows: list[CrossDeviceRow], *, compact: bool = False) -> tuple
                 cells.append(f"{value} ({cell.fraction:.0%} of {format_value(r.metric, cell.peak)})")
         body.append(cells)
     return heads, body
-
-
-CROSS_SCHEMA = pa.schema(
-    [
-        pa.field("case", pa.string()),
-        pa.field("params", pa.string()),
-        pa.field("arm", pa.string()),
-        pa.field("metric", pa.string()),
-        pa.field("unit", pa.string()),
-        pa.field("device", pa.string()),
-        pa.field("value", pa.float64()),
-        pa.field("peak", pa.float64()),
-        pa.field("fraction_of_peak", pa.float64()),
-        pa.field("over_peak", pa.bool_()),
-    ]
-)
-
-
-def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
-    """Tidy records of the cross-device view (see `CROSS_SCHEMA`)."""
-    out = []
-    for r in rows:
-        params = json.dumps({k: typed(v) for k, v in r.point}, sort_keys=True)
-        for dev, cell in sorted(r.cells.items()):
-            out.append(
-                {
-                    "case": r.case_name,
-                    "params": params,
-                    "arm": r.arm,
-                    "metric": r.metric,
-                    "unit": unit_of(r.metric),
-                    "device": dev,
-                    "value": _finite(cell.summary.median),
-                    "peak": cell.peak,
-                    "fraction_of_peak": cell.fraction,
-                    "over_peak": cell.fraction is not None and cell.fraction > 1.0,
-                }
-            )
-    return out
 
 
 def write_cross(rows: list[CrossDeviceRow], fmt: Format, stream: IO[str]) -> None:

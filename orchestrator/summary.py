@@ -27,7 +27,8 @@ from rich.text import Text
 from orchestrator import stats
 from orchestrator.commits import compared_refs
 from orchestrator.compare import compare_results, default_baseline, point_sort_key, select_results, varying_params
-from orchestrator.compare_render import print_comparison, typed
+from orchestrator.compare_records import typed
+from orchestrator.compare_render import print_comparison
 from orchestrator.console import console, grid, warn_broken
 from orchestrator.errors import InputError
 from orchestrator.output import markdown

@@ -10,7 +10,7 @@ import typer
 
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.compare import select_results
-from orchestrator.compare_render import typed
+from orchestrator.compare_records import typed
 from orchestrator.console import warn_broken
 from orchestrator.criteria import CriterionVerdict, evaluate_criteria, exit_code_for, render_verdicts
 from orchestrator.errors import InputError

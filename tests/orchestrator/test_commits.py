@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from orchestrator.commits import base_side, head_rows, match_side, with_commit_sides
 from orchestrator.compare import compare_results, compare_stored
-from orchestrator.compare_render import records
+from orchestrator.compare_records import records
 from orchestrator.errors import InputError
 from orchestrator.history import series_of
 from orchestrator.plan import expand, with_refs

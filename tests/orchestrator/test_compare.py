@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 
 from orchestrator.compare import compare_results, cross_device, over_peak, select_results
+from orchestrator.compare_records import RECORD_SCHEMA
 from orchestrator.compare_render import (
-    RECORD_SCHEMA,
     case_tables,
     fitted_tables,
     print_comparison,
