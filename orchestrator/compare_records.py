@@ -16,7 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.compare import CompareResult, CrossDeviceRow
+from orchestrator.compare import CompareResult
+from orchestrator.cross_device import CrossDeviceRow
 from orchestrator.stats import Verdict
 from orchestrator.units import unit_of
 from workers.contract import TYPED_PARAMS

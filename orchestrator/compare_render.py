@@ -29,9 +29,10 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.compare import CompareResult, CompareRow, CrossDeviceRow, over_peak, varying_params
+from orchestrator.compare import CompareResult, CompareRow, varying_params
 from orchestrator.compare_records import CROSS_SCHEMA, cross_records, records_table, verdict_label
 from orchestrator.console import fit, grid, print_fitted, print_wide, verdict_text
+from orchestrator.cross_device import CrossDeviceRow, over_peak
 from orchestrator.output import Format, markdown, write_records
 from orchestrator.stats import Comparison, Verdict
 from orchestrator.units import format_value as format_in_unit

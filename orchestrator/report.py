@@ -34,9 +34,10 @@ import pyarrow.compute as pc
 from markupsafe import Markup
 
 from orchestrator import stats
-from orchestrator.compare import CompareResult, compare_results, cross_device, default_baseline
+from orchestrator.compare import CompareResult, compare_results, default_baseline
 from orchestrator.compare_render import legend, metric_label
 from orchestrator.criteria import CriterionVerdict, evaluate_criteria
+from orchestrator.cross_device import cross_device
 from orchestrator.errors import InputError
 from orchestrator.report_history import HistoryView, history_view
 from orchestrator.report_panels import (

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from orchestrator.compare import CompareResult, CrossDeviceRow, varying_params
+from orchestrator.compare import CompareResult, varying_params
 from orchestrator.compare_render import VALUE_ONLY, metric_label, shown_metrics
 from orchestrator.criteria import CriterionVerdict, Outcome, PointResult
+from orchestrator.cross_device import CrossDeviceRow
 from orchestrator.report_plots import Bound, MetricPanel, RatioPanel, Series, SharePanel
 from orchestrator.stats import Point
 

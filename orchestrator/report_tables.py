@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from orchestrator.compare import CompareResult, CrossDeviceRow, point_sort_key, varying_params
+from orchestrator.compare import CompareResult, point_sort_key, varying_params
 from orchestrator.compare_render import (
     VALUE_ONLY,
     format_comparison,
@@ -23,6 +23,7 @@ from orchestrator.compare_render import (
     shown_metrics,
 )
 from orchestrator.criteria import CriterionVerdict, Outcome, PointResult, bound_text, overall
+from orchestrator.cross_device import CrossDeviceRow
 from orchestrator.report_style import ArmStyles, with_unit
 from orchestrator.same_output import OutputVerdict, rule_text
 from orchestrator.stats import Point

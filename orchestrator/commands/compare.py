@@ -23,9 +23,10 @@ from orchestrator.commands.options import (
     split_list,
     sweep_option,
 )
-from orchestrator.compare import compare_stored, cross_device, select_results
+from orchestrator.compare import compare_stored, select_results
 from orchestrator.compare_render import print_comparison, print_cross, write_comparison, write_cross
 from orchestrator.console import console, warn, warn_broken
+from orchestrator.cross_device import cross_device
 from orchestrator.errors import InputError
 from orchestrator.output import Format, destination
 from orchestrator.store import ResultStore

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from orchestrator.compare import compare_results, cross_device, over_peak, select_results
+from orchestrator.compare import compare_results, select_results
 from orchestrator.compare_records import RECORD_SCHEMA
 from orchestrator.compare_render import (
     case_tables,
@@ -26,6 +26,7 @@ from orchestrator.compare_render import (
     write_comparison,
     write_cross,
 )
+from orchestrator.cross_device import cross_device, over_peak
 from orchestrator.errors import InputError
 from orchestrator.output import Format
 from orchestrator.stats import Verdict
