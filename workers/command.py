@@ -12,17 +12,18 @@ case's `repo`, `ref` (or `refs`: several commits compared in one job), `build`, 
    commit goes into every row's `commit` column.
 2. Check the commit out once per (host, commit, build command) and run `build` there, once: a
    marker beside the checkout records the build time, so a second job of that commit is a cache
-   hit (`extra["build_cache"] = "hit"`) that still reports the original `build_seconds`.
-3. Run `gate` (the engine's own tests, e.g. `cargo test --test rocm_nvfp4_quant`) in that checkout,
-   once per (host, commit, run): it must pass before anything is timed; a failure fails the job
-   with the tail of the tests' output.
+   hit (`extra["build_cache"] = "hit"`) that still reports the original `build_seconds`
+   (`workers.command_build`).
+3. Run `gate` (the engine's own tests, e.g. `cargo test --test rocm_nvfp4_quant`) in that
+   checkout, once per (host, commit, run): it must pass before anything is timed; a failure fails
+   the job with the tail of the tests' output (`workers.command_build`).
 4. Run the `run` template (`{param}` from the job's parameters, plus `{arm}`, `{backend}`,
    `{device}`, `{host}`, `{commit}`; values are shell-quoted) and parse each output.
 
 A non-zero exit, a timeout, output that does not parse, a failed build or gate or an unknown ref
 becomes a failed row carrying the tail of the output, never an exception.
 
-Each build, gate and run is a `workers.process_tree` tree (`_run_shell`): the timeout kills all of
+Each build, gate and run is a `workers.process_tree` tree (`run_shell`): the timeout kills all of
 it (also what calls `setsid`), what it leaves running is ended when it exits, and it inherits the
 GPU lock's descriptor, so the lock is held until the last of it is gone. Its output streams
 through files: stdout is read back for the parser (at most `$ORCHESTRATE_MAX_OUTPUT_MB`, default
@@ -39,17 +40,13 @@ A relative local `repo` path starts at `options.base_dir`, else at the worker's 
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
-import json
 import os
 import re
 import shlex
-import shutil
 import string
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -201,18 +198,18 @@ def cache_root(case: CommandCase) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "orchestrate"
 
 
-def _tail(text: str) -> str:
+def tail_of(text: str) -> str:
     text = text.strip()
     return text[-TAIL_CHARS:] if len(text) > TAIL_CHARS else text
 
 
-def _with_stderr(message: str, stderr: str) -> str:
-    tail = _tail(stderr)
+def with_stderr(message: str, stderr: str) -> str:
+    tail = tail_of(stderr)
     return f"{message}; stderr: {tail}" if tail else message
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Serialise jobs of one host on a mirror or a build directory (independent of the GPU lock)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -223,7 +220,7 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
+def git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
     # Never a prompt (no terminal here): a credential or host-key question fails the command.
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
     env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
@@ -235,7 +232,7 @@ def _git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
     except subprocess.TimeoutExpired:
         raise CommandCaseError(f"git {args[0]} did not finish within {timeout:g} s") from None
     if proc.returncode != 0:
-        raise CommandCaseError(f"git {args[0]} failed: {_tail(proc.stderr) or proc.returncode}")
+        raise CommandCaseError(f"git {args[0]} failed: {tail_of(proc.stderr) or proc.returncode}")
     return proc.stdout.strip()
 
 
@@ -251,12 +248,12 @@ def _repo_location(case: CommandCase) -> str:
     return str(path.resolve())
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
 def _mirror_path(case: CommandCase, location: str) -> Path:
-    slug = _safe(location.rstrip("/").split("/")[-1] or "repo")
+    slug = safe_name(location.rstrip("/").split("/")[-1] or "repo")
     return cache_root(case) / "repos" / f"{slug}-{hashlib.sha256(location.encode()).hexdigest()[:12]}.git"
 
 
@@ -285,23 +282,23 @@ def resolve_commit(case: CommandCase, run_id: str | None = None) -> tuple[Path, 
     pin = None
     if run_id and not planned:
         ref_hash = hashlib.sha256(case.ref.encode()).hexdigest()[:12]
-        pin = cache_root(case) / "pins" / _safe(run_id) / f"{mirror.stem}-{ref_hash}"
-    with _file_lock(mirror.with_suffix(".lock")):
+        pin = cache_root(case) / "pins" / safe_name(run_id) / f"{mirror.stem}-{ref_hash}"
+    with file_lock(mirror.with_suffix(".lock")):
         if pin is not None and pin.exists() and (mirror / "HEAD").exists():
             return mirror, pin.read_text().strip()
         if planned and (mirror / "HEAD").exists() and _has_commit(mirror, planned):
             return mirror, planned
         if (mirror / "HEAD").exists():
-            _git("--git-dir", str(mirror), "fetch", "--prune", "--quiet", "origin")
+            git("--git-dir", str(mirror), "fetch", "--prune", "--quiet", "origin")
         else:
-            _git("clone", "--mirror", "--quiet", location, str(mirror))
+            git("clone", "--mirror", "--quiet", location, str(mirror))
         if planned:
             if not _has_commit(mirror, planned):
                 when = f"ref {case.ref!r} when the run was planned"
                 raise CommandCaseError(f"commit {planned} ({when}) is not in {location}")
             return mirror, planned
         try:
-            commit = _git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
+            commit = git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
         except CommandCaseError:
             raise CommandCaseError(f"ref {case.ref!r} not found in {location}") from None
         if pin is not None:
@@ -335,152 +332,6 @@ def plan_commits(options: dict[str, Any], base_dir: str | None = None) -> dict[s
 
 
 @dataclass(frozen=True)
-class BuildResult:
-    """A checkout of one commit, built: where, how long the build took, whether it was cached."""
-
-    path: Path
-    seconds: float
-    cache_hit: bool
-
-
-def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str, Any]) -> BuildResult:
-    """Check out `commit` and run the build command there, once per host, commit and command.
-
-    Raises:
-        CommandCaseError: the checkout or the build failed or timed out (with stderr's tail).
-    """
-    command = render(case.build, values, "build") if case.build else ""
-    key = hashlib.sha256(command.encode()).hexdigest()[:10]
-    path = mirror.parent.parent / "builds" / mirror.stem / f"{commit[:16]}-{key}"
-    marker = path.with_name(path.name + ".build.json")
-    with _file_lock(path.with_name(path.name + ".lock")):
-        if marker.exists():
-            record = json.loads(marker.read_text())
-            os.utime(marker)  # used now: the pruning below keeps the builds used last
-            return BuildResult(path, float(record["build_seconds"]), cache_hit=True)
-        if not (path / ".git").exists():
-            _git("clone", "--quiet", "--no-checkout", str(mirror), str(path))
-        _git("checkout", "--quiet", "--detach", "--force", commit, cwd=path)
-        seconds = 0.0
-        if command:
-            outcome = _run_shell(command, path, dict(os.environ), case.timeout)
-            seconds = outcome.seconds
-            path.with_name(path.name + ".build.log").write_text(outcome.stdout + outcome.stderr)  # stderr's tail
-            if outcome.failure:
-                raise CommandCaseError(f"build {outcome.failure}")
-        marker.write_text(json.dumps({"commit": commit, "build": command, "build_seconds": seconds}))
-    prune_builds(path.parent, keep_builds())
-    return BuildResult(path, seconds, cache_hit=False)
-
-
-KEEP_BUILDS = 4
-RECENT_S = 24 * 3600.0
-
-
-def keep_builds() -> int:
-    """How many builds of one repository a host keeps (`$ORCHESTRATE_KEEP_BUILDS`, default 4)."""
-    raw = os.environ.get("ORCHESTRATE_KEEP_BUILDS", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else KEEP_BUILDS
-
-
-def prune_builds(builds: Path, keep: int, *, recent_s: float = RECENT_S) -> list[Path]:
-    """Remove a repository's least recently used builds beyond the newest `keep`.
-
-    An engine's build is gigabytes and a nightly sweep makes one per commit; this keeps a host's
-    disk bounded. A build used within `recent_s` (this run's BASE and HEAD, say) or held by
-    another job (its lock is taken) is never removed.
-
-    Returns:
-        The checkouts removed.
-    """
-    markers = sorted(builds.glob("*.build.json"), key=lambda m: m.stat().st_mtime, reverse=True)
-    removed = []
-    for marker in markers[keep:]:
-        if time.time() - marker.stat().st_mtime < recent_s:
-            continue
-        path = marker.with_name(marker.name.removesuffix(".build.json"))
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # in use by another job
-            marker.unlink()
-            shutil.rmtree(path, ignore_errors=True)
-            for log in builds.glob(f"{glob.escape(path.name)}.*.log"):
-                log.unlink(missing_ok=True)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed
-
-
-_FAILURE_LINE = re.compile(r"panicked at|^test .* FAILED$|^test result:|^FAILED |^E  |^error(\[|:)", re.M)
-
-
-def _failure_summary(output: str) -> str:
-    """The lines that say what failed (a panic and its message, FAILED tests), then the output's tail.
-
-    A test runner's backtrace or build log can push the failure out of a plain tail.
-    """
-    lines = output.splitlines()
-    picked: list[str] = []
-    for i, line in enumerate(lines):
-        if _FAILURE_LINE.search(line):
-            picked.append(line.strip())
-            if "panicked at" in line and i + 1 < len(lines):
-                picked.append(lines[i + 1].strip())  # the panic's message
-    head = "; ".join(dict.fromkeys(picked[:12]))
-    tail = _tail(output) or "no output"
-    return f"{head}\n... {tail}" if head and head not in tail else tail
-
-
-@dataclass(frozen=True)
-class GateResult:
-    """The correctness gate at one commit: how long it took, whether this run had it already, why it failed."""
-
-    seconds: float
-    cache_hit: bool
-    failure: str | None  # None: passed; else the command, how it ended and its output's tail
-
-
-def run_gate(
-    case: CommandCase, build: BuildResult, values: dict[str, Any], env: dict[str, str], run_id: str | None
-) -> GateResult:
-    """Run the case's `gate` in the built checkout, once per host, commit and run.
-
-    Its outcome (pass or fail) is kept for the run's later jobs on this host, which report the
-    original time as a cache hit; the next run tests again. The output is kept beside the build
-    (`<checkout>.gate-<key>.log`).
-
-    Raises:
-        CommandCaseError: the gate template names an unknown field.
-    """
-    assert case.gate is not None
-    command = render(case.gate, values, "gate")
-    key = hashlib.sha256(command.encode()).hexdigest()[:10]
-    marker = None
-    if run_id:
-        run_slug = _safe(run_id)
-        marker = cache_root(case) / "gates" / run_slug / f"{build.path.name}-{key}.json"
-    with _file_lock(build.path.with_name(build.path.name + ".lock")):
-        if marker is not None and marker.exists():
-            record = json.loads(marker.read_text())
-            return GateResult(float(record["seconds"]), True, record["failure"])
-        outcome = _run_shell(command, build.path, env, case.timeout)
-        output = outcome.stdout + ("\n" if outcome.stdout and outcome.stderr else "") + outcome.stderr
-        build.path.with_name(f"{build.path.name}.gate-{key}.log").write_text(output)
-        failure = None
-        if outcome.failure is not None:
-            how = outcome.failure.split("; stderr:")[0]
-            failure = f"gate `{command}` {how}: {_failure_summary(output)}"
-        if marker is not None:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"command": command, "seconds": outcome.seconds, "failure": failure}))
-        return GateResult(outcome.seconds, False, failure)
-
-
-@dataclass(frozen=True)
 class RunOutcome:
     """One run of a shell command: its whole stdout (at most `max_output()` bytes), stderr's tail."""
 
@@ -499,7 +350,7 @@ def max_output() -> int:
         return DEFAULT_MAX_OUTPUT
 
 
-def _run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> RunOutcome:
+def run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> RunOutcome:
     """Run `command` as one process tree with the GPU lock's descriptor and no Ray variables,
     its output through files (memory stays bounded whatever it prints)."""
     limit = max_output()
@@ -515,5 +366,5 @@ def _run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> 
         stdout = result.stdout_tail if result.overflow else out.read_text(encoding="utf-8", errors="replace")
     failure = result.failure(timeout, limit)
     return RunOutcome(
-        stdout, result.stderr_tail, result.seconds, _with_stderr(failure, result.stderr_tail) if failure else None
+        stdout, result.stderr_tail, result.seconds, with_stderr(failure, result.stderr_tail) if failure else None
     )

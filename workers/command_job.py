@@ -29,17 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from workers import phases
-from workers.command import (
-    BuildResult,
-    CommandCase,
-    CommandCaseError,
-    _run_shell,
-    _with_stderr,
-    build_commit,
-    render,
-    resolve_commit,
-    run_gate,
-)
+from workers.command import CommandCase, CommandCaseError, render, resolve_commit, run_shell, with_stderr
+from workers.command_build import BuildResult, build_commit, run_gate
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
 from workers.gpulock import GUARD_ENV
 from workers.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
@@ -222,7 +213,7 @@ def _measure(
             failed.add((index, arm))
             continue
         with phases.span("warmup" if warm else "timed"):
-            outcome = _run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
+            outcome = run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
         error = outcome.failure
         parsed: ParsedOutput | None = None
         if error is None:
@@ -234,7 +225,7 @@ def _measure(
                 skipped.add((index, arm))
                 continue
             except OutputParseError as exc:
-                error = _with_stderr(f"output did not parse ({exc})", outcome.stderr)
+                error = with_stderr(f"output did not parse ({exc})", outcome.stderr)
         if error is not None or parsed is None:
             rows.add(arm, "wall_seconds", outcome.seconds, "seconds", status=STATUS_FAILED,
                      error=f"{phase} {round_}: {error}", extra=side.extra, commit=side.commit)  # fmt: skip

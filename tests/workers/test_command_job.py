@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine_repo import GUARD_SH, git
 from tests.workers.test_command import run
-from workers.command import prune_builds
+from workers.command_build import prune_builds
 from workers.command_job import command_env
 from workers.contract import JobSpec, LockSettings
 from workers.gpulock import GUARD_ENV, GpuLock
