@@ -4,19 +4,26 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 
 * every input set and every arm's weights are materialised first (MLX builds lazily; a lazy
   input would otherwise be computed inside the first timed sample);
-* correctness first: every arm's output on fresh random inputs is compared with the case's NumPy
-  reference; the relative error is a recorded metric, and an arm over its tolerance is failed,
-  however fast it is (its timing rows carry status `failed`, so no comparison ever uses them);
+* warm-up first, of every arm and every `auto` candidate: a time-based warm-up of all of them
+  together (a cold first call, JIT load and allocations, is warm-up by definition; it used to fall
+  into the check, which ran first), while the host computes the float64 references of the first
+  input set on a background thread (`workers.reference_ahead`, where the case offers the
+  ahead-of-time form: qmm), so the device is not idle while NumPy works;
+* then correctness: every arm's output on fresh random inputs, one warm call, is compared with the
+  case's NumPy reference; the relative error is a recorded metric, and an arm over its tolerance
+  is failed, however fast it is (its timing rows carry status `failed`, so no comparison ever uses
+  them); an arm that raised (in the warm-up, or its reference) fails and is not timed;
 * peak memory per arm as if only that arm's arrays were alive: the call's own allocations
   (output and temporaries, above what was live before it) plus the weights the arm declares and
   its inputs. MLX counts every live array, so a raw reading would include every other arm's
   weights and the whole input pool, and would change when an arm is added to the job;
-* `auto` arms are chosen here, among their candidates, by this same method (`kernels.dispatch`);
-* a time-based warm-up of all arms together, then ONE call count per sample for every arm of the
-  job, then `repetitions` samples per arm, the arms interleaved in ABBA order (A B, B A, ...) so
-  drift and thermal state hit every arm alike, the input set rotating per sample and, with
-  `cache = "cold"` (the default), the weights rotating per call over copies larger than the
-  last-level cache;
+* `auto` arms are chosen here, among their CORRECT candidates only, by this same method
+  (`kernels.dispatch`), with the warm-up's estimates; the chosen path is checked once more;
+* ONE call count per sample for every arm of the job (from the warm-up's estimates of the arms
+  that are timed), then `repetitions` samples per arm, the arms interleaved in ABBA order (A B,
+  B A, ...) so drift and thermal state hit every arm alike, the input set rotating per sample
+  and, with `cache = "cold"` (the default), the weights rotating per call over copies larger
+  than the last-level cache;
 * a sample times `mx.eval` of its calls' graphs, built before the clock starts; the Python graph
   cost per call is recorded as its own metric (`host_seconds`) at decode sizes.
 
