@@ -4,12 +4,14 @@ A case builds its `auto` arm with `auto_path(key, candidates, make_inputs, refer
 `ArmPath` whose `auto` names the candidates (qmm: native, dequant-gemm, custom and, where it is a
 second kernel, custom-ksplit; moe-gather: native-sorted, custom-sorted). The job resolves it
 before anything is timed (`workers.measure`), by the measurement's own method
-(`kernels.timing`): each candidate is checked once against the case's float64 reference (a path
-over its own tolerance, or one that raises, is never chosen), warmed up with the job's arms, then
-timed with the job's one call count, the job's cache state (weights rotated or not), the job's
-rotated input sets and the candidates interleaved in ABBA order; the median of `AUTO_SAMPLES`
-samples per candidate decides. (The old choice, 8 calls, one input, candidates one after
-another and the Python graph inside the clock, picked the slower GEMV kernel on the H200.)
+(`kernels.timing`): each candidate is warmed up with the job's arms (its cold first call counts
+there), checked once, warm, against the case's float64 reference (a path over its own tolerance,
+or one that raises, is never chosen), then the correct ones are timed with the job's one call
+count, the job's cache state (weights rotated or not), the job's rotated input sets and the
+candidates interleaved in ABBA order; the median of `AUTO_SAMPLES` samples per candidate decides.
+(`calibrate`, outside a job, still checks first and warms up the correct candidates only.) (The
+old choice, 8 calls, one input, candidates one after another and the Python graph inside the
+clock, picked the slower GEMV kernel on the H200.)
 
 The resolved arm's `route` names the choice and the evidence, e.g.
 `auto:custom[cuda_kernel(gemv_nvfp4_stream)] custom=2.1e-05s native=6.5e-05s (5 samples x 64

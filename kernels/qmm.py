@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from kernels import activations, checking, device_nvfp4, dispatch, nvfp4
 from kernels.checking import Reference, ReferenceSubset
-from kernels.registry import ArmPath, Workload, bound_path, check_point
+from kernels.registry import ArmPath, HostPart, Workload, bound_path, check_point
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -131,6 +131,10 @@ class ProductReference:
     NVFP4 values exactly) share one matrix, so one product serves them all. With `rows` (token
     indices) and `cols` (output features, the weights' rows), the weights given are those rows
     only, and the product is the subset `kernels.checking.ReferenceSubset`.
+
+    `prepare(arms, x)` splits the work for a job (`Workload.prepare_reference`): x's rows are read
+    from the device in the calling thread, the products are left to the host part it returns
+    (NumPy only), which stores each one, or the exception computing it raised, for `__call__`.
     """
 
     def __init__(
@@ -141,22 +145,44 @@ class ProductReference:
         for arm, w in weights.items():
             same = next((v for v in self._weights.values() if v.shape == w.shape and np.array_equal(v, w)), None)
             self._weights[arm] = same if same is not None else w
-        self._last: dict[int, tuple[Any, Reference]] = {}
+        self._last: dict[int, tuple[Any, Reference | Exception]] = {}
         self.shape, self.rows, self.cols = shape, rows, cols
 
     def __call__(self, arm: str, x: Any) -> Reference:
         w = self._weights[arm]
         cached = self._last.get(id(w))
         if cached is not None and cached[0] is x:
+            if isinstance(cached[1], Exception):
+                raise cached[1]
             return cached[1]
-        ref: Reference
-        if self.rows is None or self.cols is None:
-            ref = to_float64(x) @ w.T
-        else:
-            values = checking.take_rows(x, self.rows) @ w.T
-            ref = ReferenceSubset.grid(values, self.rows, self.cols, self.shape)
+        ref = self._product(self._host_rows(x), w)
         self._last[id(w)] = (x, ref)
         return ref
+
+    def prepare(self, arms: Sequence[str], x: Any) -> HostPart:
+        """Read x's checked rows now (MLX, this thread); return the products of `arms`' weights
+        with them as a host part (NumPy only) that stores each for `__call__`."""
+        xs = self._host_rows(x)
+        matrices = list({id(w): w for a in arms if (w := self._weights.get(a)) is not None}.values())
+
+        def host_part() -> None:
+            for w in matrices:
+                try:
+                    ref: Reference | Exception = self._product(xs, w)
+                except Exception as exc:  # raised again where the arm asks for it, as if computed then
+                    ref = exc
+                self._last[id(w)] = (x, ref)
+
+        return host_part
+
+    def _host_rows(self, x: Any) -> np.ndarray:
+        """x (all of it, or the checked rows) as float64 on the host."""
+        return to_float64(x) if self.rows is None else checking.take_rows(x, self.rows)
+
+    def _product(self, xs: np.ndarray, w: np.ndarray) -> Reference:
+        if self.rows is None or self.cols is None:
+            return xs @ w.T
+        return ReferenceSubset.grid(xs @ w.T, self.rows, self.cols, self.shape)
 
 
 def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> device_nvfp4.DeviceWeights:
@@ -313,6 +339,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         bytes_moved=qmm_bytes(m, n, k, dtype.size),
         tokens=m,
         unsupported=unsupported,
+        prepare_reference=reference.prepare,
     )
 
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kernels.checking import Reference
 
 ParamType = type[int] | type[float] | type[str] | type[bool]
+HostPart = Callable[[], None]  # a reference's float64 host work, NumPy only: safe on another thread
 PointCheck = Callable[[Mapping[str, Any]], None]
 PointBytes = Callable[[Mapping[str, Any], Iterable[str]], int]
 
@@ -265,6 +266,13 @@ class Workload:
         bytes_moved: the fewest bytes one call must move (weights, scales, input, output once).
         tokens: tokens one call processes (for tok/s), 0 where that means nothing.
         unsupported: arm -> reason, for arms this backend cannot run (recorded, not timed).
+        prepare_reference: where the case offers it, `prepare_reference(arms, *inputs)` gathers,
+            in the calling thread, what the references of `arms` (and of their auto candidates)
+            on `inputs` need from the device (MLX is called from one thread only), and returns
+            their host part: NumPy only, run on another thread (`workers.reference_ahead`) while
+            the device warms up. Once it has run, `reference(arm, *inputs)` returns what it
+            stored, or raises what computing that reference raised, as a synchronous call would.
+            None (the default), or a reference it did not store: computed when asked.
     """
 
     arms: dict[str, ArmPath]
@@ -274,3 +282,4 @@ class Workload:
     bytes_moved: float
     tokens: int
     unsupported: dict[str, str] = field(default_factory=dict)
+    prepare_reference: Callable[..., HostPart] | None = None

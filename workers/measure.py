@@ -4,19 +4,26 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 
 * every input set and every arm's weights are materialised first (MLX builds lazily; a lazy
   input would otherwise be computed inside the first timed sample);
-* correctness first: every arm's output on fresh random inputs is compared with the case's NumPy
-  reference; the relative error is a recorded metric, and an arm over its tolerance is failed,
-  however fast it is (its timing rows carry status `failed`, so no comparison ever uses them);
+* warm-up first, of every arm and every `auto` candidate: a time-based warm-up of all of them
+  together (a cold first call, JIT load and allocations, is warm-up by definition; it used to fall
+  into the check, which ran first), while the host computes the float64 references of the first
+  input set on a background thread (`workers.reference_ahead`, where the case offers the
+  ahead-of-time form: qmm), so the device is not idle while NumPy works;
+* then correctness: every arm's output on fresh random inputs, one warm call, is compared with the
+  case's NumPy reference; the relative error is a recorded metric, and an arm over its tolerance
+  is failed, however fast it is (its timing rows carry status `failed`, so no comparison ever uses
+  them); an arm that raised (in the warm-up, or its reference) fails and is not timed;
 * peak memory per arm as if only that arm's arrays were alive: the call's own allocations
   (output and temporaries, above what was live before it) plus the weights the arm declares and
   its inputs. MLX counts every live array, so a raw reading would include every other arm's
   weights and the whole input pool, and would change when an arm is added to the job;
-* `auto` arms are chosen here, among their candidates, by this same method (`kernels.dispatch`);
-* a time-based warm-up of all arms together, then ONE call count per sample for every arm of the
-  job, then `repetitions` samples per arm, the arms interleaved in ABBA order (A B, B A, ...) so
-  drift and thermal state hit every arm alike, the input set rotating per sample and, with
-  `cache = "cold"` (the default), the weights rotating per call over copies larger than the
-  last-level cache;
+* `auto` arms are chosen here, among their CORRECT candidates only, by this same method
+  (`kernels.dispatch`), with the warm-up's estimates; the chosen path is checked once more;
+* ONE call count per sample for every arm of the job (from the warm-up's estimates of the arms
+  that are timed), then `repetitions` samples per arm, the arms interleaved in ABBA order (A B,
+  B A, ...) so drift and thermal state hit every arm alike, the input set rotating per sample
+  and, with `cache = "cold"` (the default), the weights rotating per call over copies larger
+  than the last-level cache;
 * a sample times `mx.eval` of its calls' graphs, built before the clock starts; the Python graph
   cost per call is recorded as its own metric (`host_seconds`) at decode sizes.
 
@@ -27,6 +34,7 @@ how it was timed: `calls_per_sample`, `cache` (cold, warm, hot or unrotated: the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -40,6 +48,7 @@ from kernels.registry import ArmPath, AutoSpec, Workload
 from kernels.timing import abba_order
 from workers import phases
 from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobSpec, RowBuilder
+from workers.reference_ahead import ReferenceAhead
 
 INPUT_POOL = 3  # input sets rotated across samples
 HOST_COST_TOKENS = 8  # decode sizes: record the Python graph cost per call (`host_seconds`)
@@ -66,69 +75,93 @@ def _materialise(pool: list[tuple[Any, ...]], paths: dict[str, ArmPath]) -> None
 
 def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np.random.Generator) -> str:
     """Check and time every arm of `workload`, adding rows; returns the job status."""
-    status = STATUS_OK
     for arm in job.arms:
         if arm in workload.unsupported:
             rows.add(arm, "unsupported", None, "", status=STATUS_UNSUPPORTED, error=workload.unsupported[arm])
     arms = [a for a in job.arms if a in workload.arms]
-    method = method_for(job)
     paths = {a: workload.arms[a] for a in arms}
     with phases.span("build"):
         pool = [workload.make_inputs(rng) for _ in range(INPUT_POOL)]
         _materialise(pool, paths)
+    with phases.span("reference"):  # x's checked rows read back here; the products on a thread
+        ahead = ReferenceAhead(workload, arms, pool[0])
+    with ahead:
+        return _measure(job, workload, rows, arms, paths, pool, ahead)
+
+
+def _measure(
+    job: JobSpec,
+    workload: Workload,
+    rows: RowBuilder,
+    arms: list[str],
+    paths: dict[str, ArmPath],
+    pool: list[tuple[Any, ...]],
+    ahead: ReferenceAhead,
+) -> str:
+    method = method_for(job)
+    specs = {a: spec for a in arms if (spec := paths[a].auto) is not None}
+    with phases.span("warmup"):  # every arm and candidate, cold first calls included, beside the reference
+        timers = {a: timing.ArmTimer(paths[a], method) for a in arms if a not in specs}
+        for arm, spec in specs.items():
+            timers.update({f"{arm}/{name}": timing.ArmTimer(path, method) for name, path in spec.candidates.items()})
+        estimates, errors = timing.warm_up(timers, pool, method)
     failed: dict[str, str] = {}
     autos: dict[str, tuple[AutoSpec, dict[str, ArmPath], dict[str, str]]] = {}
     with phases.span("reference"):
+        ahead.join()
         for arm in arms:
-            spec = paths[arm].auto
+            spec = specs.get(arm)
             if spec is not None:
-                correct, rejected = dispatch.check_candidates(spec, pool[0])
-                autos[arm] = (spec, correct, rejected)
-                if not correct:
-                    why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+                autos[arm] = _check_candidates(arm, spec, errors, pool[0])
+                if not autos[arm][1]:
+                    why = "; ".join(f"{k}: {v}" for k, v in autos[arm][2].items())
                     failed[arm] = f"auto: no correct candidate ({why})"
                     rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
+                continue
+            if arm in errors:  # its first call raised: recorded as the check records a path that raises
+                failed[arm] = msg = errors[arm]
+                rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=msg, route=paths[arm].route)
                 continue
             err = _check_arm(arm, paths[arm], workload, pool[0], rows)
             if err:
                 failed[arm] = err
-    with phases.span("warmup"):
-        timers = {a: timing.ArmTimer(paths[a], method) for a in arms if a not in autos and _timeable(failed.get(a))}
-        for arm, (_, correct, _) in autos.items():
-            timers.update({f"{arm}/{name}": timing.ArmTimer(path, method) for name, path in correct.items()})
-        estimates, errors = timing.warm_up(timers, pool, method)
-        calls = timing.common_calls(estimates, method)
-        for name, error in errors.items():
-            arm, _, candidate = name.partition("/")
-            if candidate:
-                autos[arm][2][candidate] = error
-            else:
-                failed[arm] = error
-                rows.add(arm, "seconds", None, "seconds", status=STATUS_FAILED, error=error)
+    timeable = {a for a in arms if a not in specs and _timeable(failed.get(a))}
+    timeable |= {f"{arm}/{name}" for arm, (_, correct, _) in autos.items() if arm not in failed for name in correct}
+    calls = timing.common_calls({name: s for name, s in estimates.items() if name in timeable}, method)
+    chosen: list[str] = []
+    with phases.span("warmup"):  # auto's choice among its correct candidates, by the job's method
         for arm, (spec, correct, rejected) in autos.items():
             if arm in failed:
                 continue
             t0 = time.perf_counter()
-            candidates = {name: timers[f"{arm}/{name}"] for name in correct if f"{arm}/{name}" not in errors}
-            try:
-                choice = dispatch.choose(candidates, pool, calls, rejected)
-            except ValueError as exc:
-                failed[arm] = str(exc)
-                rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
-                continue
+            candidates = {name: timers[f"{arm}/{name}"] for name in correct}
+            choice = dispatch.choose(candidates, pool, calls, rejected)
             paths[arm] = dispatch.chosen_path(spec, choice, time.perf_counter() - t0)
             timers[arm] = candidates[choice.chosen]
+            chosen.append(arm)
+    with phases.span("reference"):
+        for arm in chosen:
             err = _check_arm(arm, paths[arm], workload, pool[0], rows)
             if err:
                 failed[arm] = err
-    if any(a in failed for a in arms):
-        status = STATUS_FAILED
+    status = STATUS_FAILED if any(a in failed for a in arms) else STATUS_OK
     timed = {a: timers[a] for a in arms if a in timers and (a not in failed or _timeable(failed[a]))}
     with phases.span("timed"):
         for rep, arm, sample in timing.interleaved(timed, pool, calls, job.repetitions):
             extra = {"calls_per_sample": str(calls), "cache_requested": method.cache, **timed[arm].record()}
             _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
     return status
+
+
+def _check_candidates(
+    arm: str, spec: AutoSpec, errors: dict[str, str], inputs: tuple[Any, ...]
+) -> tuple[AutoSpec, dict[str, ArmPath], dict[str, str]]:
+    """An auto arm's candidates checked after the warm-up: (spec, the correct ones, why each other
+    one is not); a candidate that raised in the warm-up is rejected with its exception."""
+    raised = {name: errors[f"{arm}/{name}"] for name in spec.candidates if f"{arm}/{name}" in errors}
+    runnable = {name: path for name, path in spec.candidates.items() if name not in raised}
+    correct, rejected = dispatch.check_candidates(dataclasses.replace(spec, candidates=runnable), inputs)
+    return spec, correct, {name: raised.get(name) or rejected[name] for name in spec.candidates if name not in correct}
 
 
 def _timeable(error: str | None) -> bool:
@@ -149,11 +182,11 @@ def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, .
         mx.synchronize()
         own = sum(int(w.nbytes) for w in path.weights) + sum(int(x.nbytes) for x in inputs)
         peak = own + max(0, mx.get_peak_memory() - live)
-    except Exception as exc:
+        ref = workload.reference(arm, *inputs)  # computed ahead (`workers.reference_ahead`) or now
+    except Exception as exc:  # the path, or its reference, raised: this arm fails, the others go on
         msg = f"{type(exc).__name__}: {exc}"
         rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=msg, route=path.route)
         return msg
-    ref = workload.reference(arm, *inputs)
     rel = relative_error(out, ref)  # an MLX output is compared at the reference's subset on the device
     ok = rel <= path.tolerance
     err = None if ok else f"rel_error {rel:.3g} over tolerance {path.tolerance:.3g}"

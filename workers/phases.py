@@ -11,8 +11,10 @@ by `workers.task`. Phase names:
 * `fingerprint`, `peaks`: describing the host, probing its copy and matrix peaks (once per host);
 * `lock_wait`, `idle_gate`: waiting for the GPU lock and for foreign GPU users to leave;
 * `build`: the case's inputs, weights, kernels or checkpoint (a command case: fetch and build);
-* `reference`: the correctness check of every arm against the reference;
-* `warmup`: calibration and warm-up calls;
+* `reference`: the correctness check of every arm and auto candidate against the reference (one
+  warm call each, after the warm-up), with the wait for references computed beside the warm-up;
+* `warmup`: warm-up calls (every arm's and candidate's cold first call included), calibration and
+  the auto arms' choice;
 * `timed`: the timed samples themselves;
 * `sample_start`, `load`, `sample_other`: a model case's fresh sample processes: their start-up
   (fork or interpreter, and the imports before the load), the cold loads they measure, and the

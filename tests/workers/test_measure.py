@@ -111,7 +111,7 @@ def test_arms_interleaved_in_abba_order() -> None:
         ("wrong", 3),
         ("good", 3),
     ]
-    # correctness check, then at least two warm-up passes, before the four samples
+    # at least two warm-up passes, then the correctness check, before the four samples
     assert calls.count("good") >= 1 + 2 + 4
 
 
