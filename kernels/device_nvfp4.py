@@ -122,19 +122,27 @@ class DeviceWeights:
     def dequantized(self, rows: np.ndarray | None = None) -> np.ndarray:
         """The float64 weights of `rows` (all without), decoded by the NumPy definition (its tables:
         `nvfp4.dequantize_packed`)."""
+        return self.dequantizer(rows)()
+
+    def dequantizer(self, rows: np.ndarray | None = None) -> Callable[[], np.ndarray]:
+        """`dequantized(rows)` in two parts: the codes and scales are read back from the device now,
+        and the returned function decodes them (NumPy only: it may run on another thread)."""
         packed, scales = self._read(rows)
         gs = self.global_scales()
-        if gs is None:
-            return nvfp4.dequantize_packed(packed, scales)
-        if gs.ndim == 0:
-            return nvfp4.dequantize_packed(packed, scales, np.float32(gs))
-        lead = gs.reshape(-1)
-        flat_packed = packed.reshape(lead.size, *packed.shape[-2:])
-        flat_scales = scales.reshape(lead.size, *scales.shape[-2:])
-        out = np.stack(
-            [nvfp4.dequantize_packed(p, s, g) for p, s, g in zip(flat_packed, flat_scales, lead, strict=True)]
-        )
-        return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+        return lambda: _decode(packed, scales, gs)
+
+
+def _decode(packed: np.ndarray, scales: np.ndarray, gs: np.ndarray | None) -> np.ndarray:
+    """The float64 weights of packed codes and scale bits read back, with their global scales."""
+    if gs is None:
+        return nvfp4.dequantize_packed(packed, scales)
+    if gs.ndim == 0:
+        return nvfp4.dequantize_packed(packed, scales, np.float32(gs))
+    lead = gs.reshape(-1)
+    flat_packed = packed.reshape(lead.size, *packed.shape[-2:])
+    flat_scales = scales.reshape(lead.size, *scales.shape[-2:])
+    out = np.stack([nvfp4.dequantize_packed(p, s, g) for p, s, g in zip(flat_packed, flat_scales, lead, strict=True)])
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
 def _blocks(shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -34,6 +34,7 @@ read back and decoded on the host by the NumPy definition: the rows record what 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,9 @@ from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
+# A reference's float64 weights still to be decoded from what was read back (NumPy only: the decode
+# may run on the reference's own thread, `workers.reference_ahead`)
+HostWeights = Callable[[], np.ndarray]
 
 
 def mlx_backend() -> str:
@@ -107,9 +111,20 @@ def affine_weights(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GR
     4-bit levels are read a byte (two levels) at a time from a table, and scaled in place: the
     values of `unpack_affine`'s route, bit for bit, in about a third of its time.
     """
-    s = np.array(scales.astype(mx.float32), dtype=np.float64)
-    b = np.array(biases.astype(mx.float32), dtype=np.float64)
+    return affine_decoder(packed, scales, biases, group)()
+
+
+def affine_decoder(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GROUP) -> HostWeights:
+    """`affine_weights` in two parts: read back from the device now; the returned function decodes
+    (NumPy only: it may run on another thread)."""
+    s32 = np.array(scales.astype(mx.float32))
+    b32 = np.array(biases.astype(mx.float32))
     words = np.ascontiguousarray(np.array(packed), dtype=np.uint32)
+    return lambda: _affine_decode(words, s32, b32, group)
+
+
+def _affine_decode(words: np.ndarray, s32: np.ndarray, b32: np.ndarray, group: int) -> np.ndarray:
+    s, b = s32.astype(np.float64), b32.astype(np.float64)
     if AFFINE_BITS == 4 and np.little_endian:
         levels = np.take(_LEVEL_PAIRS, words.view(np.uint8), axis=0).reshape(*s.shape, group)
     else:
@@ -124,13 +139,21 @@ def to_float64(a: Any) -> np.ndarray:
     return np.array(a.astype(mx.float32), dtype=np.float64)
 
 
+def float64_later(a: Any) -> HostWeights:
+    """`to_float64(a)` in two parts: read back now (float32, exact for every 16-bit type), widened later."""
+    values = np.array(a.astype(mx.float32))
+    return lambda: values.astype(np.float64)
+
+
 class ProductReference:
     """float64 x @ W^T per arm, remembering the last product per weight matrix.
 
     Arms that hold the same weights (native, dequant-gemm, and dense when the dtype represents the
     NVFP4 values exactly) share one matrix, so one product serves them all. With `rows` (token
     indices) and `cols` (output features, the weights' rows), the weights given are those rows
-    only, and the product is the subset `kernels.checking.ReferenceSubset`.
+    only, and the product is the subset `kernels.checking.ReferenceSubset`. A weight given as a
+    function (`HostWeights`: read back from the device already, decoded when called) is decoded at
+    the first product, so a job's host decode runs with its products on the reference's thread.
 
     `prepare(arms, x)` splits the work for a job (`Workload.prepare_reference`): x's rows are read
     from the device in the calling thread, the products are left to the host part it returns
@@ -138,18 +161,34 @@ class ProductReference:
     """
 
     def __init__(
-        self, weights: dict[str, np.ndarray], *, shape: tuple[int, int], rows: np.ndarray | None = None,
-        cols: np.ndarray | None = None,
+        self, weights: dict[str, np.ndarray | HostWeights], *, shape: tuple[int, int],
+        rows: np.ndarray | None = None, cols: np.ndarray | None = None,
     ) -> None:  # fmt: skip
-        self._weights: dict[str, np.ndarray] = {}
-        for arm, w in weights.items():
-            same = next((v for v in self._weights.values() if v.shape == w.shape and np.array_equal(v, w)), None)
-            self._weights[arm] = same if same is not None else w
+        self._sources = dict(weights)
+        self._weights: dict[str, np.ndarray] | None = None
+        self._resolving = threading.Lock()
         self._last: dict[int, tuple[Any, Reference | Exception]] = {}
         self.shape, self.rows, self.cols = shape, rows, cols
 
+    def _resolved(self) -> dict[str, np.ndarray]:
+        """Every arm's float64 weights, decoded once (NumPy only); arms with equal weights share one matrix."""
+        with self._resolving:
+            if self._weights is None:
+                made: dict[int, np.ndarray] = {}  # one decode per source, however many arms hold it
+                resolved: dict[str, np.ndarray] = {}
+                for arm, src in self._sources.items():
+                    w = made.get(id(src))
+                    if w is None:
+                        w = made[id(src)] = src() if callable(src) else src
+                    same = next(
+                        (v for v in resolved.values() if v is w or (v.shape == w.shape and np.array_equal(v, w))), None
+                    )
+                    resolved[arm] = same if same is not None else w
+                self._weights = resolved
+            return self._weights
+
     def __call__(self, arm: str, x: Any) -> Reference:
-        w = self._weights[arm]
+        w = self._resolved()[arm]
         cached = self._last.get(id(w))
         if cached is not None and cached[0] is x:
             if isinstance(cached[1], Exception):
@@ -163,9 +202,10 @@ class ProductReference:
         """Read x's checked rows now (MLX, this thread); return the products of `arms`' weights
         with them as a host part (NumPy only) that stores each for `__call__`."""
         xs = self._host_rows(x)
-        matrices = list({id(w): w for a in arms if (w := self._weights.get(a)) is not None}.values())
 
         def host_part() -> None:
+            weights = self._resolved()  # the host decodes too (raising here: each is computed when asked)
+            matrices = list({id(w): w for a in arms if (w := weights.get(a)) is not None}.values())
             for w in matrices:
                 try:
                     ref: Reference | Exception = self._product(xs, w)
@@ -250,7 +290,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     # the reference's rows and columns: all of them, or a stratified subset (kernels.checking)
     subset = checking.grid_subset(m, n, m * n * k, rng, weights=n * k)
     rows, cols = subset if subset is not None else (None, np.arange(n))
-    w_nvfp4 = w.dequantized(None if subset is None else cols)  # float64, exact: what every NVFP4 arm holds
+    w_nvfp4 = w.dequantizer(None if subset is None else cols)  # float64, exact: what every NVFP4 arm holds
     dense: list[mx.array] = []  # the NVFP4 values in the dtype (exact), made on the device once
 
     def dense_weights() -> mx.array:
@@ -260,7 +300,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         return dense[0]
 
     paths: dict[str, ArmPath] = {}
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, np.ndarray | HostWeights] = {}  # the reference's, decoded on its thread
     unsupported: dict[str, str] = {}
     for arm in arms:
         if arm == "native":
@@ -297,7 +337,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 build_seconds=seconds,
             )
             at = mx.array(cols.astype(np.int32))
-            weights[arm] = affine_weights(aq[at], ascales[at], abiases[at])
+            weights[arm] = affine_decoder(aq[at], ascales[at], abiases[at])
         elif arm == "dense":
             (wd,), seconds = _timed_build(lambda: (dense_weights(),))
             paths[arm] = bound_path(
@@ -307,7 +347,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
                 route="matmul(dense)",
                 build_seconds=seconds,
             )
-            weights[arm] = to_float64(wd[mx.array(cols.astype(np.int32))])
+            weights[arm] = float64_later(wd[mx.array(cols.astype(np.int32))])
         elif arm == "custom":  # kernels.gemv_nvfp4 (M <= 8) / kernels.gemm_nvfp4 (M > 8)
             paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
             weights[arm] = w_nvfp4

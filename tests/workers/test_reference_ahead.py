@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import dispatch, qmm
+from kernels import device_nvfp4, dispatch, qmm
 from kernels.registry import ArmPath, Workload
 from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
 from workers.fingerprint import host_fingerprint
@@ -122,7 +122,7 @@ def test_an_exception_in_the_reference_thread_fails_that_arm_with_its_message(mo
     workload = qmm.build(QMM, ["native", "affine", "dense"], np.random.default_rng(0))
     reference = workload.reference
     assert isinstance(reference, qmm.ProductReference)
-    affine_w = reference._weights["affine"]
+    affine_w = reference._resolved()["affine"]  # (decoded here first, to know which matrix to break)
     product = qmm.ProductReference._product
     threads: list[str] = []
 
@@ -145,6 +145,36 @@ def test_an_exception_in_the_reference_thread_fails_that_arm_with_its_message(mo
     timed = {r["arm"] for r in table if r["metric"] == "seconds"}
     assert timed == {"native", "dense"}
     assert not _ours() and {t.ident for t in threading.enumerate()} <= before  # no thread outlives the job
+
+
+def test_the_reference_weights_are_read_back_in_the_job_and_decoded_on_the_reference_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """qmm's float64 weights (the NVFP4 decode, the affine decode, the dense copy widened) are read back
+    from the device when the workload is built, and decoded beside the warm-up, not before it."""
+    decoded: list[tuple[str, str]] = []
+    for module, name in ((device_nvfp4, "_decode"), (qmm, "_affine_decode")):
+        real = getattr(module, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            decoded.append((_name, threading.current_thread().name))
+            return _real(*args)
+
+        monkeypatch.setattr(module, name, spy)
+    widened: list[str] = []
+    real_later = qmm.float64_later
+
+    def later(a: Any) -> Any:
+        values = real_later(a)
+        return lambda: (widened.append(threading.current_thread().name), values())[1]
+
+    monkeypatch.setattr(qmm, "float64_later", later)
+    workload = qmm.build(QMM, ["native", "affine", "dense", "auto"], np.random.default_rng(0))
+    assert decoded == [] and widened == []  # built: read back, nothing decoded yet
+    status, table = _measure(_job(["native", "affine", "dense", "auto"], QMM), workload)
+    assert status == "ok", [r["error"] for r in table if r["error"]]
+    assert sorted(n for n, _ in decoded) == ["_affine_decode", "_decode"]  # each source once, for every arm
+    assert all(t.startswith(THREAD_NAME) for _, t in decoded) and widened and widened[0].startswith(THREAD_NAME)
 
 
 def test_a_host_part_that_fails_as_a_whole_falls_back_to_the_synchronous_reference() -> None:
