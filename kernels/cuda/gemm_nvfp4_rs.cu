@@ -138,6 +138,7 @@ for (int c = 0; c < ACC; ++c) d[c] = 0.f;
 #pragma unroll
 for (int s = 0; s < STAGES - 2; ++s) issue(s, s);
 nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...
+nvfp4g::fence_proxy_async();         // ... for the MMAs' proxy (EARLY issues k-tile 0's before any barrier of the loop) ...
 __syncthreads();                     // ... and everyone's
 load_scales(0);
 #pragma unroll

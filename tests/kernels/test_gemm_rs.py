@@ -46,6 +46,10 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "constexpr int KSETS = NB >= 8 ? NB / 4 : 1;",
         "for (int s = 0; s < STAGES - 2; ++s) issue(s, s);",
         "nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...",
+        # every x tile an MMA reads was fenced for the async proxy after it landed, k-tile 0 too (EARLY
+        # issues its MMAs before the loop's first fence; the model has no proxies, so the source says it)
+        "nvfp4::cp_async_wait<STAGES - 3>();  // k-tile 0 has landed (this thread's copies) ...\n"
+        "nvfp4g::fence_proxy_async();",
         "nvfp4::cp_async_wait<STAGES - 4>();  // k-tile kt + 1 has landed",
         "issue(kt + STAGES - 2, slot >= 2 ? slot - 2 : slot + STAGES - 2);",
         "nvfp4g::wgmma_rs_m64n256k16<F16>(d, a, nvfp4g::wgmma_desc(xs + s * 32));",
