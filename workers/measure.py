@@ -106,15 +106,15 @@ def _measure(
             timers.update({f"{arm}/{name}": timing.ArmTimer(path, method) for name, path in spec.candidates.items()})
         estimates, errors = timing.warm_up(timers, pool, method)
     failed: dict[str, str] = {}
-    autos: dict[str, tuple[AutoSpec, dict[str, ArmPath], dict[str, str]]] = {}
+    autos: dict[str, tuple[dict[str, ArmPath], dict[str, str]]] = {}  # arm -> (correct, why each other is not)
     with phases.span("reference"):
         ahead.join()
         for arm in arms:
             spec = specs.get(arm)
             if spec is not None:
                 autos[arm] = _check_candidates(arm, spec, errors, pool[0])
-                if not autos[arm][1]:
-                    why = "; ".join(f"{k}: {v}" for k, v in autos[arm][2].items())
+                if not autos[arm][0]:
+                    why = "; ".join(f"{k}: {v}" for k, v in autos[arm][1].items())
                     failed[arm] = f"auto: no correct candidate ({why})"
                     rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
                 continue
@@ -126,17 +126,17 @@ def _measure(
             if err:
                 failed[arm] = err
     timeable = {a for a in arms if a not in specs and _timeable(failed.get(a))}
-    timeable |= {f"{arm}/{name}" for arm, (_, correct, _) in autos.items() if arm not in failed for name in correct}
+    timeable |= {f"{arm}/{name}" for arm, (correct, _) in autos.items() if arm not in failed for name in correct}
     calls = timing.common_calls({name: s for name, s in estimates.items() if name in timeable}, method)
     chosen: list[str] = []
     with phases.span("warmup"):  # auto's choice among its correct candidates, by the job's method
-        for arm, (spec, correct, rejected) in autos.items():
+        for arm, (correct, rejected) in autos.items():
             if arm in failed:
                 continue
             t0 = time.perf_counter()
             candidates = {name: timers[f"{arm}/{name}"] for name in correct}
             choice = dispatch.choose(candidates, pool, calls, rejected)
-            paths[arm] = dispatch.chosen_path(spec, choice, time.perf_counter() - t0)
+            paths[arm] = dispatch.chosen_path(specs[arm], choice, time.perf_counter() - t0)
             timers[arm] = candidates[choice.chosen]
             chosen.append(arm)
     with phases.span("reference"):
@@ -155,13 +155,13 @@ def _measure(
 
 def _check_candidates(
     arm: str, spec: AutoSpec, errors: dict[str, str], inputs: tuple[Any, ...]
-) -> tuple[AutoSpec, dict[str, ArmPath], dict[str, str]]:
-    """An auto arm's candidates checked after the warm-up: (spec, the correct ones, why each other
-    one is not); a candidate that raised in the warm-up is rejected with its exception."""
+) -> tuple[dict[str, ArmPath], dict[str, str]]:
+    """An auto arm's candidates checked after the warm-up: (the correct ones, why each other one is
+    not); a candidate that raised in the warm-up is rejected with its exception."""
     raised = {name: errors[f"{arm}/{name}"] for name in spec.candidates if f"{arm}/{name}" in errors}
     runnable = {name: path for name, path in spec.candidates.items() if name not in raised}
     correct, rejected = dispatch.check_candidates(dataclasses.replace(spec, candidates=runnable), inputs)
-    return spec, correct, {name: raised.get(name) or rejected[name] for name in spec.candidates if name not in correct}
+    return correct, {name: raised.get(name) or rejected[name] for name in spec.candidates if name not in correct}
 
 
 def _timeable(error: str | None) -> bool:
