@@ -50,6 +50,8 @@ class GemmConfig:
         early: (rs, abufs 8 or 12) a k-tile's MMAs issued before its barrier rather than after it (its
             x tile and fragments are ready at the barrier before), so two k-tiles' MMAs stay queued
             across each barrier.
+        ystage: (rs) the epilogue stages the block's tile of y in the idle ring and stores it in
+            16-byte pieces (whole rows of the tile per warp) instead of element by element.
     """
 
     wm: int = 2
@@ -68,6 +70,7 @@ class GemmConfig:
     rs: bool = False
     abufs: int = 4
     early: bool = False
+    ystage: bool = False
 
     @property
     def bm(self) -> int:
@@ -139,7 +142,7 @@ class GemmConfig:
         """The template constants after T, in the order MLX declares them."""
         if self.rs:
             return {"XF16": xf16, "N": n, "K": k, "WG": self.wm // 4, "BT": self.bm, "STAGES": self.stages,
-                    "GROUP_M": self.group_m, "NB": self.abufs, "EARLY": self.early}  # fmt: skip
+                    "GROUP_M": self.group_m, "NB": self.abufs, "EARLY": self.early, "YS": self.ystage}  # fmt: skip
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
         consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
@@ -204,6 +207,8 @@ class GemmConfig:
             return f"{self}: the ring needs 4 slots or more, the A fragments 2, 4, 8 or 12 buffers"
         if self.early and self.abufs < 8:
             return f"{self}: early MMAs are a whole k-tile's group (8 or 12 A buffers)"
+        if self.ystage and self.bm * (2 * self.bn + 16) > self.smem_bytes():
+            return f"{self}: the staged tile of y does not fit in the ring"
         if (self.bm * 8) % self.threads or (self.threads // 8) % 8:
             return f"{self} copies do not split evenly over {self.threads} threads"
         return None
@@ -212,7 +217,8 @@ class GemmConfig:
         if self.rs:
             return (
                 f"gemm-rs({self.bm}x{self.bn}x64, {self.wm // 4} warpgroups, {self.stages} stages, "
-                f"{self.abufs} A buffers{', early MMAs' if self.early else ''}, group {self.group_m})"
+                f"{self.abufs} A buffers{', early MMAs' if self.early else ''}"
+                f"{', y staged' if self.ystage else ''}, group {self.group_m})"
             )
         dec = "producer" if self.producer else "block" if self.bdec else "warp"
         mma = (", wgmma, deep" if self.deep else ", wgmma") if self.wgmma else ""
@@ -267,6 +273,15 @@ VARIANTS: dict[str, GemmConfig] = {
     "r256x128k64s5ke": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, early=True),
     "r256x128k64s5qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12, early=True),
     "r256x128k64s6qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=12, early=True),
+    # (y: the epilogue through shared memory, 16-byte stores of whole rows; ncu of s5k: the element-wise
+    # stores used half of each sector, and the tensor cores idle through a block's epilogue)
+    "r256x128k64s5ky": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, ystage=True),
+    "r256x128k64s5key": GemmConfig(
+        wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, early=True, ystage=True
+    ),
+    "r256x128k64s5qey": GemmConfig(
+        wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12, early=True, ystage=True
+    ),
 }
 # Which variant the library launches at each M: "name@max_m" entries apply, in order, to calls of
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the

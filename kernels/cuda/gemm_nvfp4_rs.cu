@@ -6,7 +6,8 @@
 //          multiple of 8), K (a multiple of 64), WG (warpgroups: the block's weight rows BN = 64 WG),
 //          BT (x rows, tokens, per block: 128, 192 or 256, the wgmma's n), STAGES (ring depth, >= 4),
 //          GROUP_M (raster group height), NB (A-fragment buffers: 2, 4, 8 or 12), EARLY (NB >= 8: a k-tile's
-//          MMAs issued before its barrier). M is read from x's shape.
+//          MMAs issued before its barrier), YS (the y tile staged in shared memory, then stored in
+//          16-byte pieces). M is read from x's shape.
 // Launch:  ceil(M / BT) * ceil(N / BN) blocks of 128 WG threads, dynamic shared memory
 //          STAGES * gemm_layout.stage_bytes().
 //
@@ -38,7 +39,10 @@
 // kt + 1 (whose codes the end of kt decodes) must have landed (STAGES >= 4).
 //
 // Epilogue: accumulator d[4j + c] is weight row 16 q + g + 8 (c >> 1) by x row 8 j + 2 t + (c & 1); y is
-// written element by element (16-bit stores: a warp's store covers 16 contiguous bytes of 8 rows of y).
+// written element by element (16-bit stores: a warp's store covers 16 contiguous bytes of 4 rows of y,
+// half of each 32-byte sector), or, YS, through shared memory: the BT x BN tile of y row-major in the idle
+// ring (row pitch 2 BN + 16 bytes: a warp's 16-bit stores fall in distinct banks), then 16-byte pieces, a
+// warp's covering two whole rows of the tile (ncu: the direct stores used 16 of each sector's 32 bytes).
 constexpr bool F16 = XF16;
 constexpr int NT = 128 * WG;
 constexpr int BN = 64 * WG;
@@ -52,6 +56,7 @@ constexpr int NUM_N = (N + BN - 1) / BN;
 constexpr int XCOPIES = BT * 8 / NT;  // 16-byte copies of x per thread per k-tile
 constexpr int XROWS = NT / 8;         // x rows one pass of the block's threads covers
 constexpr int KSETS = NB >= 8 ? NB / 4 : 1;  // k-tiles of A fragments held (NB >= 8: a k-tile's MMAs one group)
+constexpr int YPITCH = 2 * BN + 16;    // YS: bytes per row of the staged y tile
 static_assert(sizeof(T) == 2, "x must be bfloat16 or float16");
 static_assert(K % 64 == 0 && KT >= 1, "K must be a multiple of 64");
 static_assert(N % 8 == 0, "N must be a multiple of 8");
@@ -60,6 +65,7 @@ static_assert(STAGES >= 4, "the ring needs STAGES >= 4 (MMAs of k-tile kt - 1 in
 static_assert(NB == 2 || NB == 4 || NB == 8 || NB == 12, "NB: 2 or 4 buffers of one step each, or 8 / 12 (two / three k-tiles)");
 static_assert(!EARLY || NB >= 8, "EARLY issues a whole k-tile's MMAs as one group (NB = 8 or 12)");
 static_assert((BT * 8) % NT == 0 && XROWS % 8 == 0, "x copies must split evenly and keep row & 7");
+static_assert(!YS || BT * YPITCH <= STAGES * STAGE_BYTES, "the staged y tile must fit in the ring");
 extern __shared__ __align__(1024) uint8_t smem[];
 const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 const int M = x_shape[0];
@@ -221,21 +227,56 @@ for (int c = 0; c < ACC; ++c) nvfp4g::fence_operand(d[c]);
 
 // ---- epilogue: d[4j + c] = (weight row arow + 8 (c >> 1), x row 8 j + 2 t + (c & 1))
 const float mult = gsv[0] * (F16 ? NVFP4G_EPILOGUE_F16 : NVFP4G_EPILOGUE_BF16);
+if constexpr (YS) {
+  // Every copy of this thread has landed and its MMAs have retired; after the barrier, everyone's: the
+  // ring is free for the tile of y.
+  __syncthreads();
 #pragma unroll
-for (int hf = 0; hf < 2; ++hf) {
-  const int col = n0 + arow + 8 * hf;
-  if (col >= N) continue;
+  for (int hf = 0; hf < 2; ++hf) {
 #pragma unroll
-  for (int j = 0; j < BT / 8; ++j) {
+    for (int j = 0; j < BT / 8; ++j) {
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int row = m0 + 8 * j + 2 * t + c;
-      if (row >= M) continue;
-      const float v = d[4 * j + 2 * hf + c] * mult;
-      if constexpr (F16) {
-        *reinterpret_cast<__half*>(y + static_cast<size_t>(row) * N + col) = __float2half_rn(v);
-      } else {
-        *reinterpret_cast<__nv_bfloat16*>(y + static_cast<size_t>(row) * N + col) = __float2bfloat16_rn(v);
+      for (int c = 0; c < 2; ++c) {
+        const int at = (8 * j + 2 * t + c) * YPITCH + (arow + 8 * hf) * 2;
+        const float v = d[4 * j + 2 * hf + c] * mult;
+        if constexpr (F16) {
+          *reinterpret_cast<__half*>(smem + at) = __float2half_rn(v);
+        } else {
+          *reinterpret_cast<__nv_bfloat16*>(smem + at) = __float2bfloat16_rn(v);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // Piece i: tile row i / (BN / 8), columns 8 (i % (BN / 8)) ..+ 8 (N is a multiple of 8: all in or all out)
+#pragma unroll 4
+  for (int i = tid; i < BT * BN / 8; i += NT) {
+    const int r = i / (BN / 8);
+    const int p = i % (BN / 8);
+    const int row = m0 + r;
+    const int col = n0 + 8 * p;
+    if (row < M && col < N) {
+      *reinterpret_cast<uint4*>(y + static_cast<size_t>(row) * N + col) =
+          *reinterpret_cast<const uint4*>(smem + r * YPITCH + p * 16);
+    }
+  }
+} else {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int col = n0 + arow + 8 * hf;
+    if (col >= N) continue;
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int row = m0 + 8 * j + 2 * t + c;
+        if (row >= M) continue;
+        const float v = d[4 * j + 2 * hf + c] * mult;
+        if constexpr (F16) {
+          *reinterpret_cast<__half*>(y + static_cast<size_t>(row) * N + col) = __float2half_rn(v);
+        } else {
+          *reinterpret_cast<__nv_bfloat16*>(y + static_cast<size_t>(row) * N + col) = __float2bfloat16_rn(v);
+        }
       }
     }
   }

@@ -247,7 +247,10 @@ class RsGemmEmulator(SharedMemory):
             slot = nxt
         self.cp_async_wait(0)
         self.wgmma_wait(0)
-        self.epilogue(gsv, y, written)
+        if self.cfg.ystage:
+            self.epilogue_staged(gsv, y, written)
+        else:
+            self.epilogue(gsv, y, written)
 
     def epilogue(self, gsv: float, y: np.ndarray, written: np.ndarray) -> None:
         """d[4j + c] of thread (warp q, g, t): weight row arow + 8 (c >> 1), x row 8 j + 2 t + (c & 1)."""
@@ -265,3 +268,40 @@ class RsGemmEmulator(SharedMemory):
                             continue
                         y[row, col] = self.acc[w, 16 * q + g + 8 * hf, 8 * j + 2 * t + c] * mult
                         written[row, col] += 1
+
+    def epilogue_staged(self, gsv: float, y: np.ndarray, written: np.ndarray) -> None:
+        """YS: each value to its 16-bit place in the ring's tile of y (row pitch 2 BN + 16 bytes), then
+        16-byte pieces to y. The staged tile holds float64 per 2-byte place (before the rounding to T),
+        each place written once and every piece's bytes read from places written in this block."""
+        mult = gsv * (2.0**14 if self.f16 else 2.0**26)
+        pitch = 2 * self.BN + 16
+        assert self.BT * pitch <= self.cfg.smem_bytes(), "the staged y tile overruns the ring"
+        staged = np.full(self.cfg.smem_bytes() // 2, np.nan)
+        tid = np.arange(self.NT)
+        w, q = tid // 128, (tid // 32) % 4
+        for hf in range(2):
+            for j in range(self.BT // 8):
+                for c in range(2):
+                    at = (8 * j + 2 * self.t + c) * pitch + (self.arow + 8 * hf) * 2
+                    assert np.isnan(staged[at // 2]).all(), "a place of the staged tile written twice"
+                    staged[at // 2] = self.acc[w, 16 * q + self.g + 8 * hf, 8 * j + 2 * self.t + c] * mult
+                    self._log_warps("sts16-y", 2, at)
+        pieces = self.BN // 8
+        for first in range(0, self.BT * pieces, self.NT):  # piece i is thread i % NT's
+            i = first + tid
+            i = i[i < self.BT * pieces]
+            r, p = i // pieces, i % pieces
+            at = r * pitch + p * 16
+            self._log_warps("lds128-y", 16, at)
+            for k in range(len(i)):
+                row, col = self.m0 + int(r[k]), self.n0 + 8 * int(p[k])
+                if row < self.M and col < self.n:
+                    vals = staged[at[k] // 2 : at[k] // 2 + 8]
+                    assert not np.isnan(vals).any(), f"piece {int(i[k])} reads places never written"
+                    y[row, col : col + 8] = vals
+                    written[row, col : col + 8] += 1
+
+    def _log_warps(self, kind: str, width: int, addrs: np.ndarray) -> None:
+        if self.log:
+            for start in range(0, len(addrs), 32):
+                self.accesses.append(Access(kind, width, np.asarray(addrs[start : start + 32])))

@@ -67,6 +67,13 @@ def test_the_mirrored_rs_lines_are_the_source() -> None:
         "decode_step(slot, s + 1, (s + 1) % NB);",
         "const int row = m0 + 8 * j + 2 * t + c;",
         "const float v = d[4 * j + 2 * hf + c] * mult;",
+        "constexpr int YPITCH = 2 * BN + 16;",
+        "const int at = (8 * j + 2 * t + c) * YPITCH + (arow + 8 * hf) * 2;",
+        "const int r = i / (BN / 8);",
+        "const int p = i % (BN / 8);",
+        "const int col = n0 + 8 * p;",
+        "*reinterpret_cast<const uint4*>(smem + r * YPITCH + p * 16);",
+        "for (int i = tid; i < BT * BN / 8; i += NT) {",
     ):
         assert line in body, line
     assert "return mul2<F16>(e2m1_pair<F16>(b * 0x01001000u), s);" in header
@@ -142,9 +149,32 @@ class WrongScaleRow(gr.RsGemmEmulator):
         self.sc = [self.sc[0], self.sc[0]]
 
 
-PLANTED = [(bug, name) for name in ("r256x128k64s6", "r256x128k64s6k", "r256x128k64s5q", "r256x128k64s5qe")
+Planted = list[tuple[type[gr.RsGemmEmulator], str]]
+PLANTED: Planted = [(bug, name) for name in ("r256x128k64s6", "r256x128k64s6k", "r256x128k64s5q", "r256x128k64s5qe")
            for bug in (EarlyRefill, ShortWait, OneBuffer, WrongByte, WrongScaleRow)]  # fmt: skip
 PLANTED.append((TwoSetsDecodedFirst, "r256x128k64s5q"))  # a bug of the q schedule only
+
+
+class StagedPieceShifted(gr.RsGemmEmulator):
+    """YS: each value staged 8 columns further right (a piece reads its neighbour's values)."""
+
+    def setup(self, bid: int) -> None:
+        super().setup(bid)
+        self.arow = (self.arow + 8) % self.BN
+
+
+class StagedPitchShort(gr.RsGemmEmulator):
+    """YS: the staged rows' pitch 16 bytes short of 2 BN + 16: rows overlap their neighbours."""
+
+    def epilogue_staged(self, gsv: float, y: np.ndarray, written: np.ndarray) -> None:
+        self.BN -= 16  # (the pitch is 2 BN + 16, pieces BN / 8: both of the short row)
+        try:
+            super().epilogue_staged(gsv, y, written)
+        finally:
+            self.BN += 16
+
+
+PLANTED += [(bug, "r256x128k64s5key") for bug in (StagedPieceShifted, StagedPitchShort, WrongByte)]
 
 
 @pytest.mark.parametrize(("broken", "name"), PLANTED, ids=lambda v: v if isinstance(v, str) else v.__name__)
@@ -178,11 +208,12 @@ def test_one_issue_writes_every_byte_of_its_rs_slot_once(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", RS)
-def test_the_rs_decode_reads_are_free_of_bank_conflicts(name: str) -> None:
+def test_the_rs_decode_reads_and_staged_y_are_free_of_bank_conflicts(name: str) -> None:
     cfg = VARIANTS[name]
     emu = gr.RsGemmEmulator(cfg, cfg.bn, 128, False, log=True)
     _, xb, codes, scales = random_problem(cfg.bm, cfg.bn, 128, False, 1)
     emu.run(xb, nvfp4.pack_codes(codes), scales, 1.0)
-    assert {a.kind for a in emu.accesses} == {"lds64-code", "lds32-scale"}
+    staged = {"sts16-y", "lds128-y"} if cfg.ystage else set()  # YS: the tile of y through shared memory
+    assert {a.kind for a in emu.accesses} == {"lds64-code", "lds32-scale"} | staged
     bad = [(a.kind, _conflicts(a)) for a in emu.accesses if _conflicts(a)]
     assert not bad, bad[:5]
