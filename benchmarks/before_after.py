@@ -4,12 +4,23 @@
     python3 -m benchmarks.before_after compare --old OLD.parquet... --new NEW.parquet...
 
 `write` writes job files at the seeds' shapes that any version of `workers` since the first
-session reads (only the fields every version has). Run each with both versions (`PYTHONPATH` at an
-older checkout's `workers/` and `kernels/`, e.g. from `git archive`), alternately, then `compare`:
-per case, point and arm, the median `seconds` of each with a 95 % bootstrap interval of the
-median, the ratio new/old with its interval, and whether the two intervals overlap. A faster
-orchestrator must not change what a sample measures; a change of method (how a sample is timed)
-may, and is named in BENCHMARKS.md where it does.
+session reads (only the fields every version has). Run each several times with both versions
+(`PYTHONPATH` at an older checkout's `workers/` and `kernels/`, e.g. from `git archive`), in ABBA
+order (old, new, new, old, ...: benchmarks/device_lab.sh's ROUNDS), one result file per worker
+process, then `compare` them all.
+
+`compare` pools each side's files per (job, arm): the median `seconds` of all of a side's samples,
+with a 95 % interval from a two-stage (hierarchical) bootstrap: resample the side's processes (its
+files) with replacement, then the samples within each chosen process, and take the median of the
+pooled resample. The first stage is why: each process draws, allocates and clocks differently, and
+on the H200 a shift of 1-3 % between two processes of the same code is normal, so an interval from
+the samples of one process alone is too narrow and an A/A comparison often fails to overlap. With
+one file per side the first stage has nothing to choose and this is the plain bootstrap of one
+process's median (the table's `runs` column says how many processes each side had). Beside them:
+the ratio after / before of the pooled medians, with the interval of the ratio of the two sides'
+bootstrap medians, and whether the two sides' intervals overlap. A faster orchestrator must not
+change what a sample measures; a change of method (how a sample is timed) may, and is named in
+BENCHMARKS.md where it does.
 """
 
 from __future__ import annotations
@@ -17,7 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -64,35 +78,120 @@ def medians(path: Path) -> dict[tuple[str, str], np.ndarray]:
     return {k: np.array(v) for k, v in out.items()}
 
 
-def interval(samples: np.ndarray, rng: np.random.Generator) -> tuple[float, float, float]:
-    """(median, 2.5 %, 97.5 %) of the median by bootstrap."""
-    boots = np.median(rng.choice(samples, size=(BOOTSTRAP, len(samples))), axis=1)
-    return float(np.median(samples)), float(np.quantile(boots, 0.025)), float(np.quantile(boots, 0.975))
+def side_runs(paths: Sequence[Path]) -> dict[tuple[str, str], list[np.ndarray]]:
+    """(job, arm) -> the clean `seconds` samples of each of one side's result files (one per process)."""
+    out: dict[tuple[str, str], list[np.ndarray]] = {}
+    for path in paths:
+        for key, samples in medians(path).items():
+            out.setdefault(key, []).append(samples)
+    return out
 
 
-def compare(old: list[Path], new: list[Path]) -> str:
-    """The table of medians, intervals and ratios of old against new."""
+class Interval(NamedTuple):
+    """A point estimate and its 95 % bootstrap interval."""
+
+    point: float
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class ArmComparison:
+    """One (job, arm) of the table: each side's median and the ratio after / before, with intervals."""
+
+    job: str
+    arm: str
+    runs_before: int
+    runs_after: int
+    before: Interval
+    after: Interval
+    ratio: Interval
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the before and after intervals share a point."""
+        return self.after.low <= self.before.high and self.before.low <= self.after.high
+
+
+def bootstrap_medians(runs: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> np.ndarray:
+    """`draws` medians of two-stage resamples of one side: its processes, then each one's samples.
+
+    Each draw chooses `len(runs)` processes with replacement; each chosen process contributes as
+    many samples as it has, drawn with replacement from its own; the draw's value is the median of
+    all of them together. With one process this is the ordinary bootstrap of its median.
+    """
+    lengths = np.array([len(r) for r in runs])
+    width = int(lengths.max())
+    padded = np.full((len(runs), width), np.nan)
+    for i, r in enumerate(runs):
+        padded[i, : len(r)] = r
+    chosen = rng.integers(0, len(runs), size=(draws, len(runs)))
+    n = lengths[chosen][..., None]
+    picks = rng.integers(0, n, size=(draws, len(runs), width))
+    values = padded[chosen[..., None], picks]
+    values[np.arange(width) >= n] = np.nan  # a shorter process fills fewer slots
+    flat = np.sort(values.reshape(draws, -1), axis=1)  # NaN sorts last
+    count = n[..., 0].sum(axis=1)
+    low = np.take_along_axis(flat, ((count - 1) // 2)[:, None], axis=1)[:, 0]
+    high = np.take_along_axis(flat, (count // 2)[:, None], axis=1)[:, 0]
+    return (low + high) / 2
+
+
+def percentile_interval(point: float, draws: np.ndarray) -> Interval:
+    """`point` with the 2.5 % and 97.5 % quantiles of its bootstrap `draws`."""
+    return Interval(point, float(np.quantile(draws, 0.025)), float(np.quantile(draws, 0.975)))
+
+
+def compare_arm(
+    key: tuple[str, str],
+    before: Sequence[np.ndarray],
+    after: Sequence[np.ndarray],
+    rng: np.random.Generator,
+    draws: int = BOOTSTRAP,
+) -> ArmComparison:
+    """One (job, arm) from each side's samples, one array per process (result file).
+
+    Args:
+        key: (job, arm).
+        before: the older worker's samples, one array per process.
+        after: the newer worker's samples, one array per process.
+        rng: the bootstrap's generator.
+        draws: bootstrap resamples per side (the ratio divides the two sides' draws pairwise).
+    """
+    b_draws, a_draws = bootstrap_medians(before, draws, rng), bootstrap_medians(after, draws, rng)
+    b_point, a_point = float(np.median(np.concatenate(before))), float(np.median(np.concatenate(after)))
+    return ArmComparison(
+        job=key[0],
+        arm=key[1],
+        runs_before=len(before),
+        runs_after=len(after),
+        before=percentile_interval(b_point, b_draws),
+        after=percentile_interval(a_point, a_draws),
+        ratio=percentile_interval(a_point / b_point, a_draws / b_draws),
+    )
+
+
+def compare_files(old: Sequence[Path], new: Sequence[Path], draws: int = BOOTSTRAP) -> list[ArmComparison]:
+    """Every (job, arm) both sides measured, each side's files pooled, in key order."""
     rng = np.random.default_rng(0)
-    before: dict[tuple[str, str], np.ndarray] = {}
-    after: dict[tuple[str, str], np.ndarray] = {}
-    for p in old:
-        before.update(medians(p))
-    for p in new:
-        after.update(medians(p))
+    before, after = side_runs(old), side_runs(new)
+    return [compare_arm(key, before[key], after[key], rng, draws) for key in sorted(set(before) & set(after))]
+
+
+def compare(old: Sequence[Path], new: Sequence[Path], draws: int = BOOTSTRAP) -> str:
+    """The Markdown table of medians, intervals and ratios of old against new, each side's files pooled."""
     lines = [
-        "| job | arm | before (ms) [95 %] | after (ms) [95 %] | after / before | intervals overlap |",
-        "|---|---|---|---|---|---|",
+        "| job | arm | runs (before/after) | before (ms) [95 %] | after (ms) [95 %] | after / before "
+        "| intervals overlap |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for key in sorted(set(before) & set(after)):
-        b, a = interval(before[key], rng), interval(after[key], rng)
-        ratio = np.median(rng.choice(after[key], (BOOTSTRAP, len(after[key]))), axis=1) / np.median(
-            rng.choice(before[key], (BOOTSTRAP, len(before[key]))), axis=1
-        )
-        overlap = a[1] <= b[2] and b[1] <= a[2]
+    for c in compare_files(old, new, draws):
+        b, a, r = c.before, c.after, c.ratio
         lines.append(
-            f"| {key[0]} | {key[1]} | {b[0] * 1e3:.3f} [{b[1] * 1e3:.3f}, {b[2] * 1e3:.3f}] | "
-            f"{a[0] * 1e3:.3f} [{a[1] * 1e3:.3f}, {a[2] * 1e3:.3f}] | {a[0] / b[0]:.3f} "
-            f"[{np.quantile(ratio, 0.025):.3f}, {np.quantile(ratio, 0.975):.3f}] | {'yes' if overlap else 'NO'} |"
+            f"| {c.job} | {c.arm} | {c.runs_before}/{c.runs_after} | "
+            f"{b.point * 1e3:.3f} [{b.low * 1e3:.3f}, {b.high * 1e3:.3f}] | "
+            f"{a.point * 1e3:.3f} [{a.low * 1e3:.3f}, {a.high * 1e3:.3f}] | "
+            f"{r.point:.3f} [{r.low:.3f}, {r.high:.3f}] | {'yes' if c.overlap else 'NO'} |"
         )
     return "\n".join(lines)
 

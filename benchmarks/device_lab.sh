@@ -8,9 +8,12 @@
 #    export as ORCHESTRATE_GEMM_VARIANT.
 # 2. benchmarks.before_after: the same seed-shape qmm and moe-gather jobs by an older worker
 #    (OLD_TREE: its `workers/` and `kernels/`, e.g. `git archive <commit> workers kernels`) and by
-#    this one, alternately, in this one call; the medians' table (issue 13).
+#    this one, in this one call: ROUNDS rounds per job (default 2) in ABBA order (round r: old then
+#    new when r is even, new then old when r is odd), each worker process into its own file
+#    ($jobs/old-JOB-r.parquet, $jobs/new-JOB-r.parquet); the medians' table of all of them, each
+#    side's files pooled and its intervals from a bootstrap of processes, then samples (issue 13).
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
-# GEMM_LAB=0 skips step 1 (the before/after alone, about 90 s on a machine whose MLX JIT cache is warm).
+# GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is warm).
 # ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);
 # TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned);
 # NCU=name,name then profiles each of those variants' kernel once under Nsight Compute at M = 4096
@@ -37,12 +40,23 @@ done
 if [[ -n $old ]]; then
   jobs=/tmp/before-after
   mkdir -p "$jobs"
+  rm -f "$jobs"/old-*.parquet "$jobs"/new-*.parquet  # an earlier call's files would join the comparison
   python3 -m benchmarks.before_after write "$jobs" >/dev/null
   oldpath="$(cd "$old" && pwd):/tmp/site"  # the older workers/ and kernels/ first, not this checkout
-  for job in qmm-2048 moe-512; do
+  run_old() {
     (cd "$jobs" && step env PYTHONPATH="$oldpath" timeout 240 \
-      python3 -m workers run "$jobs/$job.json" --out "$jobs/old-$job.parquet")
-    step timeout 240 python3 -m workers run "$jobs/$job.json" --out "$jobs/new-$job.parquet"
+      python3 -m workers run "$jobs/$1.json" --out "$jobs/old-$1-$2.parquet")
+  }
+  run_new() { step timeout 240 python3 -m workers run "$jobs/$1.json" --out "$jobs/new-$1-$2.parquet"; }
+  rounds=${ROUNDS:-2}
+  for job in qmm-2048 moe-512; do
+    for ((r = 0; r < rounds; r++)); do
+      if ((r % 2 == 0)); then
+        run_old "$job" "$r"; run_new "$job" "$r"
+      else
+        run_new "$job" "$r"; run_old "$job" "$r"
+      fi
+    done
   done
   python3 -m benchmarks.before_after compare --old "$jobs"/old-*.parquet --new "$jobs"/new-*.parquet \
     | tee "$out/before_after.md"
