@@ -15,16 +15,18 @@
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
 # GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is warm).
 # ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);
-# TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned);
+# TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned;
+# OUT/gemm_twin_check.txt);
 # NCU=name,name then profiles each of those variants' kernel once under Nsight Compute at M = 4096
 # (OUT/gemm_lab_ncu/ncu_NAME_m4096.txt; where the machine's ncu reads no counters it says so there).
 set -u
 out=${1:?usage: device_lab.sh OUT [OLD_TREE]}
 old=${2:-}
+mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() { echo "== $*"; "$@" || echo "!! failed ($?): $*"; }
 if [[ ${TWIN:-0} == 1 ]]; then
-  step timeout 180 python3 -m benchmarks.gemm_twin_check
+  step timeout 180 python3 -m benchmarks.gemm_twin_check 2>&1 | tee "$out/gemm_twin_check.txt"
 fi
 if [[ ${GEMM_LAB:-1} != 0 ]]; then
   narrow=()
