@@ -302,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd = ["ncu", "--clock-control", "none", "-k", "regex:gemm_nvfp4", "--launch-skip", "2", "--launch-count", "1"]
         cmd += ["--set", "full", sys.executable, "-m", "benchmarks.gemm_lab", "--out", str(args.out)]
         cmd += ["--probe", args.ncu, "--m", str(ms[0])]
-        prof = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ)
+        # the sections' bodies too: the warp stall reasons behind "warp cycles per issued instruction"
+        detailed = [cmd[0], "--print-details", "all", *cmd[1:]]
+        prof = subprocess.run(detailed, capture_output=True, text=True, check=False, env=os.environ)
+        if prof.returncode and "print-details" in prof.stderr:  # an ncu without the option
+            prof = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ)
         (args.out / f"ncu_{args.ncu}_m{ms[0]}.txt").write_text(prof.stdout + prof.stderr)
         print(prof.stdout[-6000:], prof.stderr[-2000:])
         return prof.returncode
