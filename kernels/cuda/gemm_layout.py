@@ -287,11 +287,12 @@ VARIANTS: dict[str, GemmConfig] = {
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
 # environment variable overrides it for a run without a code change, e.g.
 #   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
-# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, first session of 2026-12-02): the
-# register-sourced r256x128k64s5k is the fastest correct variant, or within the noise of r256x128k64s6k,
-# at every M from 512 to 16384 (0.75-0.81x dense; g192x256k64s4, the rule before, 0.68-0.78x);
+# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, third session of 2026-12-02): the
+# register-sourced r256x128k64s5qey (three k-tiles of A fragments, each k-tile's MMAs issued before its
+# barrier, the tile of y stored through shared memory) is 0.75-0.85x dense at 512..16384 in the lab and
+# 0.82-0.91x through `orchestrate run` (r256x128k64s5k, the rule before, 0.72-0.81x in the same lab run);
 # where wgmma cannot run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants.
-DEFAULT_RULE = "r256x128k64s5k"
+DEFAULT_RULE = "r256x128k64s5qey"
 PORTABLE_RULE = "b128x128k64s3@512,b256x128k64s4"
 DEFAULT_VARIANT = DEFAULT_RULE.rsplit(",", 1)[-1]
 VARIANT_ENV = "ORCHESTRATE_GEMM_VARIANT"
