@@ -15,6 +15,7 @@
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
 # GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is warm).
 # ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);
+# LAB_ROUNDS=R times every path of an M R times, every other round in the reverse order (--rounds);
 # TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned;
 # OUT/gemm_twin_check.txt);
 # NCU=name,name then profiles each of those variants' kernel once under Nsight Compute at M = 4096
@@ -32,7 +33,8 @@ if [[ ${GEMM_LAB:-1} != 0 ]]; then
   narrow=()
   [[ -n ${ONLY:-} ]] && narrow+=(--only "$ONLY")
   [[ -n ${MS:-} ]] && narrow+=(--m "$MS")
-  step timeout 330 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab" "${narrow[@]}"
+  [[ -n ${LAB_ROUNDS:-} ]] && narrow+=(--rounds "$LAB_ROUNDS")
+  step timeout $((330 * ${LAB_ROUNDS:-1})) python3 -m benchmarks.gemm_lab --out "$out/gemm_lab" "${narrow[@]}"
   tail -25 "$out/gemm_lab/gemm_lab.txt" 2>/dev/null
 fi
 ncu_names=${NCU:-}

@@ -1,6 +1,6 @@
 """Kernel lab for the NVFP4 prefill GEMM: every launch variant built, checked and timed through MLX.
 
-    python3 -m benchmarks.gemm_lab --out DIR [--m 512,2048,4096,16384] [--only NAME,...]
+    python3 -m benchmarks.gemm_lab --out DIR [--m 512,2048,4096,16384] [--only NAME,...] [--rounds R]
     python3 -m benchmarks.gemm_lab --out DIR --ncu NAME [--m 4096]    # Nsight Compute, one variant
 
 Runs on MLX's CUDA backend (the lent H200; `../shared/device/stage.sh` stages MLX there). One call,
@@ -18,7 +18,10 @@ prints last):
   custom kernels; MLX's own allocate fresh), the NaN count over the whole output, the relative
   error of 48 sampled rows (first and last included) against float64 on fresh random x; then
   timed: L calls per `mx.eval` (L for at least 30 ms), the median of 5 such batches, synchronised
-  around; and the peak memory a call adds above what is live before it;
+  around; and the peak memory a call adds above what is live before it. With `--rounds R`, every
+  path of the M is then timed R - 1 times more, every other round in the reverse order (ABBA),
+  and its seconds are the median of the R rounds (the ratios to the baselines too): the card's clock
+  drifts through a call, and one pass times dense first and the last variant last;
 * float16 activations: every variant checked once at the first M;
 * the wgmma variants (sm_90a, built by NVRTC, `mx.fast.precompiled_cuda_kernel`) run afterwards in
   a child process (`DIR/wgmma/`, same method, its own baselines side by side), so that a fault in
@@ -153,15 +156,24 @@ def entry(name: str, t: dict[str, float], m: int, n: int, k: int, peak: float) -
 
 
 def run_m(
-    prob: Problem, m: int, variants: list[str], peak: float, flush: Callable[[dict[str, Any]], None] | None = None
+    prob: Problem,
+    m: int,
+    variants: list[str],
+    peak: float,
+    flush: Callable[[dict[str, Any]], None] | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Every path at one M: check, peak memory, time; then the ratios. `flush` is handed the block
-    so far after every path (a kernel that hangs leaves the paths before it on disk)."""
+    so far after every path (a kernel that hangs leaves the paths before it on disk). `rounds` > 1
+    times every path again in rounds - 1 more passes, reversed every other time (`round_orders`), so
+    that a clock that drifts through the call (the card warming up) falls on every path alike; a
+    path's seconds are then the median of its rounds' medians, each round's kept in `rounds_s`."""
     x = mx.random.normal((m, prob.k), key=mx.random.key(m)).astype(mx.bfloat16)
     mx.eval(x)
     rows = sample_rows(m, m)
     ref = to_np(x[mx.array(rows)]) @ prob.w64.T
     paths: list[dict[str, Any]] = []
+    fns: dict[str, Callable[[], mx.array]] = {}
     for name in (*BASELINES, *variants):
         if flush is not None:
             flush({"m": m, "paths": paths})
@@ -190,16 +202,43 @@ def run_m(
             if name not in BASELINES:
                 e["first_call_s"] = build
             paths.append(e)
+            fns[name] = fn
             log(f"M={m} {name}: {e['ms']:.3f} ms {e['tflop_s']:.0f} TFLOP/s err {e['rel_error']:.1e} nan {e['nan']}")
         except Exception as exc:  # a path that fails is reported, the rest still run
             paths.append({"path": name, "error": f"{type(exc).__name__}: {exc}"})
             log(f"M={m} {name}: FAILED {exc}")
     timed = {p["path"]: p for p in paths if "seconds" in p}
+    if rounds > 1 and timed:
+        retime(timed, fns, rounds, m, prob.n, prob.k, peak)
     for p in timed.values():
         for base in BASELINES:
             if base in timed:
                 p[f"x_{base}"] = timed[base]["seconds"] / p["seconds"]  # speed-up over the baseline
     return {"m": m, "paths": paths}
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of each round: as checked, then reversed, and so on in turn (ABBA): over an even
+    number of rounds every path's mean place in its rounds is the same, so a clock drifting at a
+    steady rate through the call slows every path alike."""
+    return [list(names) if r % 2 == 0 else names[::-1] for r in range(rounds)]
+
+
+def retime(
+    timed: dict[str, dict[str, Any]], fns: dict[str, Callable[[], mx.array]], rounds: int, m: int, n: int, k: int,
+    peak: float,
+) -> None:  # fmt: skip
+    """`run_m`'s further rounds: every timed path again per round in `round_orders`' order; each path's
+    seconds become the median of its rounds' medians (its entry's rates recomputed from them)."""
+    per_round = {name: [p["seconds"]] for name, p in timed.items()}
+    for order in round_orders(list(timed), rounds)[1:]:
+        for name in order:
+            per_round[name].append(seconds_per_call(fns[name])["seconds"])
+    for name, p in timed.items():
+        seconds = statistics.median(per_round[name])
+        rates = entry(name, {"seconds": seconds}, m, n, k, peak)
+        p.update({key: rates[key] for key in ("seconds", "ms", "tflop_s", "of_790", "of_measured_peak")})
+        p["rounds_s"] = per_round[name]
 
 
 def check_float16(prob: Problem, m: int, variants: list[str]) -> list[dict[str, Any]]:
@@ -285,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ncu", default="", help="profile this variant's kernel under Nsight Compute")
     parser.add_argument("--probe", default="", help=argparse.SUPPRESS)
     parser.add_argument("--in-process", action="store_true", help="run wgmma variants here, not in a child")
+    parser.add_argument("--rounds", type=int, default=1, help="time every path this many times, interleaved")
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
     n, k = (int(v) for v in args.shape.split(","))
@@ -325,10 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(results | {"per_m": [*results["per_m"], block]}, indent=1, default=str))
 
     for i, m in enumerate(ms):
-        if time.perf_counter() - started > BUDGET_S:
+        if time.perf_counter() - started > BUDGET_S * args.rounds:
             results.setdefault("skipped_m", []).append(m)
             continue
-        results["per_m"].append(run_m(prob, m, variants, results["matrix_peak_tflops"], flush))
+        results["per_m"].append(run_m(prob, m, variants, results["matrix_peak_tflops"], flush, args.rounds))
         if i == 0:
             results["float16"] = check_float16(prob, m, variants)
         results["recommended_rule"] = recommend(results["per_m"], tolerance)
@@ -340,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_text(text + "\n")
     pooled = list(results["per_m"])
     for key, group in children.items():
-        child = run_child(args.out / key, group, args.m, args.shape)
+        child = run_child(args.out / key, group, args.m, args.shape, args.rounds)
         results[key] = child
         kind = {"wgmma_ws": ", warp-specialised", "wgmma_rs": ", register-sourced"}.get(key, "")
         what = "wgmma variants (sm_90a through NVRTC)" + kind
@@ -368,18 +408,19 @@ def child_groups(chosen: list[str]) -> dict[str, list[str]]:
     return {key: names for key, names in groups.items() if names}
 
 
-def run_child(out: Path, variants: list[str], ms: str, shape: str) -> dict[str, Any]:
+def run_child(out: Path, variants: list[str], ms: str, shape: str, rounds: int = 1) -> dict[str, Any]:
     """The given variants in a fresh process (`--in-process`), its JSON, or what went wrong."""
     cmd = [sys.executable, "-m", "benchmarks.gemm_lab", "--out", str(out), "--only", ",".join(variants)]
-    cmd += ["--m", ms, "--shape", shape, "--in-process"]
+    cmd += ["--m", ms, "--shape", shape, "--in-process", "--rounds", str(rounds)]
     child = out / "gemm_lab.json"
+    limit = CHILD_TIMEOUT_S * max(rounds, 1)  # each further round times every path again
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
         stderr, failed = proc.stderr, f"exit {proc.returncode}" if proc.returncode != 0 else ""
     except subprocess.TimeoutExpired as exc:  # a kernel that hangs: what it wrote before stays
         raw = exc.stderr or b""
         stderr = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
-        failed = f"timed out after {CHILD_TIMEOUT_S:.0f} s"
+        failed = f"timed out after {limit:.0f} s"
     log(stderr[-3000:])
     last = stderr.strip().splitlines()[-1:] or ["no output"]
     if not child.is_file():

@@ -114,3 +114,48 @@ def test_the_qmm_check_sweep_is_the_nvfp4_prefill_sweeps_qmm_case() -> None:
     builtin = next(case for case in load_sweep("nvfp4-prefill").cases if case.case == "qmm")
     assert [case.model_dump() for case in check.cases] == [builtin.model_dump()]
     assert check.repetitions == load_sweep("nvfp4-prefill").repetitions
+
+
+def test_the_rounds_give_every_path_the_same_mean_place() -> None:
+    names = ["dense", "native", "affine", "dequant-gemm", "a", "b"]
+    orders = gemm_lab.round_orders(names, 4)
+    assert orders[0] == names and orders[1] == names[::-1] and all(sorted(o) == sorted(names) for o in orders)
+    mean_place = {n: np.mean([o.index(n) for o in orders]) for n in names}
+    assert set(mean_place.values()) == {(len(names) - 1) / 2}
+    assert gemm_lab.round_orders(names, 1) == [names]
+
+
+def test_interleaved_rounds_take_a_drifting_clock_off_the_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two identical paths on a card that slows by 1 % per timed path (it warms up): one pass in the
+    # checked order makes the second 1 % slower than the first; four interleaved rounds nearly even it.
+    clock = {"calls": 0}
+
+    def drifting(fn: object, target_s: float = 0.03, batches: int = 5) -> dict[str, float]:
+        clock["calls"] += 1
+        return {"seconds": 1e-3 * 1.01 ** clock["calls"], "min": 0.0, "max": 0.0, "calls": 2}
+
+    monkeypatch.setattr(gemm_lab, "seconds_per_call", drifting)
+
+    def pair(rounds: int) -> float:
+        clock["calls"] = 0
+        timed = {name: {"path": name, **drifting(None)} for name in ("dense", "twin")}
+        if rounds > 1:
+            gemm_lab.retime(timed, {"dense": lambda: None, "twin": lambda: None}, rounds, 512, 64, 128, 790.0)  # type: ignore[dict-item]
+            assert len(timed["twin"]["rounds_s"]) == rounds
+            assert timed["twin"]["seconds"] == pytest.approx(np.median(timed["twin"]["rounds_s"]))
+            assert timed["twin"]["ms"] == pytest.approx(timed["twin"]["seconds"] * 1e3)
+        return timed["twin"]["seconds"] / timed["dense"]["seconds"]
+
+    assert pair(1) == pytest.approx(1.01)
+    assert abs(pair(4) - 1.0) < 0.004
+
+
+def test_run_m_with_rounds_times_every_path_each_round() -> None:
+    prob = gemm_lab.Problem(64, 128)
+    block = gemm_lab.run_m(prob, 24, [], 790.0, None, rounds=3)
+    by = {p["path"]: p for p in block["paths"]}
+    for name in gemm_lab.BASELINES:
+        p = by[name]
+        assert len(p["rounds_s"]) == 3 and p["seconds"] == pytest.approx(np.median(p["rounds_s"]))
+        assert p["x_dense"] == pytest.approx(by["dense"]["seconds"] / p["seconds"])
+        assert p["tflop_s"] == pytest.approx(2 * 24 * 64 * 128 / p["seconds"] / 1e12)
