@@ -14,6 +14,7 @@ from orchestrator.store import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
 MEASURED = ("timed", "load")  # what the jobs were run for: timed samples and measured cold loads
+WARMED = ("warmup", *MEASURED)  # the measurement with its warm-up (issue 13's share: at least half of a job)
 LABELS = {
     "worker_start": "worker start",
     "imports": "imports",
@@ -93,3 +94,23 @@ def job_phases_table(store: ResultStore, sweep: str | None = None, run: str | No
             JobPhases(frag.sweep, frag.device, frag.job_key, run_id, seconds, str(raw.get("process", "")), numbers)
         )
     return out
+
+
+def job_labels(store: ResultStore, sweep: str | None = None, run: str | None = None) -> dict[tuple[str, str], str]:
+    """(run id, job key) -> the job for people: its case name and the parameters that tell it apart
+    from the other listed jobs of the same case (`qmm tokens=512`), read from the rows (a compacted
+    job's footer facts do not carry its point)."""
+    from orchestrator.dataset import StoreScan
+
+    where, params = ("WHERE run_id = $run", {"run": run}) if run else ("", None)
+    sql = f"SELECT DISTINCT run_id, job_key, case_name, map_keys(params), map_values(params) FROM results_files {where}"
+    found = StoreScan(store, sweep=sweep).rows(sql, params)
+    values: dict[tuple[str, str], set[str]] = {}  # (case name, parameter) -> the values the jobs take
+    for _, _, case, keys, vals in found:
+        for key, value in zip(keys or [], vals or [], strict=True):
+            values.setdefault((case, key), set()).add(value)
+    labels: dict[tuple[str, str], str] = {}
+    for run_id, job_key, case, keys, vals in found:
+        told = [f"{k}={v}" for k, v in zip(keys or [], vals or [], strict=True) if len(values[(case, k)]) > 1]
+        labels[(run_id, job_key)] = " ".join([case, *told])
+    return labels
