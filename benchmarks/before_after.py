@@ -130,11 +130,7 @@ def bootstrap_medians(runs: Sequence[np.ndarray], draws: int, rng: np.random.Gen
     picks = rng.integers(0, n, size=(draws, len(runs), width))
     values = padded[chosen[..., None], picks]
     values[np.arange(width) >= n] = np.nan  # a shorter process fills fewer slots
-    flat = np.sort(values.reshape(draws, -1), axis=1)  # NaN sorts last
-    count = n[..., 0].sum(axis=1)
-    low = np.take_along_axis(flat, ((count - 1) // 2)[:, None], axis=1)[:, 0]
-    high = np.take_along_axis(flat, (count // 2)[:, None], axis=1)[:, 0]
-    return (low + high) / 2
+    return np.nanmedian(values.reshape(draws, -1), axis=1)
 
 
 def percentile_interval(point: float, draws: np.ndarray) -> Interval:
