@@ -20,6 +20,9 @@
 # OUT/gemm_twin_check.txt);
 # NCU=name,name then profiles each of those variants' kernel once under Nsight Compute at M = 4096
 # (OUT/gemm_lab_ncu/ncu_NAME_m4096.txt; where the machine's ncu reads no counters it says so there).
+# PROFILE=1,512 (token counts) profiles the built-in nvfp4-prefill sweep's qmm jobs at those counts,
+# each twice in a fresh `python -m workers run` under cProfile, and a fresh process's device start
+# (benchmarks.job_profile; OUT/profile/: qmm-T-PASS.prof, .txt and .log, driver.txt).
 set -u
 out=${1:?usage: device_lab.sh OUT [OLD_TREE]}
 old=${2:-}
@@ -41,6 +44,22 @@ ncu_names=${NCU:-}
 for name in ${ncu_names//,/ }; do
   step timeout 150 python3 -m benchmarks.gemm_lab --out "$out/gemm_lab_ncu" --ncu "$name" --m 4096
 done
+if [[ -n ${PROFILE:-} ]]; then
+  plan=/tmp/profile-plan
+  rm -rf "$plan" && mkdir -p "$out/profile"
+  orchestrate plan -s nvfp4-prefill --device profile --out "$plan" --lock /tmp/orchestrate-profile.lock >/dev/null
+  python3 -m benchmarks.job_profile driver > "$out/profile/driver.txt" 2>&1
+  cat "$out/profile/driver.txt"
+  for tokens in ${PROFILE//,/ }; do
+    job=$(grep -l "\"tokens\": $tokens[,}]" "$plan"/qmm-*.json | head -1)
+    for pass in 1 2; do
+      name="$out/profile/qmm-$tokens-$pass"
+      step timeout ${PROFILE_TIMEOUT:-150} python3 -m cProfile -o "$name.prof" -m workers run "$job" --out "/tmp/profile-$tokens-$pass.parquet" > "$name.log" 2>&1
+      python3 -m benchmarks.job_profile show "$name.prof" "/tmp/profile-$tokens-$pass.parquet" > "$name.txt" 2>&1
+      head -1 "$name.txt"
+    done
+  done
+fi
 if [[ -n $old ]]; then
   jobs=/tmp/before-after
   mkdir -p "$jobs"
