@@ -22,15 +22,17 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from workers import standby
 from workers.forkserver import ENTRIES, NOTE_ENV, NOTE_SUFFIX, PARENT_ENV, PRELOAD_MODES, SOCKET_ENV, end_tree
 
 
 class WarmProcess:
     """A child forked by the server, seen from the client: its pid, its exit code, killing it."""
 
-    def __init__(self, conn: socket.socket, pid: int) -> None:
+    def __init__(self, conn: socket.socket, pid: int, *, ahead: bool = False) -> None:
         self._conn = conn
         self.pid = pid
+        self.ahead = ahead  # a standby, its device opened before the request (`workers.standby`)
         self.returncode: int | None = None
         self._pending = b""
 
@@ -163,7 +165,8 @@ class ForkServer:
             conn.close()
             raise
         first, _, rest = line.partition(b"\n")
-        proc = WarmProcess(conn, int(json.loads(first)["pid"]))
+        answer = json.loads(first)
+        proc = WarmProcess(conn, int(answer["pid"]), ahead=bool(answer.get("ahead")))
         proc._pending = rest
         return proc
 
@@ -211,6 +214,8 @@ def run_entry(
         try:
             proc = server.spawn(entry, args, env=sent, stdout=stdout, stderr=stderr, replace_env=server.adopted)
             how = f"forked from a warm server ({server.note}; no device state, no weights)"
+            if proc.ahead:
+                how = f"forked from a warm server ({server.note}; {standby.NOTE}; no other device state, no weights)"
         except OSError:
             proc = None
     if proc is None:

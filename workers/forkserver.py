@@ -40,6 +40,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from workers import standby
 from workers.process_tree import become_subreaper, end_descendants
 
 SOCKET_ENV = "ORCHESTRATE_FORK_SERVER"  # the socket of the server a job's own children may use
@@ -276,8 +277,23 @@ def serve(path: str, preload: str) -> int:
         end.setblocking(False)
     signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    server_env = dict(os.environ)
+    keep_standbys = standby.enabled()
+    job_env = server_env  # the whole environment of the latest job: a standby's (`workers.standby`)
+    ready: standby.Standby | None = None
+
+    def new_standby() -> standby.Standby | None:
+        if not keep_standbys:
+            return None
+        sys.stdout.flush()
+        return standby.fork(job_env, [listener, wake, waker, *conns], _child)
+
+    ready = new_standby()  # for the first job, where its environment agrees with the server's
     while True:
         readable, _, _ = select.select([listener, wake, *conns], [], [], WAKE_POLL_S)
+        if ready is not None and ready.expired():  # no job came for it: its context is not left open
+            ready.drop()
+            ready = None
         for sock in readable:
             if sock is wake:
                 with contextlib.suppress(BlockingIOError):
@@ -299,6 +315,14 @@ def serve(path: str, preload: str) -> int:
                         end_tree(pid)
                 sock.close()
                 continue
+            if data == standby.REQUEST:  # a job left the GPU lock: ready a process for the next one
+                for fd in fds:
+                    os.close(fd)
+                if ready is None:
+                    ready = new_standby()
+                with contextlib.suppress(OSError):
+                    sock.sendall(json.dumps({"standby": ready.pid if ready else None}).encode() + b"\n")
+                continue
             if not data.endswith(b"\n") or len(fds) != 2:  # one request per message, with two fds
                 for fd in fds:
                     os.close(fd)
@@ -306,25 +330,42 @@ def serve(path: str, preload: str) -> int:
                 sock.close()
                 continue
             request = json.loads(data)
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                _child(request, fds, [listener, wake, waker, *conns])
+            answer: dict[str, Any] = {}
+            pid = 0
+            if request.get("entry") == "workers":  # a job: its process may be the standby
+                job_env = standby.request_env(request, server_env)
+                if ready is not None and ready.serves(job_env):
+                    whole = {**request, "env": job_env, "replace_env": True}
+                    if ready.hand_over(json.dumps(whole).encode() + b"\n", fds):
+                        pid, answer["ahead"] = ready.pid, True
+                if ready is not None and not pid:
+                    ready.drop()  # another environment: it exits, the job is forked as ever
+                ready = None
+            if not pid:
+                sys.stdout.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, fds, [listener, wake, waker, *conns, *([ready.ctl] if ready else [])])
             for fd in fds:
                 os.close(fd)
             clients[pid] = sock
-            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        _reap(clients, conns)
+            sock.sendall(json.dumps({"pid": pid, **answer}).encode() + b"\n")
+        reaped = _reap(clients, conns)
+        if ready is not None and ready.pid in reaped:
+            ready = None  # it died (its device failed to open): the next request forks a new one
 
 
-def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> None:
+def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> set[int]:
+    """Reap every ended child, telling each one's client its exit code; the pids reaped."""
+    reaped: set[int] = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return reaped
         if pid == 0:
-            return
+            return reaped
+        reaped.add(pid)
         conn = clients.pop(pid, None)
         if conn is not None and conn in conns:
             code = os.waitstatus_to_exitcode(status)

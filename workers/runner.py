@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from kernels import registry
-from workers import phases
+from workers import phases, standby
 from workers.contract import (
     META_JOB_SECONDS,
     META_PHASES,
@@ -70,6 +70,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     spawned = os.environ.pop("ORCHESTRATE_SPAWNED_AT", "")
     if spawned:  # set by workers.task: when the Ray task asked for this process
         spent.add("worker_start", time.time() - float(spawned))
+    ahead = os.environ.pop(standby.AHEAD_ENV, "")  # a standby's: its device opened before this job
     with spent.span("fingerprint"):
         fp = fingerprint or host_fingerprint(job.gpu)
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
@@ -83,6 +84,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
         rows.fail_all(last)
         status = STATUS_FAILED
+    standby.ask()  # out of the lock: the next job's process opens its device while this one winds down
     if not rows.rows:
         rows.fail_all("the case produced no rows")
         status = STATUS_FAILED
@@ -93,7 +95,10 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     meta = {
         **(table.schema.metadata or {}),
         META_JOB_SECONDS: f"{job_seconds:.6f}".encode(),
-        META_PHASES: json.dumps({k: round(v, 6) for k, v in spent.seconds.items()}).encode(),
+        META_PHASES: json.dumps(
+            {k: round(v, 6) for k, v in spent.seconds.items()}
+            | ({"device_opened_ahead": {"seconds": round(float(ahead), 6)}} if ahead else {})
+        ).encode(),
     }
     return table.replace_schema_metadata(meta)
 

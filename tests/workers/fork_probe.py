@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers import standby
+
 _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
 
 
@@ -27,6 +29,7 @@ def _look() -> dict[str, Any]:
         "phases": dict(phases.current().seconds),
         "kept": len(_kept),
         "pid": os.getpid(),
+        "ahead": os.environ.get(standby.AHEAD_ENV),
     }
 
 
@@ -61,6 +64,8 @@ def main(argv: list[str]) -> int:
         report = _look()
     with open(out, "w") as fh:
         json.dump(report, fh)
+    if what in ("look", "dirty"):
+        standby.ask()  # as a job does once it has left the GPU lock (a no-op where standbys are off)
     return 0
 
 
