@@ -34,7 +34,7 @@ from orchestrator.inventory import HostSpec
 from orchestrator.specs import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
 from workers.gpus import GPU_SLOTS_ENV, GpuInfo, pin_from_labels
-from workers.prestart import Prestarted, withdraw
+from workers.prestart import Prestarted, Warming, warming_wanted, withdraw
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -103,6 +103,8 @@ class RayExecutor:
         self._gpus = gpus
         self._first_job = first_job
         self._prestarted: Prestarted | None = None
+        self._warming: Warming | None = None
+        self.warmed = ""  # the host warming's line (`workers.warm`), once settled
         self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()
@@ -150,6 +152,9 @@ class RayExecutor:
                 self._started = True
                 if len(gpus) > 1:
                     self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
+                if self._warming is not None:  # before any job: none of them waits on its GPU lock
+                    self.warmed = self._warming.settle()
+                    self._warming = None
             else:
                 from orchestrator.head import connect_env, require_head
 
@@ -171,10 +176,13 @@ class RayExecutor:
         """The first node's fork server for the first job, as that node's worker would localise it."""
         if self._first_job is None or self._first_job.device != host.device:
             return
-        from workers.task import prestart_server
+        from workers.task import job_env, localise, prestart_server
 
         pin = pin_from_labels(node_labels(host, gpu))
-        self._prestarted = prestart_server(self._first_job.model_copy(update={"gpu": pin}))
+        first = self._first_job.model_copy(update={"gpu": pin})
+        if warming_wanted(first.backend):  # its peak probes and first compile beside Ray's start
+            self._warming = Warming(localise(first).model_dump_json(), job_env(first))
+        self._prestarted = prestart_server(first)
 
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop what `start` started (an embedded instance, or our connection to the head).
@@ -211,6 +219,9 @@ class RayExecutor:
                 ray.shutdown()
         finally:
             self._started = False
+            if self._warming is not None:  # Ray did not start: it is not waited for
+                self._warming.stop()
+                self._warming = None
             if self._prestarted is not None:  # after Ray: no worker uses it any more
                 withdraw(self._prestarted)
                 self._prestarted = None

@@ -71,6 +71,7 @@ class RunSummary:
     wall_seconds: float = 0.0
     startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
+    warmed: str = ""  # the host warming's line beside Ray's start (`workers.warm`), where one ran
     wait_stopped: Callable[[], None] = lambda: None  # returns once Ray has stopped (`stop_in_background`)
 
     @property
@@ -175,6 +176,7 @@ def run_sweep(
     executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus, first_job=todo[0])
     try:
         executor.start()
+        summary.warmed = executor.warmed
         executor.check_kinds({j.device for j in todo})
         last_done = time.perf_counter()
         summary.startup_seconds = last_done - t0

@@ -7,6 +7,9 @@ The Parquet file is written atomically (temp file, then rename): it is either wh
 JSON (`{"device": "h200", "backend": "cuda"}`): the head asks it of a short-lived process, so that
 the head itself never opens a GPU context (which the GPU-user probes would see during every job).
 
+`python -m workers warm JOB.json` readies this host for a run's first job beside Ray's start (its
+peak probes and its kernels' first compile, `workers.warm`); the embedded head starts it.
+
 `python -m workers gpus BACKEND` prints this host's GPUs of that backend as JSON (`[{"index": 0,
 "uuid": "GPU-...", "name": "NVIDIA H200"}, ...]`, from `nvidia-smi` or the KFD topology, no device
 context; `workers.gpus`): `orchestrate cluster up` asks it of a host whose inventory entry has
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job", type=Path, help="the job, as JSON (workers.contract.JobSpec)")
     run.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
     sub.add_parser("device", help="print this machine's device kind and backend as JSON")
+    warm = sub.add_parser("warm", help="ready this host for a run's first job (peaks, kernels' first compile)")
+    warm.add_argument("job", type=Path, help="the run's first job, as JSON")
     gpus = sub.add_parser("gpus", help="print this host's GPUs of a backend as JSON")
     gpus.add_argument("backend", choices=["cpu", "cuda", "metal", "rocm"])
     args = parser.parse_args(argv)
@@ -56,17 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     from workers.forkserver import die_with_parent
 
     die_with_parent()
+    job = _read_job(args.job)
+    if job is None:
+        return 2
+    if args.verb == "warm":
+        from workers import warm as warming
 
-    try:
-        job = JobSpec.model_validate_json(args.job.read_text())
-    except OSError as exc:
-        print(f"workers: error: {args.job}: cannot read job file: {exc.strerror}", file=sys.stderr)
-        return 2
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        print(f"workers: error: {args.job}: field {loc}: {err['msg']}", file=sys.stderr)
-        return 2
+        return warming.main(job)
     if not args.out.parent.is_dir():
         print(f"workers: error: {args.out}: the output directory does not exist", file=sys.stderr)
         return 2
@@ -78,6 +79,19 @@ def main(argv: list[str] | None = None) -> int:
     status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"?").decode()
     print(f"workers: {job.case_name} {job.job_key}: {table.num_rows} rows, job {status} -> {args.out}")
     return 0
+
+
+def _read_job(path: Path) -> JobSpec | None:
+    """The job file, or None after a one-line error naming the file (and the field)."""
+    try:
+        return JobSpec.model_validate_json(path.read_text())
+    except OSError as exc:
+        print(f"workers: error: {path}: cannot read job file: {exc.strerror}", file=sys.stderr)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"]) or "(the file)"
+        print(f"workers: error: {path}: field {loc}: {err['msg']}", file=sys.stderr)
+    return None
 
 
 if __name__ == "__main__":

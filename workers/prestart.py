@@ -1,4 +1,5 @@
-"""A fork server started by the embedded head beside Ray's start, adopted by its node's Ray worker.
+"""A fork server started by the embedded head beside Ray's start, adopted by its node's Ray worker;
+and the host's warming for the first job (`Warming`, `workers.warm`), started there too.
 
 A Ray worker starts its fork server (`workers.forkserver`) when its first job arrives: the
 server's imports and MLX's fork check (about a second on the 2-core CPU machine) came after Ray's
@@ -17,17 +18,21 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 from workers.forkclient import ForkServer, new_socket_path
-from workers.forkserver import NOTE_SUFFIX
+from workers.forkserver import NOTE_SUFFIX, PARENT_ENV, end_tree
 from workers.processes import pid_alive
 
 # JSON {"path", "pid" (the head's), "key"}: the server the head starts, for a worker of that key
 PRESTARTED_ENV = "ORCHESTRATE_PRESTARTED_SERVER"
 ADOPTED_NOTE = "started beside Ray's start"
 FAILED_SUFFIX = ".failed"  # beside the socket: the server did not start (an adopter stops waiting)
+WARM_ENV = "ORCHESTRATE_WARM"  # `workers.warm` beside Ray's start: 1 / 0; unset: on GPU backends
+WARM_TIMEOUT_S = 120.0  # the head waits this long for it at most (a cold JIT cache took 9 s on the H200)
 
 
 class Prestarted:
@@ -110,3 +115,51 @@ def withdraw(started: Prestarted | None) -> None:
     os.environ.pop(PRESTARTED_ENV, None)
     if started is not None:
         started.stop()
+
+
+class Warming:
+    """`python -m workers warm` for a run's first job, started by the embedded head beside Ray's
+    start (`workers.warm`: the host's peak probes and the first job's kernels compiled, under the
+    GPU lock); the head `settle`s it before submitting any job, so no job waits on its lock."""
+
+    def __init__(self, job_json: str, env: dict[str, str]) -> None:
+        fd, self.path = tempfile.mkstemp(prefix="orchestrate-warm-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(job_json)
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers", "warm", self.path],
+            env={**env, PARENT_ENV: str(os.getpid())},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def settle(self, timeout: float = WARM_TIMEOUT_S) -> str:
+        """Wait for it (at most `timeout` s, then end it); its line, e.g. `peaks 0.31 s, kernels 1.20 s (12 calls)`."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+            line = out.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            text = line[0]
+        except subprocess.TimeoutExpired:
+            text = f"ended after {timeout:.0f} s"
+        self.stop()
+        return text
+
+    def stop(self) -> None:
+        """End it if it still runs; remove its job file."""
+        if self.proc.poll() is None:
+            end_tree(self.proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def warming_wanted(backend: str) -> bool:
+    """`ORCHESTRATE_WARM` (1 / 0); unset: on GPU backends (on the CPU there is no JIT cache to fill
+    and the probes are quick, and it would share the cores with Ray's start)."""
+    wanted = os.environ.get(WARM_ENV, "").strip()
+    if wanted in ("0", "1"):
+        return wanted == "1"
+    return backend != "cpu"

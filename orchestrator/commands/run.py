@@ -130,6 +130,8 @@ def report_summary(
             out.print(
                 f"sweep {summary.sweep}: {account} (per job: orchestrate phases --run {summary.run_id})", markup=False
             )
+        if summary.warmed:  # part of the start-up above, beside Ray's start
+            out.print(f"host readied for the first job beside Ray's start: {summary.warmed}", markup=False)
         if len(view.outcomes) > 1:
             out.print(view.slowest(), markup=False)
         if summary.contended:
