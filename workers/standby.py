@@ -5,8 +5,9 @@ first kernel: on the H200 MLX's import opens the device and took 0.21-0.28 s of 
 `fingerprint` phase), a sixth of a 512-token qmm job. That start does not depend on the job. So as
 soon as a job has left the GPU lock (its measurement done; what is left is writing its rows and
 exiting) it asks the fork server (`workers.forkserver`) for a *standby*: a child forked now that
-opens the device (`workers.fingerprint.detect_backend`: MLX's import and its default device, no
-arrays, no kernels, no weights) and then waits for a job. The next job's request is handed to the
+opens the device (`workers.fingerprint.detect_backend`: MLX's import and its default device, and
+one 1-element array made and freed so that the context exists; no buffer kept, peak memory reset,
+no weights) and then waits for a job. The next job's request is handed to the
 standby instead of forking a new child, so the driver's start runs in the gap between the two jobs
 (the previous process's exit, the Ray task's return, the next task's dispatch) instead of inside the
 next job. The method is unchanged: each job still has a process of its own, with no state from any
@@ -140,9 +141,15 @@ def _wait(env: dict[str, str], ctl: socket.socket, closing: list[socket.socket],
         os.environ.update(env)
         t0 = time.perf_counter()
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            import mlx.core as mx
+
             from workers.fingerprint import detect_backend
 
             detect_backend()  # MLX's import and its default device: the driver's start
+            mx.eval(mx.zeros((1,)))  # and the context, where the backend makes it at the first array
+            mx.synchronize()
+            mx.clear_cache()  # that array is gone: no buffer kept, no peak left for the job
+            mx.reset_peak_memory()
         opened = time.perf_counter() - t0
         # The server decides when it has waited long enough (it drops it: the pair closes), so a job
         # is never handed to a standby on its way out; this wait is only in case the server hangs.

@@ -95,7 +95,8 @@ def test_the_next_job_is_handed_to_the_standby_with_none_of_the_last_jobs_state(
     assert ahead and second["pid"] == ready
     # the first job's request set LEAK_MARK and it kept an array: the standby was forked from the
     # server with the first job's environment, and the second job gets its own whole environment
-    assert second["env"] is None and second["kept"] == 0 and second["active"] == 0 and "leak" not in second["phases"]
+    assert second["env"] is None and second["kept"] == 0 and "leak" not in second["phases"]
+    assert second["active"] == 0 and second["peak"] == 0  # the standby's one array is gone, its peak reset
 
 
 def test_a_job_whose_device_environment_differs_is_forked_and_the_standby_dropped(
