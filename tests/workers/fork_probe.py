@@ -2,6 +2,8 @@
 state behind (an env variable, an MLX array, a phase, a module global) for the next child to see.
 
     main(["look" | "dirty" | "fingerprint" [pinned] | "job" JOB.json, OUT.json])
+
+`start_server` starts a real fork server that runs this module for one of its entries.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from workers import standby
+from workers.forkclient import ForkServer
 
 _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
 
@@ -31,6 +34,25 @@ def _look() -> dict[str, Any]:
         "pid": os.getpid(),
         "ahead": os.environ.get(standby.AHEAD_ENV),
     }
+
+
+def start_server(env: dict[str, str], entry: str) -> ForkServer:
+    """A real fork server (preloading MLX) whose entry `entry` runs this module; `env` its environment."""
+    import subprocess
+    import tempfile
+
+    from tests.conftest import REPO
+
+    path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
+    code = (
+        "import sys; from workers import forkserver; "
+        f"forkserver.ENTRIES[{entry!r}] = 'tests.workers.fork_probe'; sys.exit(forkserver.main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, path, "mlx"], cwd=REPO, env=env, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    assert line.startswith("ready"), line
+    return ForkServer(path, proc, line.split(" ", 3)[-1].strip())
 
 
 def main(argv: list[str]) -> int:

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, child_env
+from tests.workers import fork_probe
 from workers import forkclient, forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
 from workers.gpus import FAKE_GPUS_ENV
@@ -216,16 +216,7 @@ def probe_server() -> Iterator[Callable[[dict[str, str]], forkclient.ForkServer]
     started: list[forkclient.ForkServer] = []
 
     def start(env: dict[str, str]) -> forkclient.ForkServer:
-        path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
-        code = (
-            "import sys; from workers import forkserver; "
-            "forkserver.ENTRIES['probe'] = 'tests.workers.fork_probe'; sys.exit(forkserver.main(sys.argv[1:]))"
-        )
-        proc = subprocess.Popen([sys.executable, "-c", code, path, "mlx"], cwd=REPO, env=env, stdout=subprocess.PIPE)
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith("ready"), line
-        started.append(forkclient.ForkServer(path, proc, line.split(" ", 3)[-1].strip()))
+        started.append(fork_probe.start_server(env, "probe"))
         return started[-1]
 
     yield start

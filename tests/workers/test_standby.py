@@ -10,10 +10,6 @@ child can report what it sees); MLX's CPU backend here, where there is no driver
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +18,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, child_env
+from tests.conftest import child_env
+from tests.workers import fork_probe
 from workers import forkclient, standby
 from workers.contract import META_PHASES, JobSpec, LockSettings
 from workers.processes import pid_alive
@@ -36,18 +33,7 @@ def probe_server() -> Iterator[Callable[..., forkclient.ForkServer]]:
     started: list[forkclient.ForkServer] = []
 
     def start(**env: str) -> forkclient.ForkServer:
-        path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-standby-test-"), "socket")
-        code = (
-            "import sys; from workers import forkserver; "
-            "forkserver.ENTRIES['workers'] = 'tests.workers.fork_probe'; sys.exit(forkserver.main(sys.argv[1:]))"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, path, "mlx"], cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE
-        )
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        assert line.startswith("ready"), line
-        started.append(forkclient.ForkServer(path, proc, line.split(" ", 3)[-1].strip()))
+        started.append(fork_probe.start_server(child_env(**env), "workers"))
         return started[-1]
 
     yield start
