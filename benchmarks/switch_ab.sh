@@ -10,7 +10,7 @@
 set -u
 out=${1:?usage: switch_ab.sh OUT [SWITCH ...]}
 shift
-switches=("${@:-ORCHESTRATE_STANDBY}")
+switches=("$@")
 [[ $# -eq 0 ]] && switches=(ORCHESTRATE_STANDBY ORCHESTRATE_WARM)
 mkdir -p "$out"
 export ORCHESTRATE_RESULTS=/tmp/switch-ab ORCHESTRATE_SPOOL=/tmp/switch-ab-spool PYTHONUNBUFFERED=1

@@ -37,7 +37,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from workers import standby
@@ -174,32 +174,46 @@ def _forked_mlx_works(timeout: float = 120.0) -> bool:
     return False
 
 
+def detach(closing: list[socket.socket]) -> None:
+    """In a child just forked from the server: drop the server's sockets (`closing`), wakeup fd and
+    signal handlers; a process group of its own, ended with the server, a subreaper."""
+    signal.set_wakeup_fd(-1)  # the server's: not the child's
+    for sock in closing:
+        sock.close()
+    os.setpgid(0, 0)
+    _die_with_parent()
+    become_subreaper()  # whatever the job starts stays below it, found and ended with it
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def request_env(request: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment a request's child gets: the request's `env` applied to `base` (the
+    server's; None removes a key), or, with `replace_env`, that `env` alone (the client's whole one)."""
+    env = {} if request.get("replace_env") else dict(base)
+    for key, value in (request.get("env") or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]) -> None:
     """In the forked child: become the requested process, run its entry, exit. Never returns."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)  # the server's: not the child's
-        for sock in closing:
-            sock.close()
-        os.setpgid(0, 0)
-        _die_with_parent()
-        become_subreaper()  # whatever the job starts stays below it, found and ended with it
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        detach(closing)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
-        if request.get("replace_env"):  # the client's whole environment, not changes to the server's
-            os.environ.clear()
-        for key, value in request.get("env", {}).items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        env = request_env(request, os.environ)
+        os.environ.clear()
+        os.environ.update(env)
         os.environ[FORKED_ENV] = "1"
         if request.get("cwd"):
             os.chdir(request["cwd"])
@@ -333,7 +347,7 @@ def serve(path: str, preload: str) -> int:
             answer: dict[str, Any] = {}
             pid = 0
             if request.get("entry") == "workers":  # a job: its process may be the standby
-                job_env = standby.request_env(request, server_env)
+                job_env = request_env(request, server_env)
                 if ready is not None and ready.serves(job_env):
                     whole = {**request, "env": job_env, "replace_env": True}
                     if ready.hand_over(json.dumps(whole).encode() + b"\n", fds):

@@ -126,7 +126,6 @@ class Warming:
         fd, self.path = tempfile.mkstemp(prefix="orchestrate-warm-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(job_json)
-        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "workers", "warm", self.path],
             env={**env, PARENT_ENV: str(os.getpid())},

@@ -13,6 +13,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,10 @@ from workers.fingerprint import host_fingerprint
 from workers.measure import measure_workload
 from workers.peaks import PeakStamp
 
+if TYPE_CHECKING:
+    from workers.gpulock import GpuLock
+    from workers.slotlock import SlotLock
+
 Dispatch = Callable[[JobSpec, RowBuilder, JobContext], str]
 
 
@@ -42,14 +47,19 @@ def job_rng(job: JobSpec) -> np.random.Generator:
     return np.random.default_rng(job.seed)
 
 
-def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+def kernel_workload(job: JobSpec, rng: np.random.Generator) -> registry.Workload:
+    """The kernel case's workload at the job's point (its module imported, its arms built)."""
     with phases.span("imports"):
         module = registry.load_case(job.case)
     params = {**registry.CASES[job.case].defaults, **job.params}
-    rng = job_rng(job)
     with phases.span("build"):
-        workload = module.build(params, list(job.arms), rng)
-    return measure_workload(job, workload, rows, rng)
+        workload: registry.Workload = module.build(params, list(job.arms), rng)
+    return workload
+
+
+def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+    rng = job_rng(job)
+    return measure_workload(job, kernel_workload(job, rng), rows, rng)
 
 
 def _dispatcher(job: JobSpec) -> Dispatch:
@@ -103,6 +113,16 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     return table.replace_schema_metadata(meta)
 
 
+def job_lock(job: JobSpec, *, max_wait: float, cmd: str) -> GpuLock | SlotLock:
+    """The lock `job` measures under: the host's GPU lock, or its GPU's slot on a host with several."""
+    from workers.gpulock import GpuLock
+    from workers.slotlock import SlotLock
+
+    if job.gpu is None:
+        return GpuLock(job.lock.path, max_wait=max_wait, mode="job", cmd=cmd)
+    return SlotLock(job.lock.path, job.gpu.index, max_wait=max_wait, mode="job", cmd=cmd)
+
+
 # GPU LOCK: the guarded lock around the whole job (build and measurement), with the idle gate
 # before and the contention monitor during it; a contended measurement is repeated. A job pinned
 # to one GPU of a host with several takes that GPU's lock (`workers.slotlock`) and watches that
@@ -110,18 +130,12 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
 def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
     if not job.lock.enabled:
         return dispatch(job, rows, context)
-    from workers.gpulock import GpuLock, LockBusyError
+    from workers.gpulock import LockBusyError
     from workers.probes import ContentionMonitor, probe_for, wait_idle
-    from workers.slotlock import SlotLock
 
     settings = job.lock
     status = STATUS_OK
-    what = f"{job.sweep}/{job.case_name}/{job.job_key}"
-    lock: GpuLock | SlotLock = (
-        GpuLock(settings.path, max_wait=settings.max_wait, mode="job", cmd=what)
-        if job.gpu is None
-        else SlotLock(settings.path, job.gpu.index, max_wait=settings.max_wait, mode="job", cmd=what)
-    )
+    lock = job_lock(job, max_wait=settings.max_wait, cmd=f"{job.sweep}/{job.case_name}/{job.job_key}")
     with lock:
         phases.current().add("lock_wait", lock.wait_s)
         probe = probe_for(backend, settings, job.gpu)

@@ -29,12 +29,10 @@ import contextlib
 import json
 import os
 import select
-import signal
 import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 ENV = "ORCHESTRATE_STANDBY"
 WAIT_ENV = "ORCHESTRATE_STANDBY_WAIT_S"
@@ -52,6 +50,7 @@ DEVICE_KEYS = ("HOME", "PATH")
 NOT_DEVICE = ("PYTHONBREAKPOINT",)  # Ray sets it in its workers; only `breakpoint()` reads it
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
 REQUEST = b'{"standby": true}\n'
+AHEAD_ENV = "ORCHESTRATE_DEVICE_OPENED_AHEAD_S"  # in a job handed to a standby: how long its device took to open
 
 
 def enabled() -> bool:
@@ -65,18 +64,6 @@ def enabled() -> bool:
 def device_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of an environment a process's device start can depend on."""
     return {k: v for k, v in env.items() if (k in DEVICE_KEYS or k.startswith(DEVICE_PREFIXES)) and k not in NOT_DEVICE}
-
-
-def request_env(request: Mapping[str, Any], server_env: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment a fork request's child gets: the request's `env` applied to the server's
-    (None removes a key), or, with `replace_env`, that `env` alone."""
-    env = {} if request.get("replace_env") else dict(server_env)
-    for key, value in dict(request.get("env") or {}).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = str(value)
-    return env
 
 
 @dataclass
@@ -115,7 +102,8 @@ class Standby:
 def fork(env: Mapping[str, str], closing: list[socket.socket], become: Callable[..., None]) -> Standby:
     """Fork a standby that starts with `env` as its whole environment (`closing`: the server's
     sockets, which it closes); `become(request, fds, closing)` is what it turns into when a job
-    is handed to it (`workers.forkserver._child`)."""
+    is handed to it (`workers.forkserver._child`, which detaches it from the server once more:
+    harmless)."""
     mine, theirs = socket.socketpair()
     pid = os.fork()
     if pid == 0:
@@ -129,14 +117,9 @@ def _wait(env: dict[str, str], ctl: socket.socket, closing: list[socket.socket],
     """In the standby: open the device, wait for a job (at most WAIT_S), become it. Never returns."""
     code = 0
     try:
-        signal.set_wakeup_fd(-1)
-        for sock in closing:
-            sock.close()
-        for name in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(name, signal.SIG_DFL)
-        from workers.forkserver import _die_with_parent
+        from workers.forkserver import detach
 
-        _die_with_parent()
+        detach(closing)
         os.environ.clear()
         os.environ.update(env)
         t0 = time.perf_counter()
@@ -164,9 +147,6 @@ def _wait(env: dict[str, str], ctl: socket.socket, closing: list[socket.socket],
     except BaseException:
         code = 1
     os._exit(code)
-
-
-AHEAD_ENV = "ORCHESTRATE_DEVICE_OPENED_AHEAD_S"  # in a job handed to a standby: how long its device took to open
 
 
 def ask() -> bool:

@@ -21,8 +21,6 @@ import contextlib
 import time
 from typing import Any
 
-import numpy as np
-
 from workers.contract import JobSpec
 
 LOCK_WAIT_S = 30.0  # a lock held by someone else longer than this: leave the work to the first job
@@ -33,14 +31,13 @@ def rehearse(job: JobSpec) -> int:
     import mlx.core as mx
 
     from kernels import registry
+    from workers.runner import job_rng, kernel_workload
 
     spec = registry.get_case(job.case)
     if spec is None or spec.kind != "kernel":
         return 0
-    module = registry.load_case(job.case)
-    params = {**registry.CASES[job.case].defaults, **job.params}
-    rng = np.random.default_rng(job.seed)
-    workload = module.build(params, list(job.arms), rng)
+    rng = job_rng(job)
+    workload = kernel_workload(job, rng)
     inputs = workload.make_inputs(rng)
     calls = 0
     for path in workload.arms.values():
@@ -57,18 +54,13 @@ def rehearse(job: JobSpec) -> int:
 def warm(job: JobSpec) -> dict[str, Any]:
     """Probe the peaks (where none are stored) and rehearse `job`, under the host's GPU lock."""
     from workers.fingerprint import host_fingerprint
-    from workers.gpulock import GpuLock, LockBusyError
+    from workers.gpulock import LockBusyError
     from workers.peaks import host_peaks
-    from workers.slotlock import SlotLock
+    from workers.runner import job_lock
 
     done: dict[str, Any] = {"peaks": 0.0, "kernels": 0.0, "calls": 0}
     fp = host_fingerprint(job.gpu)
-    what = f"{job.sweep}/warm"
-    lock: GpuLock | SlotLock = (  # the lock the job itself takes (`workers.runner`)
-        GpuLock(job.lock.path, max_wait=LOCK_WAIT_S, mode="job", cmd=what)
-        if job.gpu is None
-        else SlotLock(job.lock.path, job.gpu.index, max_wait=LOCK_WAIT_S, mode="job", cmd=what)
-    )
+    lock = job_lock(job, max_wait=LOCK_WAIT_S, cmd=f"{job.sweep}/warm")  # the lock the job itself takes
     try:
         with lock if job.lock.enabled else contextlib.nullcontext():
             t0 = time.perf_counter()
