@@ -5,7 +5,7 @@
 
 Takes the `model` case of a built-in sweep (its decoder, decode tokens and warm-up), generates or
 reuses its checkpoint in the host's model cache, starts the warm fork server a Ray worker would
-start, and runs `--samples` samples per arm through `workers.model_runner._sample` (the job's own
+start, and runs `--samples` samples per arm through `workers.job.model._sample` (the job's own
 path: forked from the server where it can be, else a fresh interpreter). The first sample of each
 arm does the layer check, as in a job. For every sample it prints the wall time from the request
 to the result and its parts: process start (fork or interpreter, and the imports before the
@@ -27,10 +27,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.specs import load_sweep
-from workers import forkclient, forkserver, phases
+from orchestrator.specs.sweep import load_sweep
 from workers.contract import JobSpec
-from workers.model_runner import Sample, SampleRequest, _checkpoint, _sample, sample_phases
+from workers.job import phases
+from workers.job.model import Sample, SampleRequest, _checkpoint, _sample, sample_phases
+from workers.proc import forkserver
+from workers.proc import spawn as forkclient
 
 # the job's phases of a sample (`model_runner.sample_phases`), as this table heads them
 PARTS = {"sample_start": "start", "load": "load", "warmup": "warmup", "timed": "timed", "reference": "check",
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 req = request(arm, True)
                 code = (
                     "import cProfile, json, pstats, sys\n"
-                    "from workers.model_runner import SampleRequest, measure_sample\n"
+                    "from workers.job.model import SampleRequest, measure_sample\n"
                     f"req = SampleRequest(**json.loads({json.dumps(asdict(req))!r}))\n"
                     "cProfile.run('measure_sample(req)', '/tmp/model_sample.prof')\n"
                     "pstats.Stats('/tmp/model_sample.prof').sort_stats('cumulative').print_stats(25)\n"

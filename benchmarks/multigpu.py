@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from orchestrator.specs import load_sweep
-from orchestrator.stats import compare_samples, seed_for, summarize
-from orchestrator.store import ResultStore
+from orchestrator.analysis.stats import compare_samples, seed_for, summarize
+from orchestrator.specs.sweep import load_sweep
+from orchestrator.store.fragments import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
 TARGET = 0.9  # of N x one GPU's throughput

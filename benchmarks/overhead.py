@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
 REPO = Path(__file__).resolve().parent.parent

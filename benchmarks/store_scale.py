@@ -46,7 +46,7 @@ from unittest import mock
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from workers.contract import META_JOB_KEY, HostFingerprint, JobContext, JobSpec, RowBuilder
 
 NIGHTLY = ("nightly-a", "nightly-b", "nightly-c")
@@ -184,7 +184,7 @@ def build(root: Path, fragments: int, workers: int) -> float:
 RESUME = """
 import resource, sys, time
 from benchmarks.store_scale import latest_wide_keys
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 keys = latest_wide_keys(sys.argv[1])
 t0, c0 = time.perf_counter(), time.process_time()
 done = ResultStore(sys.argv[1]).complete_job_keys("wide")

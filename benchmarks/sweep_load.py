@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.specs import SweepSpec
+from orchestrator.specs.sweep import SweepSpec
 
 
 def sweep(points_per_axis: int, where: str) -> dict[str, Any]:

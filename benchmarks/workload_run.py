@@ -6,7 +6,7 @@ Side by side in one run, alternating (ABAB) so drift hits both: the wall time of
 does nothing (`true`: the fixed cost per run: the keeper's start, the pipes, the pumps) and of
 one that prints `--output-mb` MB (the cost per byte of streaming to a file instead of holding the
 output in memory), each as `subprocess.run(..., capture_output=True)` (the old way) and as
-`workers.workload_run.run_tree` (the tree's keeper on Linux, output pumped into a file), plus the
+`workers.command.workload.run_tree` (the tree's keeper on Linux, output pumped into a file), plus the
 peak memory of each way (VmHWM of a fresh interpreter, Linux). Medians; the ratio is tree/plain.
 """
 
@@ -21,12 +21,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.workload_run import run_tree
+from workers.command.workload import run_tree
 
 PEAK = """
 import subprocess, sys
 from pathlib import Path
-from workers.workload_run import run_tree
+from workers.command.workload import run_tree
 argv = ["bash", "-c", sys.argv[2]]
 if sys.argv[1] == "plain":
     subprocess.run(argv, capture_output=True, check=True)

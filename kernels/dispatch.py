@@ -3,7 +3,7 @@
 A case builds its `auto` arm with `auto_path(key, candidates, make_inputs, reference)`: an
 `ArmPath` whose `auto` names the candidates (qmm: native, dequant-gemm, custom and, where it is a
 second kernel, custom-ksplit; moe-gather: native-sorted, custom-sorted). The job resolves it
-before anything is timed (`workers.measure`), by the measurement's own method
+before anything is timed (`workers.job.measure`), by the measurement's own method
 (`kernels.timing`): each candidate is warmed up with the job's arms (its cold first call counts
 there), checked once, warm, against the case's float64 reference (a path over its own tolerance,
 or one that raises, is never chosen), then the correct ones are timed with the job's one call
@@ -130,7 +130,7 @@ def calibrate(
 ) -> RouteChoice:
     """Check, warm up and time every candidate on its own (outside a job): the fastest correct wins.
 
-    The call count is chosen over the candidates alone; inside a job, `workers.measure` uses the
+    The call count is chosen over the candidates alone; inside a job, `workers.job.measure` uses the
     job's count instead (the same rule over all of the job's arms).
 
     Raises:

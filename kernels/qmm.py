@@ -51,7 +51,7 @@ from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
 # A reference's float64 weights still to be decoded from what was read back (NumPy only: the decode
-# may run on the reference's own thread, `workers.reference_ahead`)
+# may run on the reference's own thread, `workers.job.reference_ahead`)
 HostWeights = Callable[[], np.ndarray]
 
 

@@ -6,7 +6,7 @@ with the fewest bytes a point's arrays hold on the device, so that the head can 
 file, point by point and against the memory of the devices it runs on, before anything starts.
 `load_case(name)` imports the implementing module, which must expose
 `build(params, arms, rng) -> Workload` (timed kernel cases) or, for cases of another kind
-(`command`, `model`), whatever `workers.runner` dispatches to.
+(`command`, `model`), whatever `workers.job.runner` dispatches to.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class CaseSpec:
 
     name: str
     module: str
-    kind: str  # "kernel": timed by workers.measure; "command", "model": their own runners
+    kind: str  # "kernel": timed by workers.job.measure; "command", "model": their own runners
     arms: tuple[str, ...]  # empty: the sweep names its arms freely (command cases)
     params: dict[str, ParamType]
     required: tuple[str, ...]
@@ -102,7 +102,7 @@ register(
 register(
     CaseSpec(
         name="command",
-        module="workers.command_job",
+        module="workers.command.job",
         kind="command",
         arms=(),
         params={},
@@ -113,7 +113,7 @@ register(
 register(
     CaseSpec(
         name="model",
-        module="workers.model_runner",
+        module="workers.job.model",
         kind="model",
         arms=("native", "affine", "custom"),
         params={
@@ -269,7 +269,7 @@ class Workload:
         prepare_reference: where the case offers it, `prepare_reference(arms, *inputs)` gathers,
             in the calling thread, what the references of `arms` (and of their auto candidates)
             on `inputs` need from the device (MLX is called from one thread only), and returns
-            their host part: NumPy only, run on another thread (`workers.reference_ahead`) while
+            their host part: NumPy only, run on another thread (`workers.job.reference_ahead`) while
             the device warms up. Once it has run, `reference(arm, *inputs)` returns what it
             stored, or raises what computing that reference raised, as a synchronous call would.
             None (the default), or a reference it did not store: computed when asked.

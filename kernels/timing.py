@@ -1,4 +1,4 @@
-"""How kernel cases are timed: one method, used by the measurement (`workers.measure`) and by the
+"""How kernel cases are timed: one method, used by the measurement (`workers.job.measure`) and by the
 `auto` arm's choice (`kernels.dispatch`), so that `auto` picks what the measurement will find.
 
 What is timed. MLX is lazy: calling an arm only builds a graph in Python; nothing runs until

@@ -48,7 +48,7 @@ def version_text() -> str:
     """`orchestrate 0.1.0 (commit abc123...)`."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from orchestrator.code_version import code_version
+    from orchestrator.run.code_version import code_version
 
     try:
         number = version("orchestrate")
@@ -173,7 +173,7 @@ def main() -> None:
     """Console-script entry point."""
     try:
         if early_probe(sys.argv[1:]):
-            from orchestrator.localhost import probe_early
+            from orchestrator.cluster.localhost import probe_early
 
             probe_early()  # beside the imports that follow: `run` on this machine asks it next
         app = build_app(sys.argv[1:])

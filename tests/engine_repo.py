@@ -4,7 +4,7 @@ It is what the built-in `mlxcel-*` sweeps expect of the engine, in miniature: th
 `target/release/mlxcel` (`generate`) and `target/release/mlxcel-bench-decode`, the crates' tests
 `--test rocm_nvfp4_quant` and `-p mlxcel-core --lib nvfp4`, a `[profile.test-fast]`, the features
 `rocm`/`metal`, and `scripts/bench_decode.sh` and `scripts/rocm_gpu_guard.sh`. Each prints the
-engine's real output formats (`workers/engine_output.py` quotes them). What the programs report
+engine's real output formats (`workers/command/mlxcel.py` quotes them). What the programs report
 depends on the environment overrides of the seeds (`MLXCEL_NVFP4_DENSE_REPACK=1`: the affine
 fallback, `MLX_ROCM_GATHER_QMV_EXPERT_BATCHED=0`: the MoE opt-out, ...) and on the commit: each
 commit writes its `Knobs` (speeds, greedy text, whether the tests pass) into the core crate.
@@ -29,7 +29,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.specs import builtin_sweeps
+from orchestrator.specs.sweep import builtin_sweeps
 
 REAL_HOME = Path.home()  # at import, before the tests' isolated HOME
 CARGO = shutil.which("cargo")

@@ -8,11 +8,11 @@ JSON (`{"device": "h200", "backend": "cuda"}`): the head asks it of a short-live
 the head itself never opens a GPU context (which the GPU-user probes would see during every job).
 
 `python -m workers warm JOB.json` readies this host for a run's first job beside Ray's start (its
-peak probes and its kernels' first compile, `workers.warm`); the embedded head starts it.
+peak probes and its kernels' first compile, `workers.job.warm`); the embedded head starts it.
 
 `python -m workers gpus BACKEND` prints this host's GPUs of that backend as JSON (`[{"index": 0,
 "uuid": "GPU-...", "name": "NVIDIA H200"}, ...]`, from `nvidia-smi` or the KFD topology, no device
-context; `workers.gpus`): `orchestrate cluster up` asks it of a host whose inventory entry has
+context; `workers.host.gpus`): `orchestrate cluster up` asks it of a host whose inventory entry has
 `gpus`. Exit 3 when the backend's GPUs cannot be listed.
 """
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus.add_argument("backend", choices=["cpu", "cuda", "metal", "rocm"])
     args = parser.parse_args(argv)
     if args.verb == "gpus":
-        from workers.gpus import GpuListError, list_gpus
+        from workers.host.gpus import GpuListError, list_gpus
 
         try:
             found = list_gpus(args.backend)
@@ -53,26 +53,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([g.model_dump(exclude_none=True) for g in found]))
         return 0
     if args.verb == "device":
-        from workers.fingerprint import local_device
+        from workers.host.fingerprint import local_device
 
         kind, backend = local_device()
         print(json.dumps({"device": kind, "backend": backend}))
         return 0
-    from workers.forkserver import die_with_parent
+    from workers.proc.forkserver import die_with_parent
 
     die_with_parent()
     job = _read_job(args.job)
     if job is None:
         return 2
     if args.verb == "warm":
-        from workers import warm as warming
+        from workers.job import warm as warming
 
         return warming.main(job)
     if not args.out.parent.is_dir():
         print(f"workers: error: {args.out}: the output directory does not exist", file=sys.stderr)
         return 2
 
-    from workers.runner import run_job
+    from workers.job.runner import run_job
 
     table = run_job(job)
     write_parquet_atomic(table, args.out)

@@ -47,7 +47,7 @@ Window = tuple[float, float]  # (start, end) in time.monotonic() seconds of this
 
 
 class LockSettings(BaseModel):
-    """How a job takes the host's guarded GPU lock (see `workers.gpulock`)."""
+    """How a job takes the host's guarded GPU lock (see `workers.lock.gpu`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,7 +61,7 @@ class LockSettings(BaseModel):
 
 
 class GpuPin(BaseModel):
-    """The one GPU a job runs on, on a host with several (`gpus` in the inventory; `workers.gpus`).
+    """The one GPU a job runs on, on a host with several (`gpus` in the inventory; `workers.host.gpus`).
 
     `index` is the backend tool's (nvidia-smi's, PCI order; ROCm: KFD topology order), `uuid` the
     driver's (None where there is none: Metal).
@@ -97,7 +97,7 @@ class JobSpec(BaseModel):
     code_version: str = "unknown"
     lock: LockSettings = Field(default_factory=LockSettings)
     spool_dir: str | None = None
-    gpu: GpuPin | None = None  # set on the worker from its node's labels (`workers.task.localise`)
+    gpu: GpuPin | None = None  # set on the worker from its node's labels (`workers.job.task.localise`)
 
 
 class HostFingerprint(BaseModel):
@@ -201,7 +201,7 @@ META_SCHEMA_VERSION = b"orchestrate.schema_version"
 META_JOB_KEY = b"orchestrate.job_key"
 META_JOB_STATUS = b"orchestrate.job_status"
 META_JOB_SECONDS = b"orchestrate.job_seconds"  # the worker's wall time for the whole job
-META_PHASES = b"orchestrate.phases"  # JSON: seconds per phase of the job (workers.phases)
+META_PHASES = b"orchestrate.phases"  # JSON: seconds per phase of the job (workers.job.phases)
 # Where a stored fragment belongs (its hive partition values and run), kept in the footer.
 META_SWEEP = b"orchestrate.sweep"
 META_DEVICE = b"orchestrate.device"

@@ -8,15 +8,15 @@ from pathlib import Path
 import pyarrow as pa
 import typer
 
+from orchestrator.analysis.compare import select_results
+from orchestrator.analysis.criteria import CriterionVerdict, evaluate_criteria, exit_code_for, render_verdicts
+from orchestrator.analysis.records import typed
+from orchestrator.analysis.same_output import OutputVerdict
 from orchestrator.commands.options import format_option, output_option, results_option
-from orchestrator.compare import select_results
-from orchestrator.compare_records import typed
-from orchestrator.console import warn_broken
-from orchestrator.criteria import CriterionVerdict, evaluate_criteria, exit_code_for, render_verdicts
 from orchestrator.errors import InputError
-from orchestrator.output import Format, destination, write_table
-from orchestrator.same_output import OutputVerdict
-from orchestrator.store import ResultStore
+from orchestrator.report.console import warn_broken
+from orchestrator.report.output import Format, destination, write_table
+from orchestrator.store.fragments import ResultStore
 
 CHECK_SCHEMA = pa.schema(
     [

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from orchestrator.console import console
 from orchestrator.errors import InputError
-from orchestrator.specs import InventorySpec, load_inventory
+from orchestrator.report.console import console
+from orchestrator.specs.sweep import InventorySpec, load_inventory
 
 if TYPE_CHECKING:  # SSH (paramiko) is imported only by the commands that use it: every other start stays quick
-    from orchestrator.cluster import HostState
+    from orchestrator.cluster.lifecycle import HostState
 
 INVENTORY = typer.Option(..., "--inventory", "-i", help="host inventory TOML with a [head] address")
 
@@ -49,7 +49,7 @@ def hosts_table(states: list[HostState], title: str) -> Table:
 
 def load_cluster_inventory(path: Path) -> InventorySpec:
     """The inventory, refused (exit 2, naming the file) without a head or an SSH address per host."""
-    from orchestrator.cluster import require_ssh_hosts
+    from orchestrator.cluster.lifecycle import require_ssh_hosts
 
     inv = load_inventory(path)
     try:
@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
-        from orchestrator.cluster import ClusterCheckError, cluster_up
+        from orchestrator.cluster.lifecycle import ClusterCheckError, cluster_up
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
         """Stop the Ray nodes (and head) that `cluster up` started, nothing else; remove the hosts' token."""
-        from orchestrator.cluster import cluster_down
+        from orchestrator.cluster.lifecycle import cluster_down
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("status")
     def status(inventory: Path = INVENTORY) -> None:
         """Per host: reachable, versions, Ray node alive, lock holder, last job."""
-        from orchestrator.cluster import cluster_status
+        from orchestrator.cluster.lifecycle import cluster_status
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
     ) -> None:
         """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
-        from orchestrator.cluster import cluster_logs
+        from orchestrator.cluster.lifecycle import cluster_logs
 
         inv = load_cluster_inventory(inventory)
         states = cluster_logs(inv, out)

@@ -8,10 +8,10 @@ import typer
 
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
-from orchestrator.console import console
 from orchestrator.errors import InfrastructureError
-from orchestrator.specs import load_inventory
-from orchestrator.store import ResultStore
+from orchestrator.report.console import console
+from orchestrator.specs.sweep import load_inventory
+from orchestrator.store.fragments import ResultStore
 
 
 def register(app: typer.Typer) -> None:
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         results: Path = results_option(),
     ) -> None:
         """Copy each host's spooled fragments that are missing from the results store into it."""
-        from orchestrator.collect import collect_spooled  # SSH: imported only when collecting
+        from orchestrator.cluster.collect import collect_spooled  # SSH: imported only when collecting
 
         inv = load_inventory(inventory)
         store = ResultStore(results_root(results))

@@ -1,4 +1,4 @@
-"""`orchestrate compact`: merge each partition's job fragments into one file (see `orchestrator.compact`)."""
+"""`orchestrate compact`: merge each partition's job fragments into one file (see `orchestrator.store.compact`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import typer
 
 from orchestrator.commands.options import results_option
-from orchestrator.compact import compact
-from orchestrator.console import warn
 from orchestrator.errors import InputError
-from orchestrator.store import ResultStore
+from orchestrator.report.console import warn
+from orchestrator.store.compact import compact
+from orchestrator.store.fragments import ResultStore
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import typer
 
-from orchestrator import stats
+from orchestrator.analysis import stats
+from orchestrator.analysis.compare import compare_stored, select_results
+from orchestrator.analysis.cross_device import cross_device
 from orchestrator.commands.options import (
     By,
     View,
@@ -23,13 +25,11 @@ from orchestrator.commands.options import (
     split_list,
     sweep_option,
 )
-from orchestrator.compare import compare_stored, select_results
-from orchestrator.compare_render import print_comparison, print_cross, write_comparison, write_cross
-from orchestrator.console import console, warn, warn_broken
-from orchestrator.cross_device import cross_device
 from orchestrator.errors import InputError
-from orchestrator.output import Format, destination
-from orchestrator.store import ResultStore
+from orchestrator.report.console import console, warn, warn_broken
+from orchestrator.report.output import Format, destination
+from orchestrator.report.text import print_comparison, print_cross, write_comparison, write_cross
+from orchestrator.store.fragments import ResultStore
 
 
 def register(app: typer.Typer) -> None:

@@ -10,14 +10,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, plot_trends, sparkline, trends
 from orchestrator.commands.options import format_option, output_option, results_option
-from orchestrator.console import console, grid, print_fitted, print_wide, verdict_text, warn_broken
-from orchestrator.dataset import read_rows
 from orchestrator.errors import InputError
-from orchestrator.history import THRESHOLD, WINDOW, Trend, default_metric, plot_trends, sparkline, trends
-from orchestrator.output import Format, destination, write_table
-from orchestrator.store import ResultStore
-from orchestrator.units import format_value, unit_of
+from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn_broken
+from orchestrator.report.output import Format, destination, write_table
+from orchestrator.report.units import format_value, unit_of
+from orchestrator.store.dataset import read_rows
+from orchestrator.store.fragments import ResultStore
 
 HISTORY_SCHEMA = pa.schema(
     [

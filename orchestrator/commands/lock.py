@@ -5,7 +5,7 @@ is gone); it exits 0 when the lock is free and 1 when something holds it, like t
 `--status`. `hold -- CMD ...` runs any command under the lock, like `rocm_gpu_guard.sh --hold`:
 it exits with the command's code (128+N when a signal N killed it), 75 when `--max-wait` ran
 out, 127/126 when the command cannot be started, and 130/143 on SIGINT/SIGTERM after ending the
-command's whole process tree. The command runs as a `workers.process_tree.ProcessTree` (its own
+command's whole process tree. The command runs as a `workers.proc.tree.ProcessTree` (its own
 process group, every descendant followed, also those that call `setsid`), with
 `ROCM_GPU_GUARD_LOCK_HELD` set so guards and holds inside it nest, and it inherits the lock's
 descriptor as under `flock(1)`: the lock stays taken until the last process of the command's tree
@@ -13,7 +13,7 @@ is gone, also when this process is killed (on Linux the tree's keeper then ends 
 the command leaves running when it exits is ended too (SIGTERM, then SIGKILL after the grace).
 
 On a host with several GPUs (`gpus` in the inventory), `--gpu N` holds one GPU only, as a job
-pinned to it does (`workers.slotlock`: the host's lock shared, `<lock>.gpu<N>` exclusively);
+pinned to it does (`workers.lock.slot`: the host's lock shared, `<lock>.gpu<N>` exclusively);
 without it, `hold` takes the whole host. `status` shows each GPU's lock beside the host's.
 """
 
@@ -32,10 +32,10 @@ from types import FrameType
 import typer
 
 from orchestrator.errors import InputError, LockTimeoutError
-from workers.gpulock import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError
-from workers.lockfile import LockStatus, lock_status
-from workers.process_tree import ProcessTree
-from workers.slotlock import SlotLock, gpu_lock_path
+from workers.lock.file import LockStatus, lock_status
+from workers.lock.gpu import DEFAULT_LOCK_PATH, GpuLock, LockBusyError, LockPathError
+from workers.lock.slot import SlotLock, gpu_lock_path
+from workers.proc.tree import ProcessTree
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The node's lock (set by `cluster up`), then the shell guard's, so both tools find one lock.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.output import Format
+from orchestrator.report.output import Format
 
 RESULTS_ENV = "ORCHESTRATE_RESULTS"
 DEFAULT_RESULTS = Path("results")
@@ -103,7 +103,7 @@ def split_list(values: Sequence[str] | None) -> list[str] | None:
 
 def compact_after_option() -> int:
     """`--compact-after DAYS` of `run` and `schedule add`."""
-    from orchestrator.compact import COMPACT_AFTER_DAYS
+    from orchestrator.store.compact import COMPACT_AFTER_DAYS
 
     return typer.Option(
         COMPACT_AFTER_DAYS,

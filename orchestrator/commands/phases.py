@@ -9,10 +9,10 @@ from rich.table import Table
 
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
-from orchestrator.console import console
 from orchestrator.errors import InputError
-from orchestrator.store import ResultStore
-from orchestrator.timing import LABELS, MEASURED, WARMED, job_labels, job_phases_table, label
+from orchestrator.report.console import console
+from orchestrator.run.account import LABELS, MEASURED, WARMED, job_labels, job_phases_table, label
+from orchestrator.store.fragments import ResultStore
 
 ORDER = tuple(LABELS)  # phases in the order a job goes through them
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import typer
 from pydantic import ValidationError
 
-from orchestrator.code_version import code_version
 from orchestrator.commands.options import Backend, results_option
 from orchestrator.errors import InputError
-from orchestrator.plan import expand, new_run_id
-from orchestrator.specs import InventorySpec, load_sweep, validation_message
-from orchestrator.store import ResultStore
+from orchestrator.run.code_version import code_version
+from orchestrator.run.plan import expand, new_run_id
+from orchestrator.specs.sweep import InventorySpec, load_sweep, validation_message
+from orchestrator.store.fragments import ResultStore
 
 
 def write_jobs(sweep_name: str, device: str, backend: str, out: Path, lock_path: str | None) -> list[Path]:

@@ -1,4 +1,4 @@
-"""`orchestrate query`: read-only DuckDB SQL over the result dataset (see `orchestrator.query`).
+"""`orchestrate query`: read-only DuckDB SQL over the result dataset (see `orchestrator.store.query`).
 
 Its own module, so that a query (a count over a year of results) starts with DuckDB and the
 output's writers alone, not the comparison's statistics or the sweep files' models.
@@ -11,10 +11,10 @@ from pathlib import Path
 import typer
 
 from orchestrator.commands.options import format_option, output_option, results_option
-from orchestrator.console import warn_broken
-from orchestrator.output import Format, destination, write_table
-from orchestrator.query import run_query
-from orchestrator.store import ResultStore
+from orchestrator.report.console import warn_broken
+from orchestrator.report.output import Format, destination, write_table
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.query import run_query
 
 
 def register(app: typer.Typer) -> None:

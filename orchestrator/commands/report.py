@@ -6,12 +6,12 @@ from pathlib import Path
 
 import typer
 
-from orchestrator import stats
+from orchestrator.analysis import stats
+from orchestrator.analysis.compare import select_results
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
-from orchestrator.compare import select_results
-from orchestrator.console import console, warn_broken
-from orchestrator.store import ResultStore
+from orchestrator.report.console import console, warn_broken
+from orchestrator.store.fragments import ResultStore
 
 
 def register(app: typer.Typer) -> None:
@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         results_dir: Path = results_option(),
     ) -> None:
         """Per device the criteria and main comparison first, then tables and charts; peak shares, history, hosts."""
-        from orchestrator.report import build_report, write_report  # matplotlib: only when reporting
+        from orchestrator.report.html import build_report, write_report  # matplotlib: only when reporting
 
         store = ResultStore(results_root(results_dir))
         table, spec = select_results(store, sweep, run, all_runs=all_runs)

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import typer
 
+from orchestrator.analysis.commits import head_rows
+from orchestrator.analysis.compare import resolve_sweep
 from orchestrator.commands.options import format_option, output_option, results_option, sweep_option
-from orchestrator.commits import head_rows
-from orchestrator.compare import resolve_sweep
-from orchestrator.console import console, print_fitted, print_wide, warn, warn_broken
-from orchestrator.dataset import read_rows
 from orchestrator.errors import InputError
-from orchestrator.output import Format, destination, write_table
-from orchestrator.query import stored_runs
-from orchestrator.store import ResultStore
-from orchestrator.summary import left_out, results_markdown, results_table, summarize, summary_records
+from orchestrator.report.console import console, print_fitted, print_wide, warn, warn_broken
+from orchestrator.report.output import Format, destination, write_table
+from orchestrator.report.summary import left_out, results_markdown, results_table, summarize, summary_records
+from orchestrator.store.dataset import read_rows
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.query import stored_runs
 
 
 def register(app: typer.Typer) -> None:

@@ -17,17 +17,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from orchestrator.analysis.criteria import judge_stored, validate_criteria
 from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
-from orchestrator.compact import compact_after_run
-from orchestrator.console import console, warn
-from orchestrator.criteria import judge_stored, validate_criteria
 from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
-from orchestrator.plan import with_refs
-from orchestrator.specs import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
-from orchestrator.store import ResultStore
-from orchestrator.summary import render_run_end
-from orchestrator.sweep import JobOutcome, RunSummary, run_sweep
-from orchestrator.timing import run_account
+from orchestrator.report.console import console, warn
+from orchestrator.report.summary import render_run_end
+from orchestrator.run.account import run_account
+from orchestrator.run.plan import with_refs
+from orchestrator.run.sweep import JobOutcome, RunSummary, run_sweep
+from orchestrator.specs.sweep import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.store.compact import compact_after_run
+from orchestrator.store.fragments import ResultStore
 from workers.contract import JobSpec
 
 DEFAULT_RESULTS = "results"

@@ -8,11 +8,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from orchestrator.analysis.history import THRESHOLD, WINDOW
 from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
 from orchestrator.commands.run import results_root
-from orchestrator.console import console
-from orchestrator.history import THRESHOLD, WINDOW
-from orchestrator.schedule import (
+from orchestrator.report.console import console
+from orchestrator.run.nightly import (
     Schedule,
     add_schedule,
     check_name,
@@ -22,7 +22,7 @@ from orchestrator.schedule import (
     remove_schedule,
     run_now,
 )
-from orchestrator.specs import check_sweep_against_inventory, load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.specs.sweep import check_sweep_against_inventory, load_inventory, load_sweep, resolve_sweep_path
 
 
 class Scheduler(StrEnum):

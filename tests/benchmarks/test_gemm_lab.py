@@ -108,7 +108,7 @@ def test_the_twin_check_does_not_pass_where_it_checked_nothing() -> None:
 
 
 def test_the_qmm_check_sweep_is_the_nvfp4_prefill_sweeps_qmm_case() -> None:
-    from orchestrator.specs import load_sweep
+    from orchestrator.specs.sweep import load_sweep
 
     check = load_sweep(str(Path(__file__).parents[2] / "benchmarks" / "qmm-check.toml"))
     builtin = next(case for case in load_sweep("nvfp4-prefill").cases if case.case == "qmm")

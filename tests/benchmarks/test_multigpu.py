@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import multigpu
-from orchestrator.plan import expand
-from orchestrator.specs import InventorySpec, load_sweep
-from orchestrator.store import ResultStore
+from orchestrator.run.plan import expand
+from orchestrator.specs.sweep import InventorySpec, load_sweep
+from orchestrator.store.fragments import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES, STATUS_OK, JobContext, JobSpec, RowBuilder
-from workers.fingerprint import static_fingerprint
+from workers.host.fingerprint import static_fingerprint
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from benchmarks import store_scale
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 
 
 def test_templated_rows_are_the_row_builders_column_for_column() -> None:

@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import BIN, child_env
 from tests.sshd_hosts import SshLab, free_port, make_key, require_sshd, start_lab
 

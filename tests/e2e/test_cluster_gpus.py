@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import BIN, child_env
 from tests.e2e.test_cluster import SWEEP  # the same two-arm qmm sweep
 from tests.sshd_hosts import SshLab, free_port, require_sshd, start_lab

@@ -26,12 +26,12 @@ import pyarrow.parquet as pq
 import pytest
 from ray._private.services import _find_address_from_flag
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.e2e.test_cluster import ORCHESTRATE, SWEEP, inventory_toml
 from tests.sshd_hosts import SshLab, free_port, require_sshd, start_lab
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
-from workers.processes import is_descendant, listening_pids, process_name
+from workers.proc.table import is_descendant, listening_pids, process_name
 
 pytestmark = pytest.mark.slow
 

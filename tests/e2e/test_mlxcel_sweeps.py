@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.engine_repo import CARGO, EngineRepo, Knobs, cargo_env, edited_sweep, git, make_checkpoint
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import child_env
-from workers.processes import is_descendant, pid_alive
+from workers.proc.table import is_descendant, pid_alive
 
 pytestmark = pytest.mark.slow
 

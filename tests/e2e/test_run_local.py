@@ -22,11 +22,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.plan import expand
-from orchestrator.specs import load_inventory, load_sweep
-from orchestrator.store import ResultStore
+from orchestrator.run.plan import expand
+from orchestrator.specs.sweep import load_inventory, load_sweep
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env, until_clean
-from workers.processes import is_descendant, pid_alive
+from workers.proc.table import is_descendant, pid_alive
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 real Ray node per "GPU", jobs spread over them, the per-GPU locks, a lost worker and a lost node.
 
 There is no GPU here: the host is a CPU host whose inventory names `gpus = [0, 1, 2]`, and the
-test-only `ORCHESTRATE_TEST_FAKE_GPUS=3` makes `workers.gpus` list three fake GPUs for it
+test-only `ORCHESTRATE_TEST_FAKE_GPUS=3` makes `workers.host.gpus` list three fake GPUs for it
 (`fake-gpu-<i>`, so no row can pass for a real GPU's). Everything else is real: three Ray nodes
 (the embedded instance and two `ray start` nodes joined to it), the jobs' processes, the flocks,
 the Parquet read back.
@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.e2e.test_cluster import SWEEP  # the same two-arm qmm sweep
 from workers.contract import META_JOB_SECONDS, META_PHASES

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.bench_repo import git
 
@@ -26,8 +26,8 @@ def test_the_embedded_instance_is_token_authenticated_whatever_ray_auth_mode_say
 ) -> None:
     import ray
 
-    from orchestrator.executor import RayExecutor
-    from orchestrator.specs import load_inventory
+    from orchestrator.run.executor import RayExecutor
+    from orchestrator.specs.sweep import load_inventory
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's environment turns Ray's auth off
     token = Path(os.environ["HOME"]) / ".ray" / "auth_token"

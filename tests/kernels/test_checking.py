@@ -81,8 +81,8 @@ def test_measure_records_what_the_subset_checked(monkeypatch: pytest.MonkeyPatch
     import datetime as dt
 
     from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
-    from workers.fingerprint import host_fingerprint
-    from workers.measure import measure_workload
+    from workers.host.fingerprint import host_fingerprint
+    from workers.job.measure import measure_workload
 
     built = _qmm(monkeypatch, 96, 384, 128)
     good = built.arms["native"]

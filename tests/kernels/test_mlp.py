@@ -14,7 +14,7 @@ from kernels import checking, mlp, nvfp4, qmm, registry
 from kernels.checking import ReferenceSubset
 from kernels.registry import Workload
 from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
-from workers.measure import measure_workload, relative_error
+from workers.job.measure import measure_workload, relative_error
 
 SHAPE = {"tokens": 8, "hidden": 128, "intermediate": 256}
 

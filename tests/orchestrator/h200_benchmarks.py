@@ -10,7 +10,7 @@ Each row says where it comes from: run `benchmarks-md-h200`, code version `trans
 BENCHMARKS.md`.
 
 Derived metrics are computed as the worker computes them from the same sample
-(`workers/measure.py`): seconds = tokens / tok/s (qmm decode: the published time per call), and
+(`workers/job/measure.py`): seconds = tokens / tok/s (qmm decode: the published time per call), and
 qmm's GB/s and TFLOP/s from `kernels.qmm`'s byte and FLOP counts. The device's peaks are the ones
 the worker's probes stamped on its rows (BENCHMARKS.md: copy 3560 GB/s, 774 TFLOP/s bf16).
 """
@@ -23,8 +23,8 @@ from typing import Any
 import pyarrow as pa
 
 from kernels.qmm import qmm_bytes, qmm_flops
-from orchestrator.plan import points
-from orchestrator.specs import SweepSpec, load_sweep
+from orchestrator.run.plan import points
+from orchestrator.specs.sweep import SweepSpec, load_sweep
 from tests.orchestrator.synthetic_rows import concat
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 

@@ -15,9 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from orchestrator.compare import select_results
-from orchestrator.report import build_report, write_report
-from orchestrator.store import ResultStore
+from orchestrator.analysis.compare import select_results
+from orchestrator.report.html import build_report, write_report
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.chromium_page import DevToolsPage
 
 WINDOW = (1400, 900)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.units import unit_of
+from orchestrator.report.units import unit_of
 from workers.contract import SCHEMA, HostFingerprint, JobContext, JobSpec, RowBuilder
 
 

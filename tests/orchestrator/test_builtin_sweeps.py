@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.criteria import validate_criteria
-from orchestrator.plan import expand
-from orchestrator.specs import builtin_sweeps, load_inventory, load_sweep
+from orchestrator.analysis.criteria import validate_criteria
+from orchestrator.run.plan import expand
+from orchestrator.specs.sweep import builtin_sweeps, load_inventory, load_sweep
 
 EXPECTED_JOBS = {
     "smoke": 5,

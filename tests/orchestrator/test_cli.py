@@ -103,8 +103,10 @@ def test_a_verb_imports_its_own_module_and_what_it_needs_alone(store_root: Path)
     commands = {m for m in modules if m.startswith("orchestrator.commands.")}
     assert commands == {"orchestrator.commands.query", "orchestrator.commands.options"}
     # the count needs DuckDB and an Arrow table: not the comparison's statistics, pandas or Ray
-    assert not modules & {"pandas", "pyarrow.compute", "pyarrow.dataset", "rich.progress", "ray", "scipy", "tabulate",
-                          "orchestrator.stats", "orchestrator.specs", "orchestrator.point_index"}  # fmt: skip
+    heavy = {"pandas", "pyarrow.compute", "pyarrow.dataset", "rich.progress", "ray", "scipy", "tabulate"}
+    assert not modules & (
+        heavy | {"orchestrator.analysis.stats", "orchestrator.specs.sweep", "orchestrator.store.index"}
+    )
     compared, modules = imported_by("compare", "-r", str(store_root), "--by", "run", "-f", "json")
     assert compared.returncode == 0 and json.loads(compared.stdout), compared.stderr
     assert not modules & {"pandas", "pyarrow.dataset", "rich.progress", "ray", "orchestrator.commands.run"}
@@ -171,7 +173,7 @@ def test_every_data_command_offers_format_and_output() -> None:
 @pytest.fixture
 def store_root(tmp_path: Path) -> Path:
     """Two nights of a sweep: point tokens=1 faster on the second."""
-    from orchestrator.store import ResultStore
+    from orchestrator.store.fragments import ResultStore
 
     store = ResultStore(tmp_path / "results")
     for d, run in enumerate(("20261130T020000Z-aaaa", "20261201T020000Z-bbbb")):

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from orchestrator.cluster_nodes import node_command, node_labels, node_paths, node_summary, registration
-from orchestrator.embedded import local_gpus
+from orchestrator.cluster.embedded import local_gpus
+from orchestrator.cluster.nodes import node_command, node_labels, node_paths, node_summary, registration
 from orchestrator.errors import InfrastructureError, InputError
-from orchestrator.specs import InventorySpec
-from workers.gpus import FAKE_GPUS_ENV, GpuInfo
+from orchestrator.specs.sweep import InventorySpec
+from workers.host.gpus import FAKE_GPUS_ENV, GpuInfo
 
 INVENTORY = {
     "head": {"address": "10.0.0.1"},
@@ -80,7 +80,8 @@ def test_the_embedded_host_lists_its_gpus_here_without_mlx(monkeypatch: pytest.M
     assert local_gpus(InventorySpec.model_validate({"hosts": [{"name": "l", "device": "x"}]})) == []  # no `gpus`
     # the head lists them without loading MLX (which would open a device context in it)
     probe = (
-        "import sys; from orchestrator.embedded import local_gpus; from orchestrator.specs import InventorySpec; "
+        "import sys; from orchestrator.cluster.embedded import local_gpus; "
+        "from orchestrator.specs.sweep import InventorySpec; "
         "inv = InventorySpec.model_validate({'hosts': [{'name': 'l', 'device': 'x', 'gpus': 'all'}]}); "
         "print(len(local_gpus(inv)), any(m.split('.')[0] == 'mlx' for m in sys.modules))"
     )

@@ -12,16 +12,16 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.commits import base_side, head_rows, match_side, with_commit_sides
-from orchestrator.compare import compare_results, compare_stored
-from orchestrator.compare_records import records
+from orchestrator.analysis.commits import base_side, head_rows, match_side, with_commit_sides
+from orchestrator.analysis.compare import compare_results, compare_stored
+from orchestrator.analysis.history import series_of
+from orchestrator.analysis.records import records
+from orchestrator.analysis.stats import Verdict
 from orchestrator.errors import InputError
-from orchestrator.history import series_of
-from orchestrator.plan import expand, with_refs
-from orchestrator.specs import SweepSpec, load_inventory
-from orchestrator.stats import Verdict
-from orchestrator.store import ResultStore
-from orchestrator.summary import summarize
+from orchestrator.report.summary import summarize
+from orchestrator.run.plan import expand, with_refs
+from orchestrator.specs.sweep import SweepSpec, load_inventory
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.synthetic_rows import concat, fingerprint, job_table, noisy
 from workers.contract import JobContext, JobSpec, RowBuilder
 

@@ -16,12 +16,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator import compact as compaction
-from orchestrator import compact_merge, dataset
-from orchestrator.compact import compact
-from orchestrator.dataset import read_rows
-from orchestrator.point_index import index_path, refreshed
-from orchestrator.store import ResultStore, compact_index
+from orchestrator.store import compact as compaction
+from orchestrator.store import dataset
+from orchestrator.store import merge as compact_merge
+from orchestrator.store.compact import compact
+from orchestrator.store.dataset import read_rows
+from orchestrator.store.fragments import ResultStore, compact_index
+from orchestrator.store.index import index_path, refreshed
 from tests.conftest import child_env
 from tests.orchestrator.test_dataset import DAY, key, write_job
 from workers.contract import STORED_SCHEMA

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import compact as compaction
-from orchestrator import compact_merge
-from orchestrator.compact import compact_after_run, compact_old, compaction_lock
 from orchestrator.errors import InputError
-from orchestrator.schedule import load_schedule
-from orchestrator.store import ResultStore
+from orchestrator.run.nightly import load_schedule
+from orchestrator.store import compact as compaction
+from orchestrator.store import merge as compact_merge
+from orchestrator.store.compact import compact_after_run, compact_old, compaction_lock
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.test_compact import STEPS, PowerCut, rows_of
 from tests.orchestrator.test_dataset import key, write_job

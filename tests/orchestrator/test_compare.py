@@ -16,9 +16,13 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from orchestrator.compare import compare_results, select_results
-from orchestrator.compare_records import RECORD_SCHEMA
-from orchestrator.compare_render import (
+from orchestrator.analysis.compare import compare_results, select_results
+from orchestrator.analysis.cross_device import cross_device, over_peak
+from orchestrator.analysis.records import RECORD_SCHEMA
+from orchestrator.analysis.stats import Verdict
+from orchestrator.errors import InputError
+from orchestrator.report.output import Format
+from orchestrator.report.text import (
     case_tables,
     fitted_tables,
     print_comparison,
@@ -26,11 +30,7 @@ from orchestrator.compare_render import (
     write_comparison,
     write_cross,
 )
-from orchestrator.cross_device import cross_device, over_peak
-from orchestrator.errors import InputError
-from orchestrator.output import Format
-from orchestrator.stats import Verdict
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import concat, job_table, noisy
 

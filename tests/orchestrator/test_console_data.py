@@ -6,7 +6,7 @@ import io
 
 from rich.table import Table
 
-from orchestrator.console import console, plain
+from orchestrator.report.console import console, plain
 
 
 def test_markup_and_emoji_codes_in_data_print_as_written() -> None:

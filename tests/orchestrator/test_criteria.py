@@ -12,11 +12,11 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts, validate_criteria
+from orchestrator.analysis.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts, validate_criteria
 from orchestrator.errors import EXIT_CONTENDED, InputError
-from orchestrator.specs import SweepSpec, load_sweep
-from orchestrator.store import ResultStore
-from orchestrator.where import parse_where
+from orchestrator.specs.sweep import SweepSpec, load_sweep
+from orchestrator.specs.where import parse_where
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import concat, job_table, noisy
 
@@ -168,7 +168,7 @@ def test_criteria_that_fit_no_case_are_input_errors() -> None:
     bad_where = [
         {"name": "x", "metric": "prefill_tok_s", "arm": "native", "where": "prompt_tokens > 1", "min_ratio": 1}
     ]
-    # refused when the sweep is loaded (orchestrator.sweepcheck), before any row is read
+    # refused when the sweep is loaded (orchestrator.specs.checks), before any row is read
     with pytest.raises(ValidationError, match=r"criteria\.0 \('x'\).*'prompt_tokens', not a parameter"):
         sweep(bad_where)
     bad_arm = [{"name": "y", "metric": "prefill_tok_s", "arm": "dense", "min_ratio": 1}]

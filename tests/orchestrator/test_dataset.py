@@ -19,11 +19,11 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.compact import compact
-from orchestrator.dataset import read_rows
 from orchestrator.errors import InputError
-from orchestrator.point_index import index_path
-from orchestrator.store import ResultStore
+from orchestrator.store.compact import compact
+from orchestrator.store.dataset import read_rows
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.index import index_path
 from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import job_table
 from workers.contract import META_SCHEMA_VERSION, PARTITION_COLUMNS, SCHEMA, STORED_SCHEMA

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from orchestrator.executor import RayExecutor
-from orchestrator.specs import load_inventory
-from workers.processes import is_descendant, pid_alive, process_cmdline
+from orchestrator.run.executor import RayExecutor
+from orchestrator.specs.sweep import load_inventory
+from workers.proc.table import is_descendant, pid_alive, process_cmdline
 
 
 def _ours() -> list[int]:

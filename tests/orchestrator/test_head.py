@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.auth_token import enable_token_auth, ensure_token, rotate_token, token_path
+from orchestrator.cluster.head import HEAD_PID, require_head, stop_head
+from orchestrator.cluster.token import enable_token_auth, ensure_token, rotate_token, token_path
 from orchestrator.errors import InfrastructureError
-from orchestrator.head import HEAD_PID, require_head, stop_head
-from orchestrator.specs import InventorySpec
+from orchestrator.specs.sweep import InventorySpec
 
 
 def test_token_is_made_once_with_mode_0600_where_ray_looks() -> None:

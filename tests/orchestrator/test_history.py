@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import scipy.stats as ss
 
-from orchestrator import changepoints
-from orchestrator.history import (
+from orchestrator.analysis import changepoints
+from orchestrator.analysis.history import (
     ENVIRONMENT_CHANGE,
     IMPROVEMENT,
     NO_HISTORY,
@@ -26,9 +26,9 @@ from orchestrator.history import (
     series_of,
     unjudged,
 )
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
-from workers.command_job import run_command_job
+from workers.command.job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
 # A benchmark whose speed is in speed.txt, with a deterministic +-2 % wobble from a call counter.

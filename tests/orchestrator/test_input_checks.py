@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.cluster.reach import MAX_JUMPS, JumpHop, is_this_machine, parse_hop
+from orchestrator.cluster.ssh import SshTarget
 from orchestrator.errors import InputError
-from orchestrator.plan import expand
-from orchestrator.reach import MAX_JUMPS, JumpHop, is_this_machine, parse_hop
-from orchestrator.specs import InventorySpec, SweepSpec, check_sweep_against_inventory, load_inventory, load_sweep
-from orchestrator.ssh import SshTarget
-from orchestrator.sweepcheck import MAX_JOBS
-from orchestrator.tomlfile import validation_message
+from orchestrator.run.plan import expand
+from orchestrator.specs.checks import MAX_JOBS
+from orchestrator.specs.sweep import InventorySpec, SweepSpec, check_sweep_against_inventory, load_inventory, load_sweep
+from orchestrator.specs.toml import validation_message
 
 # ------------------------------------------------------------------------------------- ProxyJump
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster_nodes import node_command, node_env, registration
-from orchestrator.specs import HostSpec, load_inventory
+from orchestrator.cluster.nodes import node_command, node_env, registration
+from orchestrator.specs.sweep import HostSpec, load_inventory
 from tests.conftest import REPO, child_env
 
 GOOD_HOSTS = """

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import GUARD_ENV
-from workers.lockfile import holder_path, lock_status
-from workers.processes import pid_alive
+from workers.lock.file import holder_path, lock_status
+from workers.lock.gpu import GUARD_ENV
+from workers.proc.table import pid_alive
 
 
 @pytest.fixture

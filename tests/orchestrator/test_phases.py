@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from orchestrator.store import ResultStore
-from orchestrator.timing import MEASURED, WARMED, job_labels, job_phases_table
+from orchestrator.run.account import MEASURED, WARMED, job_labels, job_phases_table
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.test_cli import orchestrate
 from tests.orchestrator.test_dataset import write_job
 from workers.contract import META_JOB_SECONDS, META_PHASES

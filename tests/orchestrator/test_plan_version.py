@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from orchestrator.code_version import code_version
+from orchestrator.run.code_version import code_version
 
 
 def _git(root: Path, *args: str) -> str:

@@ -1,7 +1,7 @@
 """The point facts in a fragment's footer: the same facts as its rows give, the index built from them alone.
 
 Real fragments written through `ResultStore.write` and read back by DuckDB: once from their
-footers (`orchestrator.point_facts`), once from their rows (`point_index.FACTS_SQL`, what the
+footers (`orchestrator.store.footer`), once from their rows (`point_index.FACTS_SQL`, what the
 index was built from before), and the two must agree row for row, parameters no MAP printer can
 confuse included; a file without the footer key, or one that does not read, falls back to the rows.
 """
@@ -15,11 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator import dataset, point_index
-from orchestrator.dataset import StoreScan, read_rows
-from orchestrator.point_facts import META_POINTS, footer_facts
-from orchestrator.point_index import FACTS_SQL, index_path, refreshed
-from orchestrator.store import ResultStore
+from orchestrator.store import dataset
+from orchestrator.store import index as point_index
+from orchestrator.store.dataset import StoreScan, read_rows
+from orchestrator.store.footer import META_POINTS, footer_facts
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.index import FACTS_SQL, index_path, refreshed
 from tests.orchestrator.synthetic_rows import job_table
 from tests.orchestrator.test_dataset import DAY, key, write_job
 

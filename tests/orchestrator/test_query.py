@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator import query
 from orchestrator.errors import InputError
-from orchestrator.query import run_query
-from orchestrator.store import ResultStore
+from orchestrator.store import query
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.query import run_query
 from tests.conftest import child_env
 from tests.orchestrator.test_dataset import write_job
 

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from orchestrator.report import build_report, write_report
-from orchestrator.report_style import BASELINE_COLOUR, PALETTE, ArmStyles, x_axis
-from orchestrator.specs import SweepSpec
-from orchestrator.store import ResultStore
+from orchestrator.report.html import build_report, write_report
+from orchestrator.report.style import BASELINE_COLOUR, PALETTE, ArmStyles, x_axis
+from orchestrator.specs.sweep import SweepSpec
+from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.chromium_page import DevToolsPage, chromium_binary
 from tests.orchestrator.h200_benchmarks import h200_rows
@@ -441,7 +441,7 @@ def test_a_sweep_without_clean_rows_still_reports_why() -> None:
 
 
 def test_one_precision_in_a_column_trailing_zeros_kept() -> None:
-    from orchestrator.compare_render import format_value
+    from orchestrator.report.text import format_value
 
     def digits(text: str) -> int:
         return len(re.sub(r"\D", "", text.split()[0]))
@@ -455,7 +455,7 @@ def test_one_precision_in_a_column_trailing_zeros_kept() -> None:
 def test_a_bound_where_no_series_is_shown_sits_on_its_points(kind: str) -> None:
     """A criterion's bound on a panel whose arm has no clean series yet (a sweep half run) has
     zero series to dodge among: it is drawn at its points, not a ZeroDivisionError."""
-    from orchestrator.report_style import XAxis
+    from orchestrator.report.style import XAxis
 
     axis = XAxis("tokens", (512.0, 1024.0, 2048.0), kind)
     want = {"log": 1024.0, "linear": 1024.0, "category": 1.0}[kind]

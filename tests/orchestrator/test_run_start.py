@@ -11,16 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import localhost
 from orchestrator.cli import early_probe
+from orchestrator.cluster import localhost
 from orchestrator.errors import InfrastructureError
-from orchestrator.executor import RayExecutor
-from orchestrator.specs import load_inventory
+from orchestrator.run.executor import RayExecutor
+from orchestrator.specs.sweep import load_inventory
 from tests.conftest import REPO, child_env
-from workers import prestart, task
 from workers.contract import JobSpec, LockSettings
-from workers.prestart import Prestarted
-from workers.processes import pid_alive
+from workers.job import task
+from workers.proc import prestart
+from workers.proc.prestart import Prestarted
+from workers.proc.table import pid_alive
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """The same-output criterion on rows made through the real RowBuilder: arms and commits of a
-command case, each run's greedy-output digest in `extra`, as `workers.command_job` writes them."""
+command case, each run's greedy-output digest in `extra`, as `workers.command.job` writes them."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.analysis.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
 from orchestrator.commands.check import check_records
-from orchestrator.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
-from orchestrator.report import build_report
-from orchestrator.report_tables import applies, criteria_table, device_verdict, overview_table
-from orchestrator.specs import SweepSpec
+from orchestrator.report.html import build_report
+from orchestrator.report.tables import applies, criteria_table, device_verdict, overview_table
+from orchestrator.specs.sweep import SweepSpec
 from tests.orchestrator.synthetic_rows import concat, fingerprint
 from workers.contract import JobContext, JobSpec, RowBuilder
 
@@ -140,7 +140,7 @@ def test_across_arms_judges_every_commit_of_a_comparison() -> None:
 
 def test_same_output_criteria_are_checked_before_anything_runs() -> None:
     validate_criteria(sweep(SAME_ARMS, SAME_COMMITS))
-    # refused as the sweep is loaded (orchestrator.sweepcheck), before anything else looks at it
+    # refused as the sweep is loaded (orchestrator.specs.checks), before anything else looks at it
     with pytest.raises(ValidationError, match="arm 'nope' is not an arm of any case"):
         sweep({**SAME_ARMS, "arm": "nope"})
     with pytest.raises(ValidationError, match="no case has two arms or more to compare"):

@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.schedule import (
+from orchestrator.run.nightly import (
     Crontab,
     Schedule,
     ScheduleBusyError,
@@ -28,7 +28,7 @@ from orchestrator.schedule import (
     remove_schedule,
     run_now,
 )
-from orchestrator.store import ResultStore
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.cluster.ssh import RemoteShell, SshTarget, command_line, sftp_path, shell_path
 from orchestrator.errors import InfrastructureError
-from orchestrator.specs import HostSpec
-from orchestrator.ssh import RemoteShell, SshTarget, command_line, sftp_path, shell_path
+from orchestrator.specs.sweep import HostSpec
 from tests.sshd_hosts import SshLab, make_key, require_sshd, start_lab
 
 # ------------------------------------------------------------------------------ no sshd needed

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import scipy.stats as ss
 
-from orchestrator import fdr, stats
-from orchestrator.compare import compare_results
-from orchestrator.stats import Verdict
+from orchestrator.analysis import fdr, stats
+from orchestrator.analysis.compare import compare_results
+from orchestrator.analysis.stats import Verdict
 from tests.orchestrator.synthetic_rows import concat, job_table
 
 SIMS = 200

@@ -8,9 +8,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from orchestrator.plan import expand, job_key, points
-from orchestrator.specs import InventorySpec, SweepSpec
-from orchestrator.store import ResultStore
+from orchestrator.run.plan import expand, job_key, points
+from orchestrator.specs.sweep import InventorySpec, SweepSpec
+from orchestrator.store.fragments import ResultStore
 from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
 
 # two device kinds need two nodes: a cluster inventory (with a head), as `orchestrate run` would require
@@ -117,7 +117,7 @@ def test_unwritable_store_is_an_input_error(tmp_path: Path) -> None:
 
 
 def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.task import localise
+    from workers.job.task import localise
 
     inv = InventorySpec.model_validate(
         {
@@ -133,7 +133,7 @@ def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypa
     assert (job.lock.path, job.lock.max_wait, job.lock.idle_secs) == ("/tmp/a.lock", 30, 2)
     assert (job.lock.max_attempts, job.lock.cpu_busy_threshold) == (3, 80.0)
     # on host b's node, `cluster up` exported b's settings: the job takes b's lock as b says
-    from orchestrator.plan import lock_settings
+    from orchestrator.run.plan import lock_settings
 
     monkeypatch.delenv("ORCHESTRATE_LOCK_PATH", raising=False)
     monkeypatch.setenv("ORCHESTRATE_LOCK", lock_settings(inv.hosts[1]).model_dump_json())
@@ -149,7 +149,7 @@ def test_lock_settings_come_from_the_host_and_each_node_applies_its_own(monkeypa
 def test_summary_names_what_it_leaves_out() -> None:
     import pyarrow as pa
 
-    from orchestrator.summary import left_out, summarize
+    from orchestrator.report.summary import left_out, summarize
 
     ok = _table("k1", STATUS_OK)
     failed = _table("k2", STATUS_FAILED)

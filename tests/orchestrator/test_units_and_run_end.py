@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from orchestrator.specs import SweepSpec
-from orchestrator.store import ResultStore
-from orchestrator.summary import render_run_end
-from orchestrator.units import format_value, unit_of
+from orchestrator.report.summary import render_run_end
+from orchestrator.report.units import format_value, unit_of
+from orchestrator.specs.sweep import SweepSpec
+from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.test_dataset import write_job
 
 

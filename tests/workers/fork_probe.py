@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workers import standby
-from workers.forkclient import ForkServer
+from workers.proc import standby
+from workers.proc.spawn import ForkServer
 
 _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
 
@@ -23,7 +23,7 @@ _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it e
 def _look() -> dict[str, Any]:
     import mlx.core as mx
 
-    from workers import phases
+    from workers.job import phases
 
     return {
         "env": os.environ.get("LEAK_MARK"),
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
     if what == "dirty":
         import mlx.core as mx
 
-        from workers import phases
+        from workers.job import phases
 
         os.environ["LEAK_MARK"] = "1"
         array = mx.ones((256, 256)) @ mx.ones((256, 256))
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         phases.current().add("leak", 1.0)
     if what == "job":  # run a job (JSON at argv[2]) in this child; report the modules it imported anew
         from workers.contract import JobSpec
-        from workers.runner import run_job
+        from workers.job.runner import run_job
 
         before = set(sys.modules)
         table = run_job(JobSpec.model_validate_json(Path(argv[2]).read_text()))
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         report = {"status": status, "imported": sorted(set(sys.modules) - before)}
     elif what == "fingerprint":
         from workers.contract import GpuPin
-        from workers.fingerprint import static_fingerprint
+        from workers.host.fingerprint import static_fingerprint
 
         pin = GpuPin(index=1, uuid="GPU-1") if len(argv) > 2 else None
         fp = static_fingerprint("cuda", pin=pin)

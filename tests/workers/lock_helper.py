@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from workers.gpulock import GpuLock, LockBusyError
+from workers.lock.gpu import GpuLock, LockBusyError
 
 
 def contend(lock: str, n: int, out: str, counter: str, max_wait: float) -> None:

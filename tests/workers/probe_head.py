@@ -22,7 +22,7 @@ import time
 def probe_task(foreign: int, fake_bin: str) -> dict[str, object]:
     import subprocess
 
-    from workers.probes import CpuQuietProbe, KfdProbe, NvidiaSmiProbe
+    from workers.lock.probes import CpuQuietProbe, KfdProbe, NvidiaSmiProbe
 
     raylet = int(os.environ["RAY_RAYLET_PID"])
     head = int(os.environ["ORCHESTRATE_HEAD_PID"])
@@ -52,8 +52,8 @@ def probe_task(foreign: int, fake_bin: str) -> dict[str, object]:
 def main() -> None:
     import ray
 
-    from orchestrator.executor import RayExecutor
-    from orchestrator.specs import load_inventory
+    from orchestrator.run.executor import RayExecutor
+    from orchestrator.specs.sweep import load_inventory
 
     foreign, fake_bin = int(sys.argv[1]), sys.argv[2]
     stop = time.monotonic() + 120

@@ -13,11 +13,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from workers.command import CommandCaseError, render, template_fields
-from workers.command_job import run_command_job
+from workers.command.case import CommandCaseError, render, template_fields
+from workers.command.job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
-from workers.gpulock import GpuLock
-from workers.processes import pid_alive
+from workers.lock.gpu import GpuLock
+from workers.proc.table import pid_alive
 
 # The script prints its speed (from speed.txt, scaled by $SPEED_SCALE) as an engine-bench line,
 # appends its arm to a log so the test sees the order, and prints its generated text.
@@ -189,7 +189,7 @@ def test_fields_that_would_rewrite_the_quoted_value_are_refused(field: str) -> N
 def test_sweep_validation_checks_command_settings() -> None:
     from pydantic import ValidationError
 
-    from orchestrator.specs import SweepSpec
+    from orchestrator.specs.sweep import SweepSpec
 
     def sweep(**case: Any) -> SweepSpec:
         entry = {

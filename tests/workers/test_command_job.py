@@ -12,10 +12,10 @@ import pytest
 
 from tests.engine_repo import GUARD_SH, git
 from tests.workers.test_command import run
-from workers.command_build import prune_builds
-from workers.command_job import command_env
+from workers.command.build import prune_builds
+from workers.command.job import command_env
 from workers.contract import JobSpec, LockSettings
-from workers.gpulock import GUARD_ENV, GpuLock
+from workers.lock.gpu import GUARD_ENV, GpuLock
 
 # Speed from speed.txt, halved for the opt-out arm; the arm, commit and env go to $ORDER_LOG.
 BENCH = """#!/usr/bin/env bash
@@ -176,7 +176,7 @@ def test_guard_nests_inside_a_job_holding_its_lock(repo: Repo, tmp_path: Path, m
     lock = tmp_path / "gpu.lock"
     monkeypatch.setenv("ROCM_GPU_GUARD_LOCK", str(lock))  # the job's lock is the guard's
     spec = job(repo, tmp_path, run="./guard.sh --hold -- ./bench.sh {arm}", timeout=15)
-    with GpuLock(str(lock), mode="job"):  # as workers.runner holds it around the job
+    with GpuLock(str(lock), mode="job"):  # as workers.job.runner holds it around the job
         status, rows = run(spec)
     assert status == "ok", first_error(rows)  # a deadlock would have timed out
     assert trace.read_text().splitlines() == [f"nested: lock held by outer guard {os.getpid()}, not taking {lock}"] * 4

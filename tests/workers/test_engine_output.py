@@ -1,5 +1,5 @@
 """The mlxcel engine's own output formats, as its tools print them (fixtures copied from the formats
-in `workers/engine_output.py`): mlxcel-bench-decode, `mlxcel generate`, bench_decode.sh's CSV rows
+in `workers/command/mlxcel.py`): mlxcel-bench-decode, `mlxcel generate`, bench_decode.sh's CSV rows
 and mlxcel-bench-engine's `[engine-bench]` lines."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
+from workers.command.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "bench"
 

@@ -7,8 +7,8 @@ import platform
 import mlx.core as mx
 import pytest
 
-from orchestrator.specs import InventorySpec, load_inventory
-from workers.fingerprint import device_kind_slug, host_fingerprint, local_device
+from orchestrator.specs.sweep import InventorySpec, load_inventory
+from workers.host.fingerprint import device_kind_slug, host_fingerprint, local_device
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_local_inventory_resolves_auto_to_this_machine() -> None:
 def test_driver_os_release_hostname_and_mlx_are_in_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
     """A new GPU driver, kernel, host or MLX is another fingerprint (peaks are probed again, the
     history reports the change), not the same one silently."""
-    from workers import fingerprint as fpmod
+    from workers.host import fingerprint as fpmod
 
     facts = fpmod._static_facts()
 

@@ -18,11 +18,12 @@ import pytest
 
 from tests.conftest import REPO, child_env
 from tests.workers import fork_probe
-from workers import forkclient, forkserver, prestart
 from workers.contract import META_PHASES, JobSpec, LockSettings
-from workers.gpus import FAKE_GPUS_ENV
-from workers.processes import pid_alive
-from workers.task import execute_job, job_env
+from workers.host.gpus import FAKE_GPUS_ENV
+from workers.job.task import execute_job, job_env
+from workers.proc import forkserver, prestart
+from workers.proc import spawn as forkclient
+from workers.proc.table import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +109,7 @@ def test_a_childs_exit_reaches_its_client_at_once(server: forkclient.ForkServer,
 
 def test_the_server_ends_with_its_parent(tmp_path: Path) -> None:
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from workers.forkclient import ForkServer; "
+        [sys.executable, "-c", "import sys, time; from workers.proc.spawn import ForkServer; "
          "s = ForkServer.start({**__import__('os').environ}, preload='none'); print(s.proc.pid, flush=True); "
          "time.sleep(600)"],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, text=True,
@@ -298,7 +299,7 @@ def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
     """The embedded head starts the first node's server beside Ray's start; the Ray worker adopts
     it only for the same key, sends each job its own (the worker's) whole environment, and leaves
     the server to the head, which alone removes it."""
-    from workers import task
+    from workers.job import task
 
     monkeypatch.setattr(task, "_server", None)
     monkeypatch.setattr(task, "_server_key", None)

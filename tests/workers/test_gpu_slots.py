@@ -17,9 +17,8 @@ import pytest
 
 from tests.workers.test_probes import fake_nvidia_smi, spawn_foreign
 from workers.contract import GpuPin, JobSpec, LockSettings
-from workers.fingerprint import static_fingerprint
-from workers.gpulock import GUARD_ENV, LockBusyError
-from workers.gpus import (
+from workers.host.fingerprint import static_fingerprint
+from workers.host.gpus import (
     FAKE_GPUS_ENV,
     GpuListError,
     kfd_gpus,
@@ -30,9 +29,10 @@ from workers.gpus import (
     select_gpus,
     visibility_env,
 )
-from workers.lockfile import lock_status
-from workers.probes import KfdProbe, NvidiaSmiProbe, probe_for
-from workers.slotlock import SlotLock, gpu_lock_path
+from workers.lock.file import lock_status
+from workers.lock.gpu import GUARD_ENV, LockBusyError
+from workers.lock.probes import KfdProbe, NvidiaSmiProbe, probe_for
+from workers.lock.slot import SlotLock, gpu_lock_path
 
 UUID0 = "GPU-8f3c1e2a-1111-2222-3333-444455556666"
 UUID1 = "GPU-0b9d7c6e-aaaa-bbbb-cccc-ddddeeeeffff"
@@ -101,7 +101,7 @@ def test_a_pinned_job_sees_only_its_gpu() -> None:
 
 
 def test_job_env_pins_the_process_and_the_warm_server_is_kept_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers import task
+    from workers.job import task
 
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
     job = JobSpec(
@@ -204,7 +204,7 @@ def test_a_job_under_an_outer_hold_of_its_gpu_nests_and_the_workload_keeps_both_
         fds = outer.inherited_fds()
         assert len(fds) == 2
         # a child that nests (the variable names us, an ancestor holding both files) takes nothing
-        probe = "from workers.slotlock import SlotLock; l = SlotLock({!r}, 2, max_wait=1).acquire(); print(l.nested)"
+        probe = "from workers.lock.slot import SlotLock; l = SlotLock({!r}, 2, max_wait=1).acquire(); print(l.nested)"
         out = subprocess.run(
             [sys.executable, "-c", probe.format(lock)], capture_output=True, text=True, check=True, timeout=60
         ).stdout

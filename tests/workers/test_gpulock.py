@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import GUARD_ENV, GpuLock, LockBusyError, LockPathError
-from workers.lockfile import holder_path, lock_status, read_holder
+from workers.lock.file import holder_path, lock_status, read_holder
+from workers.lock.gpu import GUARD_ENV, GpuLock, LockBusyError, LockPathError
 
 HELPER = str(Path(__file__).with_name("lock_helper.py"))
 

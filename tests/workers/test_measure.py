@@ -11,8 +11,8 @@ import pytest
 from kernels import timing
 from kernels.registry import ArmPath, Workload
 from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
-from workers.fingerprint import host_fingerprint
-from workers.measure import abba_order, measure_workload, relative_error
+from workers.host.fingerprint import host_fingerprint
+from workers.job.measure import abba_order, measure_workload, relative_error
 
 
 def _job(arms: list[str], reps: int = 4) -> JobSpec:

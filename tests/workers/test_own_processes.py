@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, child_env
-from workers.own_processes import OwnProcesses, own_processes
+from workers.lock.own_processes import OwnProcesses, own_processes
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.parsers import OutputParseError, parse_bench_decode, parse_json_lines, parse_regex, parser_for
+from workers.command.parsers import OutputParseError, parse_bench_decode, parse_json_lines, parse_regex, parser_for
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "bench"
 

@@ -11,11 +11,11 @@ import mlx.core as mx
 import pytest
 
 from tests.orchestrator.synthetic_rows import job_table
-from workers import peaks as peaks_mod
 from workers.contract import JobSpec, LockSettings
-from workers.fingerprint import host_fingerprint
-from workers.peaks import CopyProbe, PeakStamp, host_peaks, load_peaks, peaks_path, read_peaks, with_peaks
-from workers.runner import run_job
+from workers.host import peaks as peaks_mod
+from workers.host.fingerprint import host_fingerprint
+from workers.host.peaks import CopyProbe, PeakStamp, host_peaks, load_peaks, peaks_path, read_peaks, with_peaks
+from workers.job.runner import run_job
 
 
 def test_the_copy_probe_takes_the_best_copy_the_host_offers(tmp_path: Path) -> None:

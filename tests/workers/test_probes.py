@@ -19,10 +19,11 @@ import pyarrow as pa
 import pytest
 
 from workers.contract import HostFingerprint, JobSpec, LockSettings
-from workers.fingerprint import host_fingerprint
-from workers.gpulock import GUARD_ENV, LockBusyError
-from workers.lockfile import lock_status
-from workers.probes import (
+from workers.host.fingerprint import host_fingerprint
+from workers.job.runner import run_job
+from workers.lock.file import lock_status
+from workers.lock.gpu import GUARD_ENV, LockBusyError
+from workers.lock.probes import (
     ContentionMonitor,
     CpuQuietProbe,
     KfdProbe,
@@ -33,7 +34,6 @@ from workers.probes import (
     probe_for,
     wait_idle,
 )
-from workers.runner import run_job
 
 
 @pytest.fixture(autouse=True)
@@ -281,8 +281,8 @@ def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sle
 
 def test_the_ps_process_table_used_off_linux_agrees_with_proc() -> None:
     # macOS has no /proc: the CPU gate and the ancestry walk read `ps`, which procps has here too.
-    from workers.probes import _proc_cpu_times, _ps_cpu_times, _ps_seconds
-    from workers.processes import _ps_parent_pid, parent_pid
+    from workers.lock.probes import _proc_cpu_times, _ps_cpu_times, _ps_seconds
+    from workers.proc.table import _ps_parent_pid, parent_pid
 
     assert [_ps_seconds(t) for t in ("0:01.50", "01:02:03", "2-00:00:01")] == [1.5, 3723.0, 172801.0]
     proc, ps = _proc_cpu_times(), _ps_cpu_times()

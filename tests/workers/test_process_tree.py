@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from workers.gpulock import GUARD_ENV
-from workers.lockfile import lock_status
-from workers.process_tree import keeper_supported
-from workers.processes import pid_alive
-from workers.workload_run import run_tree, workload_env
+from workers.command.workload import run_tree, workload_env
+from workers.lock.file import lock_status
+from workers.lock.gpu import GUARD_ENV
+from workers.proc.table import pid_alive
+from workers.proc.tree import keeper_supported
 
 linux_only = pytest.mark.skipif(not keeper_supported(), reason="the subreaper keeper needs Linux")
 
@@ -76,7 +76,7 @@ def test_output_is_streamed_to_a_file_and_memory_stays_bounded(tmp_path: Path) -
     # own, not the forking parent's as ru_maxrss would count) stays far below the output's size.
     probe = textwrap.dedent(f"""
         from pathlib import Path
-        from workers.workload_run import run_tree
+        from workers.command.workload import run_tree
         r = run_tree(["bash", "-c", "head -c 200000000 /dev/zero | tr '\\\\0' x; echo; echo '[engine-bench] {{}}'"],
                      stdout=Path({str(out)!r}), max_output=300 * 2**20, timeout=120)
         hwm = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))
@@ -112,8 +112,8 @@ def test_a_command_that_cannot_start_raises_what_popen_raises(tmp_path: Path) ->
 
 OWNER = textwrap.dedent("""
     import sys, time
-    from workers.gpulock import GpuLock, held_lock_fds
-    from workers.process_tree import ProcessTree
+    from workers.lock.gpu import GpuLock, held_lock_fds
+    from workers.proc.tree import ProcessTree
     lock = GpuLock(sys.argv[1], mode="test", cmd="owner").acquire()
     script = sys.argv[2].replace("LOCKFD", str(lock.fileno()))
     tree = ProcessTree(["bash", "-c", script], pass_fds=held_lock_fds()).start()
@@ -163,7 +163,7 @@ def test_workloads_get_no_ray_variables() -> None:
 
 SERVER = textwrap.dedent("""
     import os, sys, time
-    from workers.process_tree import become_subreaper, end_descendants
+    from workers.proc.tree import become_subreaper, end_descendants
     job = os.fork()
     if job == 0:  # a forked job (first thing: its tree's reaper) whose helper double-forks out of its session
         assert become_subreaper()

@@ -14,9 +14,9 @@ import pytest
 from kernels import device_nvfp4, dispatch, qmm
 from kernels.registry import ArmPath, Workload
 from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
-from workers.fingerprint import host_fingerprint
-from workers.measure import measure_workload
-from workers.reference_ahead import THREAD_NAME, ReferenceAhead
+from workers.host.fingerprint import host_fingerprint
+from workers.job.measure import measure_workload
+from workers.job.reference_ahead import THREAD_NAME, ReferenceAhead
 
 QMM = {"tokens": 4, "n": 32, "k": 64, "dtype": "float32"}
 

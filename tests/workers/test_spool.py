@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.spool import fragment_name, parse_fragment_name, spool_root, spooled_fragments
+from workers.job.spool import fragment_name, parse_fragment_name, spool_root, spooled_fragments
 
 
 def test_fragment_names_round_trip_with_dashes_in_the_run_id() -> None:

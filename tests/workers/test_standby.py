@@ -1,4 +1,4 @@
-"""Standbys (`workers.standby`): the next job's process forked while the previous one winds down, its
+"""Standbys (`workers.proc.standby`): the next job's process forked while the previous one winds down, its
 device opened then, handed the next job only where their environments agree on what reaches the
 device, never left open for long, and carrying none of the previous job's state.
 
@@ -20,9 +20,10 @@ import pytest
 
 from tests.conftest import child_env
 from tests.workers import fork_probe
-from workers import forkclient, standby
 from workers.contract import META_PHASES, JobSpec, LockSettings
-from workers.processes import pid_alive
+from workers.proc import spawn as forkclient
+from workers.proc import standby
+from workers.proc.table import pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +122,7 @@ def test_an_unclaimed_standby_is_dropped_and_none_kept_where_they_are_off(
 def test_the_ray_task_body_runs_jobs_in_standbys_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real jobs through the Ray task's body: from the second job on, each runs in the standby the
     one before it asked for, its phases say so, and its rows are the same kind of rows."""
-    from workers import task
+    from workers.job import task
 
     monkeypatch.setenv("ORCHESTRATE_STANDBY", "1")
     monkeypatch.setattr(task, "_server", None)

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, child_env
-from workers import warm
 from workers.contract import META_PHASES, JobSpec, LockSettings
+from workers.job import warm
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_warm_probes_the_peaks_and_calls_every_arm_and_candidate(tmp_path: Path)
     second = json.loads(stored[0].read_text())
     if first["disturbed"] is None:  # a quiet probe is read, not taken again
         assert second == first and float(again.split()[1]) < float(found.group(1)) / 2
-    else:  # this shared CPU disturbed it: probed again, as a job would (`workers.peaks`)
+    else:  # this shared CPU disturbed it: probed again, as a job would (`workers.host.peaks`)
         assert second["probes"] == 2
 
 

@@ -1,0 +1,371 @@
+"""Acceptance criteria: a sweep's `[[criteria]]` judged on confidence intervals.
+
+A criterion compares one arm with the baseline arm on one metric at every point of the sweep
+that its `case` and `where` select, on every device: the ratio of medians `arm / baseline` with
+its bootstrap interval. At one point, with `min_ratio` m: PASS when the whole interval is >= m,
+FAIL when it is wholly below m, AMBIGUOUS when it straddles m (and about how many more samples
+would settle it); `max_ratio` mirrors that. A criterion PASSes when every point passes, FAILs
+when one point fails, and is AMBIGUOUS otherwise -- including when points are missing (a job
+that never ran, failed, or was contended): those are named, never passed over.
+
+`exit_code_for` maps the verdicts onto `orchestrate`'s exit codes: 0 all pass, 1 one fails, 4
+none fails but one is ambiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import pyarrow as pa
+
+from orchestrator.analysis import stats
+from orchestrator.analysis.commits import head_rows
+from orchestrator.analysis.fdr import benjamini_hochberg
+from orchestrator.analysis.power import NORMAL, samples_to_clear
+from orchestrator.analysis.stats import Comparison, Point, Ratio
+from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
+from orchestrator.run.plan import points as case_points
+from orchestrator.specs.sweep import Criterion, SweepSpec
+from orchestrator.specs.where import Condition, parse_where
+from orchestrator.store.dataset import read_rows
+from orchestrator.store.fragments import ResultStore
+
+
+class Outcome(StrEnum):
+    """A criterion's (or one point's) result."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    AMBIGUOUS = "AMBIGUOUS"
+    SKIPPED = "SKIPPED"  # nothing to judge by design (a comparison of commits on rows of one commit)
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """The ratio at one point on one device and what it says."""
+
+    device: str
+    case_name: str
+    point: Point
+    ratio: Ratio
+    outcome: Outcome
+    more_samples: int | None = None
+    note: str | None = None  # why there is no verdict (too few samples, multiplicity)
+
+
+@dataclass(frozen=True)
+class MissingPoint:
+    """A point the criterion needs but the data cannot judge, and why."""
+
+    device: str
+    case_name: str
+    point: Point
+    reason: str
+
+
+@dataclass
+class CriterionVerdict:
+    """One criterion's verdict with every point behind it."""
+
+    criterion: Criterion
+    baseline: str
+    outcome: Outcome
+    points: list[PointResult] = field(default_factory=list)
+    missing: list[MissingPoint] = field(default_factory=list)
+    shown: dict[str, list[str]] = field(default_factory=dict)  # case -> parameters that tell points apart
+
+    def label(self, device: str, case_name: str, point: Point) -> str:
+        """`h200 qmm tokens=4096`: the device, the case and the parameters that vary in it."""
+        names = self.shown.get(case_name)
+        return point_label(device, case_name, tuple(kv for kv in point if names is None or kv[0] in names))
+
+    def worst(self) -> PointResult | None:
+        """The point closest to failing (lowest interval for min_ratio, highest for max_ratio)."""
+        if not self.points:
+            return None
+        if self.criterion.min_ratio is not None:
+            return min(self.points, key=lambda p: p.ratio.ci_low)
+        return max(self.points, key=lambda p: p.ratio.ci_high)
+
+
+Verdict = CriterionVerdict
+
+
+def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, int | None, str | None]:
+    """PASS, FAIL or AMBIGUOUS for one comparison against the criterion's bounds, with the samples
+    per arm that would settle an AMBIGUOUS one (a power calculation, `stats.samples_to_clear`)
+    and why there is no verdict where there is none (`n=3: too few to judge`)."""
+    if comparison.verdict is stats.Verdict.TOO_FEW:
+        return Outcome.AMBIGUOUS, comparison.more_samples, comparison.note
+    ratio = comparison.ratio
+    lo, hi = ratio.ci_low, ratio.ci_high
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return Outcome.AMBIGUOUS, None, None
+    outcomes: list[tuple[Outcome, int | None]] = []
+    for bound, passes, fails in (
+        (criterion.min_ratio, lo >= (criterion.min_ratio or 0), hi < (criterion.min_ratio or 0)),
+        (criterion.max_ratio, hi <= (criterion.max_ratio or 0), lo > (criterion.max_ratio or 0)),
+    ):
+        if bound is None:
+            continue
+        if passes:
+            outcomes.append((Outcome.PASS, None))
+        elif fails:
+            outcomes.append((Outcome.FAIL, None))
+        else:
+            distance = abs(math.log(ratio.ratio / bound)) if ratio.ratio > 0 else math.nan
+            outcomes.append((Outcome.AMBIGUOUS, samples_to_clear(distance, comparison.log_se, ratio.n)))
+    for wanted in (Outcome.FAIL, Outcome.AMBIGUOUS):
+        for outcome, more in outcomes:
+            if outcome is wanted:
+                return outcome, more, None
+    return Outcome.PASS, None, None
+
+
+def fail_p_value(comparison: Comparison, criterion: Criterion) -> float:
+    """One-sided p-value of "the bound holds" at a failing point (normal tail at the bootstrap's se)."""
+    r, se = comparison.ratio.ratio, comparison.log_se
+    bound = criterion.min_ratio if criterion.min_ratio is not None else criterion.max_ratio
+    if not (r > 0 and bound and math.isfinite(se)):
+        return math.nan
+    past = abs(math.log(r / bound))
+    return 0.0 if se <= 0 else NORMAL.cdf(-past / se)
+
+
+def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> list[tuple[str, list[str], Point]]:
+    """(case label, case devices, point) for every point the criterion applies to.
+
+    Raises:
+        InputError: no case of the sweep has both arms, or `where` names no parameter of any case.
+    """
+    condition: Condition = parse_where(criterion.where or "", what=f"criteria {criterion.name!r}: where")
+    out: list[tuple[str, list[str], Point]] = []
+    applicable = 0
+    for entry in sweep.cases:
+        if criterion.case is not None and criterion.case not in (entry.label, entry.case):
+            continue
+        arms = entry.arm_names()
+        if criterion.arm not in arms or baseline not in arms:
+            continue
+        if not condition.names() <= set(entry.axes()):
+            continue
+        applicable += 1
+        for params in case_points(entry):
+            point = stats.point_of({k: str(v) for k, v in params.items()})
+            if condition.matches(dict(point)):
+                out.append((entry.label, list(entry.devices or sweep.devices), point))
+    if applicable == 0:
+        raise InputError(
+            f"criteria {criterion.name!r}: no case of sweep {sweep.name!r} has arms {criterion.arm!r} and "
+            f"{baseline!r}" + (f" and the parameters of where {criterion.where!r}" if criterion.where else "")
+        )
+    return out
+
+
+def _varying_axes(sweep: SweepSpec) -> dict[str, list[str]]:
+    """Per case label, its axes of more than one value (else all of them): what names a point."""
+    out = {}
+    for entry in sweep.cases:
+        axes = entry.axes()
+        out[entry.label] = [k for k, v in axes.items() if len(v) > 1] or list(axes)
+    return out
+
+
+def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, metric: str) -> str:
+    """Why a point has no clean samples of `arm` or `baseline` (failed, contended, absent)."""
+    reasons = []
+    for side in (arm, baseline):
+        rows = [r for r in table_rows if r["arm"] == side]
+        if not rows:
+            reasons.append(f"no {side} rows")
+            continue
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad:
+            reasons.append(f"{side} {bad[0]['status']}: {bad[0]['error'] or 'no error recorded'}")
+        elif any(r["contended"] for r in rows):
+            reasons.append(f"{side} contended")
+        elif not any(r["metric"] == metric for r in rows):
+            reasons.append(f"no {side} {metric}")
+    return "; ".join(reasons) or "no clean samples"
+
+
+def evaluate_criterion(
+    table: pa.Table, sweep: SweepSpec, criterion: Criterion, *, resamples: int = stats.RESAMPLES
+) -> CriterionVerdict:
+    """Judge one criterion on stored rows of the sweep (see the module docstring).
+
+    A ratio criterion judges HEAD alone where the rows hold a commit comparison; a same-output
+    criterion (`orchestrator.analysis.same_output`) every commit.
+    """
+    if criterion.kind == "same-output":
+        from orchestrator.analysis import same_output
+
+        return same_output.evaluate(table, sweep, criterion)
+    table = head_rows(table)
+    baseline = criterion.baseline or sweep.baseline
+    if baseline is None:
+        raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
+    expected = expected_points(sweep, criterion, baseline)
+    groups = stats.keyed_sample_groups(table)
+    seen_devices = sorted(set(table["device"].to_pylist())) if table.num_rows else []
+    # Every row (clean or not) of each (device, case, point): to tell a missing point from one
+    # that does not measure this metric (decode_tok_s only exists at tokens=1).
+    slim = table.select(["device", "case_name", "params", "arm", "metric", "status", "contended", "error"])
+    by_point: dict[tuple[str, str, Point], list[dict[str, object]]] = {}
+    for row in slim.to_pylist():
+        key = (str(row["device"]), str(row["case_name"]), stats.point_of(row["params"]))
+        by_point.setdefault(key, []).append(row)
+    verdict = CriterionVerdict(criterion, baseline, Outcome.PASS, shown=_varying_axes(sweep))
+    comparisons: list[Comparison] = []
+    for case_name, devices, point in expected:
+        for device in devices or seen_devices or ["(any device)"]:
+            rows_here = by_point.get((device, case_name, point), [])
+            key_a = stats.GroupKey(device, case_name, point, criterion.arm, criterion.metric)
+            key_b = stats.GroupKey(device, case_name, point, baseline, criterion.metric)
+            a, b = groups.get(key_a), groups.get(key_b)
+            if a and b:
+                c = stats.compare_samples(
+                    a[0], b[0], metric=criterion.metric, seed=stats.seed_for(device, case_name, point, criterion.arm,
+                    baseline), resamples=resamples, a_keys=a[1], b_keys=b[1],
+                )  # fmt: skip
+                outcome, more, note = judge_ratio(c, criterion)
+                verdict.points.append(PointResult(device, case_name, point, c.ratio, outcome, more, note))
+                comparisons.append(c)
+                continue
+            measured_elsewhere = rows_here and all(r["status"] == "ok" and not r["contended"] for r in rows_here)
+            if measured_elsewhere and not any(r["metric"] == criterion.metric for r in rows_here):
+                continue  # the point ran cleanly and simply does not measure this metric
+            reason = _why_missing(rows_here, criterion.arm, baseline, criterion.metric) if rows_here else "not run"
+            verdict.missing.append(MissingPoint(device, case_name, point, reason))
+    _control_failures(verdict, comparisons)
+    verdict.outcome = overall({p.outcome for p in verdict.points}, bool(verdict.missing) or not verdict.points)
+    return verdict
+
+
+def overall(outcomes: set[Outcome], incomplete: bool) -> Outcome:
+    """A criterion's outcome from its points': FAIL when one fails, else AMBIGUOUS when one is or
+    the points are `incomplete` (one is missing, or none was judged), else PASS."""
+    if Outcome.FAIL in outcomes:
+        return Outcome.FAIL
+    if Outcome.AMBIGUOUS in outcomes or incomplete:
+        return Outcome.AMBIGUOUS
+    return Outcome.PASS
+
+
+def _control_failures(verdict: CriterionVerdict, comparisons: list[Comparison]) -> None:
+    """A criterion FAILs on any one of its points, so each point is one more chance of a false
+    FAIL: a failing point counts only where Benjamini-Hochberg at q = 5 % over the criterion's
+    points rejects "the bound holds there"; the others become AMBIGUOUS."""
+    failing = [i for i, p in enumerate(verdict.points) if p.outcome is Outcome.FAIL]
+    if not failing:
+        return
+    p_values = [fail_p_value(comparisons[i], verdict.criterion) for i in range(len(verdict.points))]
+    tested = [i for i, p in enumerate(p_values) if not math.isnan(p)]
+    rejected = dict(zip(tested, benjamini_hochberg([p_values[i] for i in tested]), strict=True))
+    for i in failing:
+        if not rejected.get(i, True):
+            note = f"p={p_values[i]:.2g}: not significant over the criterion's {len(tested)} points"
+            verdict.points[i] = dataclasses.replace(verdict.points[i], outcome=Outcome.AMBIGUOUS, note=note)
+
+
+def validate_criteria(sweep: SweepSpec) -> None:
+    """Refuse, before anything runs, a criterion that no case of the sweep can answer.
+
+    Raises:
+        InputError: a criterion without a baseline, or whose arms or `where` fit no case.
+    """
+    for criterion in sweep.criteria:
+        if criterion.kind == "same-output":
+            from orchestrator.analysis import same_output
+
+            same_output.validate(sweep, criterion)
+            continue
+        baseline = criterion.baseline or sweep.baseline
+        if baseline is None:
+            raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
+        expected_points(sweep, criterion, baseline)
+
+
+def evaluate_criteria(table: pa.Table, sweep: SweepSpec, *, resamples: int = stats.RESAMPLES) -> list[CriterionVerdict]:
+    """Judge every criterion of `sweep` on its stored rows (pass the rows of this sweep only)."""
+    return [evaluate_criterion(table, sweep, c, resamples=resamples) for c in sweep.criteria]
+
+
+def exit_code_for(verdicts: list[CriterionVerdict]) -> int:
+    """0 when all pass (or there are none), 1 when one fails, 4 when none fails but one is ambiguous."""
+    outcomes = {v.outcome for v in verdicts}
+    if Outcome.FAIL in outcomes:
+        return EXIT_CRITERION_FAILED
+    if Outcome.AMBIGUOUS in outcomes:
+        return EXIT_AMBIGUOUS
+    return EXIT_OK
+
+
+def point_label(device: str, case_name: str, point: Point) -> str:
+    """`cpu qmm tokens=4096 n=256` for messages."""
+    return " ".join([device, case_name, *(f"{k}={v}" for k, v in point)])
+
+
+def bound_text(c: Criterion) -> str:
+    """`native/affine prefill_tok_s >= 0.97` for a criterion."""
+    parts = []
+    if c.min_ratio is not None:
+        parts.append(f">= {c.min_ratio:g}")
+    if c.max_ratio is not None:
+        parts.append(f"<= {c.max_ratio:g}")
+    return " and ".join(parts)
+
+
+def describe(v: CriterionVerdict) -> list[str]:
+    """Human lines for one verdict: the headline, then ambiguous, failing and missing points."""
+    from orchestrator.analysis import same_output
+
+    if isinstance(v, same_output.OutputVerdict):
+        return same_output.describe(v)
+    c = v.criterion
+    head = f"{v.outcome.value:<9} {c.name}: {c.metric} {c.arm}/{v.baseline} {bound_text(c)}"
+    worst = v.worst()
+    if worst is not None:
+        r = worst.ratio
+        head += (
+            f"; {len(v.points)} points, worst {r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] at "
+            f"{v.label(worst.device, worst.case_name, worst.point)}"
+        )
+    lines = [head]
+    for p in v.points:
+        if p.outcome is Outcome.PASS:
+            continue
+        r = p.ratio
+        note = f" (about {p.more_samples} more samples per arm would settle it)" if p.more_samples else ""
+        note = f" ({p.note})" + note if p.note else note
+        lines.append(
+            f"    {p.outcome.value:<9} {v.label(p.device, p.case_name, p.point)}: "
+            f"{r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}], n={r.n_a}/{r.n_b}{note}"
+        )
+    for m in v.missing:
+        lines.append(f"    MISSING   {v.label(m.device, m.case_name, m.point)}: {m.reason}")
+    if not v.points and not v.missing:
+        lines.append("    no point of the sweep matches this criterion")
+    return lines
+
+
+def judge_stored(store: ResultStore, sweep: SweepSpec) -> tuple[str, int]:
+    """`orchestrate run`'s last step: the sweep's criteria on its newest stored rows.
+
+    Returns:
+        The rendered verdicts (empty when the sweep declares none) and the exit code for them.
+    """
+    if not sweep.criteria:
+        return "", EXIT_OK
+    verdicts = evaluate_criteria(read_rows(store, sweep=sweep.name, newest=True), sweep)
+    return "Acceptance criteria:\n" + render_verdicts(verdicts), exit_code_for(verdicts)
+
+
+def render_verdicts(verdicts: list[CriterionVerdict]) -> str:
+    """All verdicts as text, one block per criterion."""
+    if not verdicts:
+        return "No acceptance criteria in this sweep."
+    return "\n".join(line for v in verdicts for line in describe(v))

@@ -1,0 +1,197 @@
+"""`run_sweep`: the library function behind `orchestrate run`.
+
+Load -> check -> expand -> skip complete jobs -> run on Ray -> store each job's rows as it
+finishes. Nothing is started or written before the inputs, the results directory and the
+cluster have been checked.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from orchestrator.cluster.embedded import local_gpus
+from orchestrator.run.code_version import code_version
+from orchestrator.run.executor import Interrupted, RayExecutor
+from orchestrator.run.plan import expand, new_run_id
+from orchestrator.specs.sweep import InventorySpec, SweepSpec, check_sweep_against_inventory
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.lock import LOCK_DIR, hold_store
+from workers.contract import META_PHASES, STATUS_CONTENDED, STATUS_OK, JobSpec
+
+
+@dataclass
+class JobOutcome:
+    """What became of one job.
+
+    Attributes:
+        status: The job's status: ok, failed, unsupported, or contended (measured, but a foreign
+            GPU user was seen during `contended_samples` of its `samples`: not complete).
+        attempts: Measurements made (a contended one is repeated up to the host's `max_attempts`).
+        seconds: The job's wall time as the head saw it (submission order aside: from the previous
+            job's end or the start, to this one's), for the progress display.
+        phases: Seconds per phase of the job (`workers.job.phases`), from its fragment's footer.
+    """
+
+    job: JobSpec
+    status: str
+    rows: int
+    path: Path
+    error: str | None = None
+    contended_samples: int = 0
+    samples: int = 0
+    attempts: int = 1
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """`ok`, `failed (why)`, `contended 10/10 samples, retried 1x`."""
+        if self.status == STATUS_CONTENDED:
+            retried = f", retried {self.attempts - 1}x" if self.attempts > 1 else ""
+            return f"contended {self.contended_samples}/{self.samples} samples{retried}"
+        return self.status if self.status == STATUS_OK or not self.error else f"{self.status} ({self.error})"
+
+
+@dataclass
+class RunSummary:
+    """The outcome of one `run_sweep`."""
+
+    run_id: str
+    sweep: str
+    planned: int
+    skipped: int
+    outcomes: list[JobOutcome] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
+    interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
+    warmed: str = ""  # the host warming's line beside Ray's start (`workers.job.warm`), where one ran
+    wait_stopped: Callable[[], None] = lambda: None  # returns once Ray has stopped (`stop_in_background`)
+
+    @property
+    def ran(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def failed(self) -> int:
+        """Jobs that did not measure cleanly for another reason than contention."""
+        return sum(1 for o in self.outcomes if o.status not in (STATUS_OK, STATUS_CONTENDED))
+
+    @property
+    def contended(self) -> int:
+        """Jobs whose measurement saw a foreign GPU user (the next plain run measures them again)."""
+        return sum(1 for o in self.outcomes if o.status == STATUS_CONTENDED)
+
+    def phase_totals(self) -> dict[str, float]:
+        """Seconds per phase over every job of this run."""
+        totals: dict[str, float] = {}
+        for outcome in self.outcomes:
+            for name, seconds in outcome.phases.items():
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
+
+
+Progress = Callable[[str, JobSpec, JobOutcome | None], None]
+
+
+def _first_error(table: pa.Table) -> str | None:
+    errors = [e for e in table.column("error").to_pylist() if e]
+    return errors[0] if errors else None
+
+
+def sample_contention(table: pa.Table) -> tuple[int, int]:
+    """(contended, all) samples of a job's rows: a sample is one arm's repetition (`sample` >= 0)."""
+    timed = table.filter(pc.greater_equal(table["sample"], 0)).select(["arm", "sample", "contended"])
+    if timed.num_rows == 0:
+        return 0, 0
+    per_sample = timed.group_by(["arm", "sample"]).aggregate([("contended", "any")])
+    return int(pc.sum(per_sample["contended_any"].fill_null(False)).as_py() or 0), per_sample.num_rows
+
+
+def job_phases(table: pa.Table) -> dict[str, float]:
+    """The numeric phases of a job's footer (`orchestrate.phases`)."""
+    raw = json.loads((table.schema.metadata or {}).get(META_PHASES, b"{}"))
+    return {k: float(v) for k, v in raw.items() if isinstance(v, int | float)}
+
+
+def run_sweep(
+    sweep: SweepSpec,
+    inventory: InventorySpec,
+    store: ResultStore,
+    *,
+    sweep_where: str = "sweep",
+    force: bool = False,
+    progress: Progress | None = None,
+    spool_dir: str | None = None,
+    job_timeout: float | None = None,
+    stop_in_background: bool = False,
+) -> RunSummary:
+    """Run every job of `sweep` not already complete in `store`; return what happened.
+
+    `stop_in_background`: once every job's rows are stored, Ray stops in a thread while the caller
+    reports them; the caller then calls `summary.wait_stopped()` before it exits.
+    """
+    t0 = time.perf_counter()
+    kinds = check_sweep_against_inventory(sweep, inventory, sweep_where)
+    gpus = local_gpus(inventory) if inventory.embedded else None  # a `gpus` this machine lacks: exit 2 here
+    store.ensure_writable()
+    # one run per sweep and results dir: a second one waits, then resumes
+    hold_store(store.root, sweep.name, store.side / LOCK_DIR)
+    run_id = new_run_id()
+    jobs = expand(sweep, inventory, kinds, run_id=run_id, version=code_version(), spool_dir=spool_dir)
+    done = set() if force else store.complete_job_keys(sweep.name)
+    todo = [j for j in jobs if j.job_key not in done]
+    summary = RunSummary(run_id=run_id, sweep=sweep.name, planned=len(jobs), skipped=len(jobs) - len(todo))
+    if not todo:
+        summary.wall_seconds = time.perf_counter() - t0
+        return summary
+    today = dt.datetime.now(dt.UTC).date()
+    last_done = time.perf_counter()
+
+    def on_done(job: JobSpec, table: pa.Table) -> None:
+        nonlocal last_done
+        status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"failed").decode()
+        path = store.write(table, sweep=job.sweep, date=today, device=job.device, run_id=run_id, job_key=job.job_key)
+        contended, samples = sample_contention(table)
+        attempts = table["lock_attempts"][0].as_py() if table.num_rows else 1
+        now = time.perf_counter()
+        outcome = JobOutcome(
+            job, status, table.num_rows, path, None if status == STATUS_OK else _first_error(table),
+            contended_samples=contended, samples=samples, attempts=int(attempts or 1),
+            seconds=now - last_done, phases=job_phases(table),
+        )  # fmt: skip
+        last_done = now
+        summary.outcomes.append(outcome)
+        if progress:
+            progress("done", job, outcome)
+
+    if progress:
+        progress("starting", todo[0], None)
+    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus, first_job=todo[0])
+    try:
+        executor.start()
+        summary.warmed = executor.warmed
+        executor.check_kinds({j.device for j in todo})
+        last_done = time.perf_counter()
+        summary.startup_seconds = last_done - t0
+        if progress:
+            for job in todo:
+                progress("queued", job, None)
+        executor.run(todo, on_done)
+    except Interrupted as stop:
+        summary.interrupted = stop.signum  # what finished is stored; the caller says so and how to resume
+        executor.shutdown()
+    except BaseException:
+        executor.shutdown()
+        raise
+    else:  # every job ended and its rows are stored
+        executor.shutdown(wait=not stop_in_background)
+        summary.wait_stopped = executor.wait_stopped
+    summary.wall_seconds = time.perf_counter() - t0
+    return summary

@@ -1,0 +1,169 @@
+"""Run one job on this host: take the GPU lock, fingerprint, build, measure, return rows.
+
+A job never raises for a problem of its own: a case that fails, a lock that stays busy or an
+exception inside a kernel becomes rows with status `failed` and the error, so the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from kernels import registry
+from workers.contract import (
+    META_JOB_SECONDS,
+    META_PHASES,
+    STATUS_CONTENDED,
+    STATUS_FAILED,
+    STATUS_OK,
+    HostFingerprint,
+    JobContext,
+    JobSpec,
+    RowBuilder,
+)
+from workers.host.fingerprint import host_fingerprint
+from workers.host.peaks import PeakStamp
+from workers.job import phases
+from workers.job.measure import measure_workload
+from workers.proc import standby
+
+if TYPE_CHECKING:
+    from workers.lock.gpu import GpuLock
+    from workers.lock.slot import SlotLock
+
+Dispatch = Callable[[JobSpec, RowBuilder, JobContext], str]
+
+
+def job_rng(job: JobSpec) -> np.random.Generator:
+    """Fresh random inputs per job and run, reproducible from the recorded seed."""
+    return np.random.default_rng(job.seed)
+
+
+def kernel_workload(job: JobSpec, rng: np.random.Generator) -> registry.Workload:
+    """The kernel case's workload at the job's point (its module imported, its arms built)."""
+    with phases.span("imports"):
+        module = registry.load_case(job.case)
+    params = {**registry.CASES[job.case].defaults, **job.params}
+    with phases.span("build"):
+        workload: registry.Workload = module.build(params, list(job.arms), rng)
+    return workload
+
+
+def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+    rng = job_rng(job)
+    return measure_workload(job, kernel_workload(job, rng), rows, rng)
+
+
+def _dispatcher(job: JobSpec) -> Dispatch:
+    spec = registry.get_case(job.case)
+    if spec is None:
+        raise ValueError(f"unknown case {job.case!r}")
+    if spec.kind == "kernel":
+        return _run_kernel_case
+    module = importlib.import_module(spec.module)
+    fn: Dispatch = getattr(module, f"run_{spec.kind}_job")
+    return fn
+
+
+def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
+    """Run `job` under the host's GPU lock and return its rows (never raises for job errors)."""
+    t0 = time.perf_counter()
+    spent = phases.reset()
+    spawned = os.environ.pop("ORCHESTRATE_SPAWNED_AT", "")
+    if spawned:  # set by workers.job.task: when the Ray task asked for this process
+        spent.add("worker_start", time.time() - float(spawned))
+    ahead = os.environ.pop(standby.AHEAD_ENV, "")  # a standby's: its device opened before this job
+    with spent.span("fingerprint"):
+        fp = fingerprint or host_fingerprint(job.gpu)
+    context = JobContext(started_at=dt.datetime.now(dt.UTC))
+    rows = RowBuilder(job, fp, context)
+    status = STATUS_FAILED
+    peaks = PeakStamp(fp)  # the host's measured copy/matrix peaks, probed under the lock once per fingerprint
+    try:
+        dispatch = peaks.wrap(_dispatcher(job))
+        status = _run_guarded(job, fp.backend, dispatch, rows, context)
+    except Exception as exc:
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        rows.fail_all(last)
+        status = STATUS_FAILED
+    standby.ask()  # out of the lock: the next job's process opens its device while this one winds down
+    if not rows.rows:
+        rows.fail_all("the case produced no rows")
+        status = STATUS_FAILED
+    table = peaks.stamp(rows.table(status))
+    job_seconds = time.perf_counter() - t0
+    inside = {k: v for k, v in spent.seconds.items() if k != "worker_start"}
+    spent.add("other", job_seconds - sum(inside.values()))
+    meta = {
+        **(table.schema.metadata or {}),
+        META_JOB_SECONDS: f"{job_seconds:.6f}".encode(),
+        META_PHASES: json.dumps(
+            {k: round(v, 6) for k, v in spent.seconds.items()}
+            | ({"device_opened_ahead": {"seconds": round(float(ahead), 6)}} if ahead else {})
+        ).encode(),
+    }
+    return table.replace_schema_metadata(meta)
+
+
+def job_lock(job: JobSpec, *, max_wait: float, cmd: str) -> GpuLock | SlotLock:
+    """The lock `job` measures under: the host's GPU lock, or its GPU's slot on a host with several."""
+    from workers.lock.gpu import GpuLock
+    from workers.lock.slot import SlotLock
+
+    if job.gpu is None:
+        return GpuLock(job.lock.path, max_wait=max_wait, mode="job", cmd=cmd)
+    return SlotLock(job.lock.path, job.gpu.index, max_wait=max_wait, mode="job", cmd=cmd)
+
+
+# GPU LOCK: the guarded lock around the whole job (build and measurement), with the idle gate
+# before and the contention monitor during it; a contended measurement is repeated. A job pinned
+# to one GPU of a host with several takes that GPU's lock (`workers.lock.slot`) and watches that
+# GPU only.
+def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
+    if not job.lock.enabled:
+        return dispatch(job, rows, context)
+    from workers.lock.gpu import LockBusyError
+    from workers.lock.probes import ContentionMonitor, probe_for, wait_idle
+
+    settings = job.lock
+    status = STATUS_OK
+    lock = job_lock(job, max_wait=settings.max_wait, cmd=f"{job.sweep}/{job.case_name}/{job.job_key}")
+    with lock:
+        phases.current().add("lock_wait", lock.wait_s)
+        probe = probe_for(backend, settings, job.gpu)
+        # One budget, as the shell guard's --max-wait: the lock wait and the idle wait together.
+        budget = max(settings.max_wait - lock.wait_s, 1e-3) if settings.max_wait > 0 else 0.0
+        with phases.span("idle_gate"):
+            context.lock_wait_s = lock.wait_s + wait_idle(probe, settings.idle_secs, max_wait=budget)
+        for attempt in range(1, settings.max_attempts + 1):
+            if attempt > 1:  # a retry waits for the foreign user to leave; if it stays, keep the flagged rows
+                try:
+                    wait_idle(probe, settings.idle_secs, max_wait=settings.max_wait)
+                except LockBusyError:
+                    break
+            rows.clear()
+            monitor = ContentionMonitor(probe, interval=1.0)
+            monitor.start()
+            try:
+                status = dispatch(job, rows, context)
+            finally:
+                report = monitor.stop()
+            context.lock_attempts = attempt
+            context.contention_samples = report.samples
+            context.contended_samples, context.samples = rows.apply_contention(report.busy_windows)
+            context.contended = context.contended_samples > 0
+            context.foreign_pids = list(report.foreign_pids)
+            if not context.contended:
+                break
+    if context.contended and status == STATUS_OK:
+        return STATUS_CONTENDED  # measured, but not clean: not complete, a plain rerun measures it again
+    return status
