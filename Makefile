@@ -30,10 +30,12 @@ run: $(STAMP)
 	@echo "MLX backend installed: $(MLX_BACKEND) (orchestrate is $(VENV)/bin/orchestrate)"
 	$(VENV)/bin/orchestrate run
 
-# The whole suite: system packages and loopback services the tests need, then pytest, ruff, mypy.
+# The whole suite: system packages and loopback services the tests need, then ruff (lint and
+# format), mypy and pytest.
 test: $(STAMP)
 	bash tests/setup-system.sh
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 

@@ -3,9 +3,9 @@
     python3 -m benchmarks.before_after write JOBS_DIR           # the job files (qmm and moe-gather)
     python3 -m benchmarks.before_after compare --old OLD.parquet... --new NEW.parquet...
 
-`write` writes job files at the seeds' shapes that any version of `workers` since the first
-session reads (only the fields every version has). Run each several times with both versions
-(`PYTHONPATH` at an older checkout's `workers/` and `kernels/`, e.g. from `git archive`), in ABBA
+`write` writes job files at the seeds' shapes that every version of `workers` reads (only the
+fields every version has). Run each several times with both versions (`PYTHONPATH` at an older
+checkout's `workers/` and `kernels/`, e.g. from `git archive`), in ABBA
 order (old, new, new, old, ...: benchmarks/device_lab.sh's ROUNDS), one result file per worker
 process, then `compare` them all.
 
@@ -13,7 +13,7 @@ process, then `compare` them all.
 with a 95 % interval from a two-stage (hierarchical) bootstrap: resample the side's processes (its
 files) with replacement, then the samples within each chosen process, and take the median of the
 pooled resample. The first stage is why: each process draws, allocates and clocks differently, and
-on the H200 a shift of 1-3 % between two processes of the same code is normal, so an interval from
+on a GPU a shift of 1-3 % between two processes of the same code is normal, so an interval from
 the samples of one process alone is too narrow and an A/A comparison often fails to overlap. With
 one file per side the first stage has nothing to choose and this is the plain bootstrap of one
 process's median (the table's `runs` column says how many processes each side had). Beside them:

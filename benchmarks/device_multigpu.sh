@@ -7,7 +7,7 @@
 # throughput ratio (all GPUs / one GPU) against 0.9 x N, each arm's medians per GPU with their
 # intervals and ratios to GPU 0's, and where the lost jobs finished (benchmarks/multigpu.py).
 #
-# Not yet run (the multi-GPU kinds were not lent when it was written). Resumable like
+# Untried on multi-GPU hardware (BENCHMARKS.md has no numbers from it). Resumable like
 # device_e2e.sh: each call runs until its time budget is spent; the next call (machine still up)
 # resumes; each finished step leaves a marker under /tmp/orchestrate-mg. Staged as device_e2e.sh is:
 #

@@ -3,8 +3,8 @@
     python3 -m benchmarks.gemm_lab --out DIR [--m 512,2048,4096,16384] [--only NAME,...] [--rounds R]
     python3 -m benchmarks.gemm_lab --out DIR --ncu NAME [--m 4096]    # Nsight Compute, one variant
 
-Runs on MLX's CUDA backend (the lent H200; `../shared/device/stage.sh` stages MLX there). One call,
-about three minutes, writes `DIR/gemm_lab.json` (every number) and `DIR/gemm_lab.txt` (the table it
+Runs on MLX's CUDA backend (an NVIDIA GPU; `../shared/device/stage.sh` stages MLX there). One call,
+a few minutes, writes `DIR/gemm_lab.json` (every number) and `DIR/gemm_lab.txt` (the table it
 prints last):
 
 * the card: `nvidia-smi` facts, and the bf16 matrix peak measured through MLX (8192^3 products);

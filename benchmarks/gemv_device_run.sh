@@ -11,7 +11,7 @@
 # tests) and gpu_kernels.json (the GEMV through MLX at M = 1..8, launch shapes tuned, and the qmm
 # prefill points). Each step's
 # failure is reported and the next runs. (`benchmarks.gemv_mlx_gap` without --mlx-only also runs
-# the kernel through CuPy on MLX's buffers and on its own: how the small-buffer pool was found.)
+# the kernel through CuPy on MLX's buffers and on its own, which shows the small-buffer pool's cost.)
 set -u
 out=${1:?usage: gemv_device_run.sh OUT_DIR}
 export PYTHONUNBUFFERED=1

@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.gemv_lab --out DIR [--m 1,4,8] [--only NAME,...] [--ncu NAME,...]
 
-Runs on a machine with `nvcc` and an NVIDIA GPU (the lent H200), without MLX: the kernel bodies of
+Runs on a machine with `nvcc` and an NVIDIA GPU, without MLX: the kernel bodies of
 `kernels/cuda/` are instantiated exactly as `mx.fast.cuda_kernel` would (the signature MLX writes,
 the template constants as `constexpr`), several launch shapes side by side, under a small C++
 harness that

@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.gpu_kernels --out DIR [--quick]
 
-Run on MLX's CUDA backend (the H200 of issue 7; `../shared/device/mlx-cuda.sh` prepares MLX for
+Run on MLX's CUDA backend (an NVIDIA GPU; `../shared/device/mlx-cuda.sh` prepares MLX for
 it). One call does everything and writes `DIR/gpu_kernels.json`, then prints a short table:
 
 * the card's copy ceiling: a large device-to-device copy through PyTorch (MLX's own `a + 0`, a
@@ -101,7 +101,7 @@ def ncu_probe(calls: int = 3) -> None:
 
 
 def write_jobs(folder: Path, code_version: str) -> list[Path]:
-    """JobSpec files for `python -m workers run` on the H200: the built-in sweeps' points with the
+    """JobSpec files for `python -m workers run` on the GPU: the built-in sweeps' points with the
     issue-7 arms (qmm decode, M=8 and a 512-token prefill; the moe-gather seed shape)."""
     import hashlib
 

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from workers.contract import META_PHASES
+
 
 def driver_child(alloc_gib: float, hard_exit: bool) -> None:
     """One fresh process's steps to its first MLX result on the GPU, printed as JSON lines
@@ -87,7 +89,7 @@ def show(prof: Path, parquet: Path | None, top: int) -> None:
         import pyarrow.parquet as pq
 
         meta = pq.read_schema(parquet).metadata or {}
-        spent = json.loads(meta.get(b"orchestrate.phases", b"{}"))
+        spent = json.loads(meta.get(META_PHASES, b"{}"))
         print("phases (s):", ", ".join(f"{k} {v:.3f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1])))
     stats = pstats.Stats(str(prof), stream=sys.stdout)
     stats.sort_stats("cumulative").print_stats(top)

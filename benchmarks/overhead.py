@@ -1,13 +1,16 @@
 """The orchestrator's cost on this machine: the smoke sweep's wall time and the overhead per job,
 side by side with an older tree in one run.
 
-    .venv/bin/python -m benchmarks.overhead [--jobs 12] [--rounds 3] [--before DIR] [--max-attempts N]
+    .venv/bin/python -m benchmarks.overhead [--jobs 12] [--rounds 3] [--before DIR | --switch KEY=VALUE]
+        [--max-attempts N]
 
 Every figure is the real command, `orchestrate run` (no inventory: embedded Ray) in a subprocess of
 its own, so Python's start, the device probe, Ray's start and shutdown and the report are in it.
 With `--before DIR` (a checkout of the previous code, e.g. `git worktree add DIR 8f4eab1`) each
 round runs the same commands from that tree too, with this venv, alternating, so the load of a
-shared machine hits both; ratios after/before are the comparison to trust there.
+shared machine hits both; ratios after/before are the comparison to trust there. With `--switch
+KEY=VALUE` (e.g. `ORCHESTRATE_FRESH_INTERPRETERS=1`) the "before" runs are this tree with that
+variable set, alternating with runs without it in the same way: a mechanism measured off and on.
 
 Per tree and round:
 
@@ -78,11 +81,12 @@ class Run:
         return (self.later_gap - spent) / max(self.jobs - 1, 1)
 
 
-def run_command(tree: Path, sweep: str, env: dict[str, str], scratch: Path) -> Run:
+def run_command(tree: Path, sweep: str, env: dict[str, str], scratch: Path, switch: dict[str, str]) -> Run:
     results = Path(tempfile.mkdtemp(dir=scratch, prefix="results-"))
     argv = [sys.executable, "-m", "orchestrator.cli", "run", "--sweep", sweep, "--results", str(results)]
     t0 = time.time()
-    done = subprocess.run(argv, cwd=tree, env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    whole = {**env, **switch, "PYTHONPATH": str(tree)}
+    done = subprocess.run(argv, cwd=tree, env=whole, capture_output=True, text=True)
     wall = time.time() - t0
     if done.returncode not in (0, 1, 5):  # 1: a criterion failed, 5: contended jobs (not complete)
         raise SystemExit(f"{tree}: orchestrate run --sweep {sweep} exited {done.returncode}: {done.stderr[-2000:]}")
@@ -122,9 +126,16 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=12, help="N: the slope compares sweeps of N and 2N jobs")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--before", type=Path, help="another tree (e.g. a worktree of the previous main)")
+    parser.add_argument("--switch", help="KEY=VALUE: the 'before' runs are this tree with this variable set")
     parser.add_argument("--max-attempts", type=int, help="measurements of a contended job (default: the host's, 2)")
     args = parser.parse_args()
     trees = {"after": REPO} | ({"before": args.before.resolve()} if args.before else {})
+    switches: dict[str, dict[str, str]] = {"after": {}, "before": {}}
+    if args.switch:
+        if args.before or "=" not in args.switch:
+            parser.error("--switch takes KEY=VALUE, and not with --before")
+        key, _, value = args.switch.partition("=")
+        trees["before"], switches["before"] = REPO, {key: value}
     scratch = Path(tempfile.mkdtemp(prefix="orchestrate-overhead-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "ORCHESTRATE_"))}
     env.update(HOME=str(scratch / "home"), ORCHESTRATE_SPOOL=str(scratch / "spool"), COLUMNS="200")
@@ -139,14 +150,14 @@ def main() -> None:
     print(f"machine: {platform.node()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
     print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for name, tree in trees.items():  # untimed: peaks probed, the model's checkpoint generated, files cached
-        run_command(tree, "smoke", env, scratch)
+        run_command(tree, "smoke", env, scratch, switches[name])
         print(f"warm-up run ({name}) done")
     runs: dict[str, dict[str, list[Run]]] = {name: {"smoke": [], "n": [], "2n": []} for name in trees}
     loads = []
     for rnd in range(args.rounds):
         for name, tree in trees.items():
             for key, sweep in (("smoke", "smoke"), ("n", str(sweeps[args.jobs])), ("2n", str(sweeps[2 * args.jobs]))):
-                run = run_command(tree, sweep, env, scratch)
+                run = run_command(tree, sweep, env, scratch, switches[name])
                 runs[name][key].append(run)
                 print(
                     f"  round {rnd + 1} {name} {key}: wall {run.wall:.2f} s, rows {run.to_rows:.2f} s, "
@@ -162,7 +173,7 @@ def main() -> None:
         slope = [((d.wall - s.wall) - (d.job_seconds - s.job_seconds)) / args.jobs for s, d in pairs]
         within = [d.within_slope() for d in r["2n"]]
         strict = [d.within_slope(work_only=True) for d in r["2n"]]
-        print(f"{name} ({trees[name]}):")
+        print(f"{name} ({trees[name]}{' with ' + args.switch if switches[name] else ''}):")
         print(f"  smoke sweep, command to the stored rows: {fmt([x.to_rows for x in r['smoke']])}")
         print(f"  smoke sweep, command to its exit:        {fmt([x.wall for x in r['smoke']])}")
         print(f"  smoke jobs contended, per round:         {[x.contended_jobs for x in r['smoke']]}")

@@ -4,7 +4,7 @@
 
 What each fresh job process does on the host before its arms are checked, at N=21504, K=5376
 (the columns `kernels.checking.grid_subset` picks for 2048 tokens: 1024 of them): read back and
-decode the NVFP4 rows (`DeviceWeights.dequantized`) and the affine arm's rows (`qmm.affine_weights`),
+decode the NVFP4 rows (`DeviceWeights.dequantized`) and the affine arm's rows (`product_reference.affine_weights`),
 each timed alone after one warm-up call. The weights are random words standing in for drawn ones
 (drawing 115 M values takes MLX's CPU backend 5-6 s and is not what is measured). This checkout and
 `--vs-code DIR` take turns round by round, so both see the same load; printed are the medians (ms).
@@ -26,7 +26,7 @@ N, K, TOKENS = 21504, 5376, 2048
 PROBE = """
 import json, time
 import mlx.core as mx, numpy as np
-from kernels import checking, device_nvfp4, qmm
+from kernels import checking, device_nvfp4, product_reference, qmm
 rng = np.random.default_rng(7)
 subset = checking.grid_subset(%(tokens)d, %(n)d, %(tokens)d * %(n)d * %(k)d, rng)
 cols = subset[1]
@@ -41,7 +41,7 @@ def timed(fn):
     fn()
     t0 = time.perf_counter(); fn(); return time.perf_counter() - t0
 print(json.dumps({"columns": len(cols), "nvfp4": timed(lambda: w.dequantized(cols)),
-                  "affine": timed(lambda: qmm.affine_weights(aq, asc, ab))}))
+                  "affine": timed(lambda: product_reference.affine_weights(aq, asc, ab))}))
 """
 
 

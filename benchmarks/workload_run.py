@@ -5,7 +5,7 @@
 Side by side in one run, alternating (ABAB) so drift hits both: the wall time of a command that
 does nothing (`true`: the fixed cost per run: the keeper's start, the pipes, the pumps) and of
 one that prints `--output-mb` MB (the cost per byte of streaming to a file instead of holding the
-output in memory), each as `subprocess.run(..., capture_output=True)` (the old way) and as
+output in memory), each as `subprocess.run(..., capture_output=True)` (all held in memory) and as
 `workers.command.workload.run_tree` (the tree's keeper on Linux, output pumped into a file), plus the
 peak memory of each way (VmHWM of a fresh interpreter, Linux). Medians; the ratio is tree/plain.
 """

@@ -1,11 +1,10 @@
 """NVFP4 weights drawn and quantized on the device MLX runs on, for the kernel cases' workloads.
 
 At the seeds' shapes a weight matrix is 115 million values (21504 x 5376), an MoE's experts over a
-billion: NumPy drew and quantized them on the host in 1.1 s per `qmm` job on the H200's 16 cores,
-14 s per `mlp` job (three matrices, one core) and 7 s per `moe-gather` job, for a few seconds of
-measurement. Here the draws come from MLX's generator on the device, from a key taken from the
-job's generator, and `mx.quantize(mode="nvfp4")` makes the codes and E4M3 scales where every arm
-reads them: milliseconds on a GPU.
+billion: drawn and quantized by NumPy on the host they cost each job more than the few seconds of
+its measurement (BENCHMARKS.md). Here the draws come from MLX's generator on the device, from a
+key taken from the job's generator, and `mx.quantize(mode="nvfp4")` makes the codes and E4M3
+scales where every arm reads them: milliseconds on a GPU.
 
 The packed codes and scales are the weights: every arm is built from them, and the float64
 reference decodes them on the host with the NumPy definition (`kernels.nvfp4.dequantize`, not
@@ -17,9 +16,9 @@ bits are the same on every backend (threefry), but the normal and uniform transf
 backend's float32 arithmetic, so a code whose value sits on a rounding boundary may differ between,
 say, a CPU and a GPU; the speed of a kernel does not depend on it, and each host checks its own.
 
-Who quantizes: on a GPU, `mx.quantize`. MLX's CPU backend quantizes on one core (16 s for 21504 x
-5376 on the 2-core CPU machine, where NumPy takes 3.9 s on both cores), so there the draws are
-quantized by the NumPy reference on all the host's cores, with the GPU kernels' rounding
+Who quantizes: on a GPU, `mx.quantize`. MLX's CPU backend quantizes on one core (several times
+slower than NumPy on all cores at the seeds' shape), so there the draws are quantized by the
+NumPy reference on all the host's cores, with the GPU kernels' rounding
 (`nvfp4.quantize(like="mlx-gpu")`, equal to MLX's GPU codes bit for bit): the same draws give
 the same codes on either.
 

@@ -9,9 +9,9 @@ there), checked once, warm, against the case's float64 reference (a path over it
 or one that raises, is never chosen), then the correct ones are timed with the job's one call
 count, the job's cache state (weights rotated or not), the job's rotated input sets and the
 candidates interleaved in ABBA order; the median of `AUTO_SAMPLES` samples per candidate decides.
-(`calibrate`, outside a job, still checks first and warms up the correct candidates only.) (The
-old choice, 8 calls, one input, candidates one after another and the Python graph inside the
-clock, picked the slower GEMV kernel on the H200.)
+(`calibrate`, outside a job, still checks first and warms up the correct candidates only.) (A
+cheaper choice, a few calls on one input, candidates one after another and the Python graph
+inside the clock, measures something other than the job times and can pick the slower kernel.)
 
 The resolved arm's `route` names the choice and the evidence, e.g.
 `auto:custom[cuda_kernel(gemv_nvfp4_stream)] custom=2.1e-05s native=6.5e-05s (5 samples x 64
@@ -32,7 +32,7 @@ import numpy as np
 from kernels import timing
 from kernels.checking import Reference as ReferenceValue
 from kernels.checking import relative_error
-from kernels.registry import ArmPath, AutoSpec, bound_path
+from kernels.registry import ArmPath, AutoSpec
 
 Reference = Callable[..., ReferenceValue]
 AUTO_SAMPLES = 5  # ABBA samples per candidate; their median decides
@@ -202,140 +202,3 @@ def resolve_standalone(spec: AutoSpec, method: timing.Method | None = None) -> A
 def forget_choices() -> None:
     """Drop every cached choice (a new calibration per key follows)."""
     _CHOICES.clear()
-
-
-# ----------------------------------------------------------------- the arms of the cases
-
-
-def qmm_custom_path(
-    wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: str, kernel: str | None = None
-) -> ArmPath:
-    """The qmm case's `custom` arm on packed NVFP4 weights [n, k/8] and E4M3 scales [n, k/16]
-    (`custom-ksplit`: `kernel="ksplit"`).
-
-    `kernels.nvfp4_linear.nvfp4_matmul`: M <= 8, the decode GEMV kernel (the stream kernel where
-    it applies, else K-split; K-split for `custom-ksplit`); larger M, the prefill GEMM
-    (`kernels.gemm_nvfp4`, bfloat16 and float16 on sm_89+), or where it cannot run on CUDA
-    (float32), the expert-batched MoE kernel with one expert. Without MLX's CUDA backend: the
-    twins. The first call (NVRTC compile) is timed as the build.
-    """
-    import mlx.core as mx
-
-    from kernels import gemv_nvfp4
-    from kernels.nvfp4_linear import matmul_route, nvfp4_matmul
-
-    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
-        wq_, scales_ = w
-        return lambda x: nvfp4_matmul(x, wq_, scales_, kernel=kernel)
-
-    route = matmul_route(m, n, k, dtype_name, kernel)
-    dtype = getattr(mx, dtype_name)
-    t0 = time.perf_counter()
-    mx.eval(make((wq, scales))(mx.zeros((m, k), dtype=dtype)))
-    build = time.perf_counter() - t0
-    return bound_path(make, (wq, scales), tolerance=gemv_nvfp4.TOLERANCE[dtype_name], route=route, build_seconds=build)
-
-
-def qmm_auto_path(
-    wq: Any,
-    scales: Any,
-    params: tuple[int, int, int, str, str],
-    make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
-    reference: Reference,
-) -> ArmPath:
-    """The qmm case's `auto` arm: the fastest correct of native, dequant-gemm, custom and (where
-    it is a different kernel) custom-ksplit.
-
-    Args:
-        wq, scales: the packed NVFP4 weights and E4M3 scales the case built.
-        params: (m, n, k, dtype name, backend).
-        make_inputs: the case's input generator.
-        reference: the float64 reference of the weights every candidate holds (`reference(x)`).
-    """
-    from kernels import gemv_nvfp4
-    from kernels.qmm import dequant_gemm_run, native_run, tolerance
-
-    m, n, k, dtype_name, backend = params
-    candidates = {
-        "native": bound_path(
-            native_run,
-            (wq, scales),
-            tolerance=tolerance("native", dtype_name, k, backend),
-            route="mx.quantized_matmul(nvfp4)",
-        ),
-        "dequant-gemm": bound_path(
-            dequant_gemm_run,
-            (wq, scales),
-            tolerance=tolerance("dequant-gemm", dtype_name, k, backend),
-            route="mx.dequantize(nvfp4)+matmul",
-        ),
-        "custom": qmm_custom_path(wq, scales, m, n, k, dtype_name),
-    }
-    # where the K-split GEMV is a second kernel here (not the same path again), it competes too
-    if m <= gemv_nvfp4.MAX_ROWS and gemv_nvfp4.route(m, n, k, dtype_name, "ksplit") != candidates["custom"].route:
-        candidates["custom-ksplit"] = qmm_custom_path(wq, scales, m, n, k, dtype_name, "ksplit")
-    return auto_path(
-        ("qmm", m, n, k, dtype_name, backend),
-        candidates,
-        make_inputs,
-        lambda name, *inputs: reference(*inputs),
-    )
-
-
-def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, shape: tuple[int, int, int]) -> ArmPath:
-    """The moe-gather case's `custom-sorted` arm: the sorted route of `kernels.moe.run_sorted`
-    (pairs sorted by expert, rows scattered back, all inside the call) with the expert-batched
-    kernel (MLX twin without CUDA) in place of `gather_qmm`.
-
-    Args:
-        wq, scales, global_scales: the experts' packed codes, E4M3 scales and global scales.
-        dtype_name: the activations' dtype.
-        shape: (tokens, top_k, hidden); the first call at this shape (NVRTC compile) is the build.
-    """
-    import mlx.core as mx
-
-    from kernels import gemv_nvfp4, moe_nvfp4
-
-    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
-        wq_, scales_, *gs = w
-
-        def run(x: Any, indices: Any) -> Any:
-            t, top_k = indices.shape
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            lhs = (order // top_k).astype(mx.uint32)
-            y = moe_nvfp4.moe_gather_nvfp4(x, wq_, scales_, gs[0] if gs else None, lhs, flat[order])
-            return y[inverse].reshape(t, top_k, -1)
-
-        return run
-
-    weights = (wq, scales) if global_scales is None else (wq, scales, global_scales)
-    tokens, top_k, hidden = shape
-    t0 = time.perf_counter()
-    zeros = (mx.zeros((tokens, hidden), dtype=getattr(mx, dtype_name)), mx.zeros((tokens, top_k), dtype=mx.uint32))
-    mx.eval(make(weights)(*zeros))
-    return bound_path(
-        make,
-        weights,
-        tolerance=gemv_nvfp4.TOLERANCE[dtype_name],
-        route=moe_nvfp4.route(wq.shape[1], hidden) + ",sorted",
-        build_seconds=time.perf_counter() - t0,
-    )
-
-
-def moe_auto_path(
-    native_sorted: ArmPath,
-    custom_sorted: ArmPath,
-    key: Hashable,
-    make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
-    reference: Reference,
-) -> ArmPath:
-    """The moe-gather case's `auto-sorted` arm: the faster correct of native-sorted (gather_qmm)
-    and custom-sorted; `reference(x, indices)` is the float64 output both must give."""
-    return auto_path(
-        ("moe-gather", key),
-        {"native-sorted": native_sorted, "custom-sorted": custom_sorted},
-        make_inputs,
-        lambda name, *inputs: reference(*inputs),
-    )

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from kernels import gemv_nvfp4
 from kernels.cuda import (
     HEADER_FILE,
     CudaKernelSource,
@@ -141,23 +142,35 @@ def gemm_nvfp4_cuda(
 def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) -> Callable[..., mx.array]:
     """The kernel call for one shape (see kernels.gemv_nvfp4). M is read by the kernel from x's
     shape, so every M shares one NVRTC build per (N, K, dtype, variant)."""
-    from kernels import gemv_nvfp4
-
     cfg: GemmConfig = VARIANTS[name]
     grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
     if cfg.wgmma:
         fn, cubin = wgmma_cubin(n, k, dtype_name(dtype), name)
         return precompiled_launch(
-            fn, cubin, grid, (cfg.threads, 1, 1), (m, n), dtype, shared_memory=cfg.smem_bytes(), scalars=[m],
-            compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
-        )  # fmt: skip
+            fn,
+            cubin,
+            grid,
+            (cfg.threads, 1, 1),
+            (m, n),
+            dtype,
+            shared_memory=cfg.smem_bytes(),
+            scalars=[m],
+            compiled=gemv_nvfp4.COMPILE_LAUNCH,
+            init_value=float("nan") if poison else None,
+        )
     kernel = compiled_kernel(GEMM_SOURCE, cfg.smem_bytes())
     template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
     template += cfg.template(n, k, dtype == mx.float16).items()
     return single_output_launch(
-        kernel, template, grid, (cfg.threads, 1, 1), (m, n), dtype,
-        compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=float("nan") if poison else None,
-    )  # fmt: skip
+        kernel,
+        template,
+        grid,
+        (cfg.threads, 1, 1),
+        (m, n),
+        dtype,
+        compiled=gemv_nvfp4.COMPILE_LAUNCH,
+        init_value=float("nan") if poison else None,
+    )
 
 
 def source_of(cfg: GemmConfig) -> CudaKernelSource:

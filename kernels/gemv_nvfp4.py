@@ -81,7 +81,7 @@ class GemvConfig:
         return f"ksplit(warps={self.warps}, unroll={self.unroll}, cvt_scales={self.cvt_scales})"
 
 
-# Measured on the H200 (benchmarks/gemv_lab.py, BENCHMARKS.md): the stream kernel's fastest shape at
+# Measured on a Hopper GPU (benchmarks/gemv_lab.py, BENCHMARKS.md): the stream kernel's fastest shape at
 # M = 1, 4 and 8 on the decode shape is 12 warps, 4-step chunks, 2 stages (8, 10, 16 and 20 warps,
 # 3 stages, 2-step chunks and 8-step chunks of 512-byte runs at 6-10 warps were slower); the
 # K-split kernel's were 4 warps x 2 steps (M <= 4) and 2 x 3 (M > 4).
@@ -302,13 +302,18 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Calla
     arch = nvrtc.device_arch()
     if arch is not None:  # our NVRTC build, from the disk cache after the first process (nvrtc.build)
         name = dtype_name(dtype)
-        fn, cubin = nvrtc.build(
-            source, (("x", name), *SIGNATURE), (("y", name),), (("T", name), *template), arch
-        )  # fmt: skip
+        fn, cubin = nvrtc.build(source, (("x", name), *SIGNATURE), (("y", name),), (("T", name), *template), arch)
         return precompiled_launch(
-            fn, cubin, (grid, 1, 1), (threads, 1, 1), (m, n), dtype, shared_memory=smem, scalars=[],
+            fn,
+            cubin,
+            (grid, 1, 1),
+            (threads, 1, 1),
+            (m, n),
+            dtype,
+            shared_memory=smem,
+            scalars=[],
             compiled=COMPILE_LAUNCH,
-        )  # fmt: skip
+        )
     kernel = compiled_kernel(source, smem)
     return single_output_launch(
         kernel, [("T", dtype), *template], (grid, 1, 1), (threads, 1, 1), (m, n), dtype, compiled=COMPILE_LAUNCH

@@ -2,11 +2,11 @@
 
 `import mlx_lm.models.cache` runs `mlx_lm/__init__.py` first, which imports its converter,
 generator and tokenizer utilities and through them transformers, which imports torch when it finds
-it: 18 s of a fresh process on the H200 image (H200-NOTES.md), 2 s on the CPU machine, against
-0.1 s for the model classes a sample needs. `install()` registers the `mlx_lm` package unexecuted,
-so its submodules import on their own; the first use of anything else of the package (`mlx_lm.load`,
-`from mlx_lm import generate`, `mlx_lm.__version__`) runs mlx-lm's real `__init__` then, once, so
-code that wants the whole package still gets it.
+it: seconds of every fresh process, many more where torch is installed (BENCHMARKS.md), against
+a tenth of a second for the model classes a sample needs. `install()` registers the `mlx_lm`
+package unexecuted, so its submodules import on their own; the first use of anything else of the
+package (`mlx_lm.load`, `from mlx_lm import generate`, `mlx_lm.__version__`) runs mlx-lm's real
+`__init__` then, once, so code that wants the whole package still gets it.
 
 `import_full(name)` is for the parts that do need transformers (mlx-lm's loader of a real
 checkpoint): it keeps transformers from importing torch (`USE_TORCH=0`, unless the caller's

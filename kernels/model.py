@@ -45,8 +45,10 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from kernels import mlx_lm_classes, nvfp4, shapes
+from kernels import mlx_lm_classes, nvfp4, qmm, shapes
+from kernels.gemv_nvfp4 import TOLERANCE as KERNEL_TOLERANCE
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
+from kernels.nvfp4_linear import Nvfp4Linear, matmul_route
 
 ARMS = ("native", "affine", "custom")
 MODEL_TYPES = {"llama": "llama", "gemma": "gemma3_text"}
@@ -274,10 +276,6 @@ def check_layers(
     its requantization to 4-bit g64, which on these weights stays near 0.1 (`AFFINE_TOLERANCE`
     allows 0.3).
     """
-    from kernels import qmm
-    from kernels.gemv_nvfp4 import TOLERANCE as KERNEL_TOLERANCE
-    from kernels.nvfp4_linear import Nvfp4Linear
-
     stored = _stored(path)
     modules = dict(model.named_modules())
     layer_ids = sorted({int(k.split(".layers.")[1].split(".")[0]) for k in stored if ".layers." in k})
@@ -365,8 +363,6 @@ def _repack_affine(model: nn.Module, layers: list[tuple[str, nn.Module]], dtype:
 def _swap_custom(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[Any]:
     """Every NVFP4 linear (generated tensor-scaled ones and mlx-lm's own, lm_head included) ->
     `Nvfp4Linear`, on the same arrays; NVFP4 embeddings stay as they are. Returns the new layers."""
-    from kernels.nvfp4_linear import Nvfp4Linear
-
     swapped: list[tuple[str, nn.Module]] = []
     for path, module in layers:
         if isinstance(module, TensorScaledLinear):
@@ -380,8 +376,6 @@ def _swap_custom(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[
 
 def _custom_route(swapped: list[Any], dtype: mx.Dtype) -> str:
     """The custom arm's route: what decode steps and prefill chunks of the first layer run."""
-    from kernels.nvfp4_linear import matmul_route
-
     n, k = swapped[0].shape
     name = {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}.get(dtype, "float32")
     decode, prefill = matmul_route(1, n, k, name), matmul_route(512, n, k, name)

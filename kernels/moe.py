@@ -33,25 +33,20 @@ the affine arms re-quantize them there too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from kernels import checking, device_nvfp4, dispatch, nvfp4
+from kernels import checking, device_nvfp4, dispatch, moe_nvfp4, nvfp4
 from kernels.checking import Reference, ReferenceSubset
 from kernels.device_nvfp4 import DeviceWeights, in_parallel
-from kernels.qmm import (
-    AFFINE_BITS,
-    AFFINE_GROUP,
-    MLX_DTYPES,
-    affine_weights,
-    mlx_backend,
-    to_float64,
-    tolerance,
-)
+from kernels.dispatch import Reference as AutoReference
+from kernels.product_reference import affine_weights, to_float64
+from kernels.qmm import MLX_DTYPES, mlx_backend, tolerance
 from kernels.registry import ArmPath, Workload, bound_path, check_point
+from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 REFERENCE_WEIGHTS = 5e7  # weights of all experts dequantized for a subset reference, at most
 
@@ -122,9 +117,15 @@ def nvfp4_projection(wq: mx.array, scales: mx.array, global_scales: mx.array | N
     def project(xr: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
         if global_scales is not None and fused:
             return mx.gather_qmm(
-                xr, wq, scales, rhs_indices=idx, transpose=True, mode="nvfp4",
-                global_scale=global_scales, sorted_indices=sorted_indices,
-            )  # fmt: skip
+                xr,
+                wq,
+                scales,
+                rhs_indices=idx,
+                transpose=True,
+                mode="nvfp4",
+                global_scale=global_scales,
+                sorted_indices=sorted_indices,
+            )
         y = mx.gather_qmm(xr, wq, scales, rhs_indices=idx, transpose=True, mode="nvfp4", sorted_indices=sorted_indices)
         if global_scales is None:
             return y
@@ -139,9 +140,17 @@ def affine_projection(wq: mx.array, scales: mx.array, biases: mx.array) -> Proje
 
     def project(xr: mx.array, idx: mx.array, sorted_indices: bool) -> mx.array:
         return mx.gather_qmm(
-            xr, wq, scales, biases, rhs_indices=idx, transpose=True, group_size=AFFINE_GROUP,
-            bits=AFFINE_BITS, mode="affine", sorted_indices=sorted_indices,
-        )  # fmt: skip
+            xr,
+            wq,
+            scales,
+            biases,
+            rhs_indices=idx,
+            transpose=True,
+            group_size=AFFINE_GROUP,
+            bits=AFFINE_BITS,
+            mode="affine",
+            sorted_indices=sorted_indices,
+        )
 
     return project
 
@@ -206,7 +215,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
     for arm in arms:
         kind, _, order = arm.partition("-")
         if kind == "custom" and order == "sorted":  # issue 7: kernels.moe_nvfp4 (MLX twin without CUDA)
-            paths[arm] = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
+            paths[arm] = moe_nvfp4.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
             weights[arm] = native_holds
             continue
         if kind == "auto" and order == "sorted":  # issue 7: built below, once inputs and reference exist
@@ -263,8 +272,8 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             tolerance=tolerance("native", dtype_name, d, backend),
             route=f"{native_route},sorted",
         )
-        custom_sorted = dispatch.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
-        paths["auto-sorted"] = dispatch.moe_auto_path(
+        custom_sorted = moe_nvfp4.moe_custom_path(wq, wscales, gs, dtype_name, (t, top_k, d))
+        paths["auto-sorted"] = moe_auto_path(
             native_sorted,
             custom_sorted,
             (e, top_k, t, d, f, dtype_name, use_gs, backend),
@@ -281,6 +290,23 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         bytes_moved=moe_bytes(e, top_k, t, d, f, dtype.size, use_gs),
         tokens=t,
         unsupported=unsupported,
+    )
+
+
+def moe_auto_path(
+    native_sorted: ArmPath,
+    custom_sorted: ArmPath,
+    key: Hashable,
+    make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
+    reference: AutoReference,
+) -> ArmPath:
+    """The moe-gather case's `auto-sorted` arm: the faster correct of native-sorted (gather_qmm)
+    and custom-sorted; `reference(x, indices)` is the float64 output both must give."""
+    return dispatch.auto_path(
+        ("moe-gather", key),
+        {"native-sorted": native_sorted, "custom-sorted": custom_sorted},
+        make_inputs,
+        lambda name, *inputs: reference(*inputs),
     )
 
 

@@ -19,8 +19,10 @@ weights), the kernel's correctness check and its fallback.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -29,13 +31,14 @@ from kernels import gemv_nvfp4
 from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, off_small_pool, single_output_launch
 from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
+from kernels.registry import ArmPath, bound_path
 
 MOE_SOURCE = CudaKernelSource(
     body_file="moe_nvfp4.cu",
     inputs=("x", "lhs", "rhs", "w", "scales", "gsv"),
     outputs=("y",),
 )
-__all__ = ["TOLERANCE", "MoeConfig", "kernel_supports", "moe_gather_nvfp4", "moe_gather_nvfp4_twin"]
+__all__ = ["TOLERANCE", "MoeConfig", "kernel_supports", "moe_custom_path", "moe_gather_nvfp4", "moe_gather_nvfp4_twin"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class MoeConfig:
     n_tiles: int = 4
 
 
-DEFAULT_CONFIG = MoeConfig()  # the fastest of 6 launch shapes on the H200 (benchmarks/gpu_kernels.py)
+DEFAULT_CONFIG = MoeConfig()  # the fastest of 6 launch shapes on a Hopper GPU (benchmarks/gpu_kernels.py)
 
 
 def kernel_supports(n: int, k: int) -> str | None:
@@ -77,7 +80,7 @@ def moe_gather_nvfp4_twin(
     """The kernel's function in MLX ops: expert by expert over the sorted runs, one matmul each on
     exactly dequantized weights; rows routed past the last expert are zero.
 
-    Plain matmuls, not `mx.gather_mm`: on the H200, MLX 0.32.4's CUDA `gather_mm` (sorted, one row
+    Plain matmuls, not `mx.gather_mm`: on a Hopper GPU, MLX 0.32.4's CUDA `gather_mm` (sorted, one row
     per batch) returned wrong products (relative difference 1.4 against this kernel and against
     `gather_qmm`, which agree with the float64 reference), while its CPU backend was right.
 
@@ -164,3 +167,42 @@ def route(n: int, k: int) -> str:
     if cuda_backend_available() and kernel_supports(n, k) is None:
         return "cuda_kernel(moe_nvfp4_expert_batched)"
     return "mlx-twin(expert-by-expert matmul on dequantize_exact)"
+
+
+def moe_custom_path(wq: Any, scales: Any, global_scales: Any, dtype_name: str, shape: tuple[int, int, int]) -> ArmPath:
+    """The moe-gather case's `custom-sorted` arm: the sorted route of `kernels.moe.run_sorted`
+    (pairs sorted by expert, rows scattered back, all inside the call) with the expert-batched
+    kernel (MLX twin without CUDA) in place of `gather_qmm`.
+
+    Args:
+        wq, scales, global_scales: the experts' packed codes, E4M3 scales and global scales.
+        dtype_name: the activations' dtype.
+        shape: (tokens, top_k, hidden); the first call at this shape (NVRTC compile) is the build.
+    """
+
+    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
+        wq_, scales_, *gs = w
+
+        def run(x: Any, indices: Any) -> Any:
+            t, top_k = indices.shape
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            lhs = (order // top_k).astype(mx.uint32)
+            y = moe_gather_nvfp4(x, wq_, scales_, gs[0] if gs else None, lhs, flat[order])
+            return y[inverse].reshape(t, top_k, -1)
+
+        return run
+
+    weights = (wq, scales) if global_scales is None else (wq, scales, global_scales)
+    tokens, top_k, hidden = shape
+    t0 = time.perf_counter()
+    zeros = (mx.zeros((tokens, hidden), dtype=getattr(mx, dtype_name)), mx.zeros((tokens, top_k), dtype=mx.uint32))
+    mx.eval(make(weights)(*zeros))
+    return bound_path(
+        make,
+        weights,
+        tolerance=TOLERANCE[dtype_name],
+        route=route(wq.shape[1], hidden) + ",sorted",
+        build_seconds=time.perf_counter() - t0,
+    )

@@ -24,7 +24,7 @@ thousand); the sign of zero never changes a value. A block whose E4M3 scale roun
 (amax / 6, times 2688 / global_scale, at most 2^-10: half E4M3's smallest subnormal) decodes to
 zeros whatever its codes: the reference writes code 0 there, as MLX's CPU and Metal kernels do;
 MLX's CUDA kernel writes ±6 (it multiplies by 1/0). Checked bit for bit against MLX 0.32.4 on
-its CPU backend and on CUDA (H200) for float32, bfloat16 and float16 weights, with and without
+its CPU backend and on CUDA (Hopper) for float32, bfloat16 and float16 weights, with and without
 a global scale.
 
 `pack_codes` / `unpack_codes` convert between one code per uint8 and MLX's layout (eight codes per
@@ -265,8 +265,8 @@ def dequantize_packed(
     dtype: npt.DTypeLike = np.float64,
 ) -> FloatArray:
     """`dequantize(unpack_codes(packed), scales, global_scale, dtype)`, equal bit for bit, from MLX's
-    packed words by table look-ups (`np.take`, a byte's two weights at once): 4x faster (float64, no
-    global scale) on the CPU machine. The float64 reference of a seeds'-shape job decodes 1024 x
+    packed words by table look-ups (`np.take`, a byte's two weights at once), several times faster
+    than unpacking the codes first. The float64 reference of a seeds'-shape job decodes 1024 x
     5376 weights on the host in each fresh job process.
 
     Args:

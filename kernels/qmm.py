@@ -34,25 +34,22 @@ read back and decoded on the host by the NumPy definition: the rows record what 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import numpy.typing as npt
 
-from kernels import activations, checking, device_nvfp4, dispatch, nvfp4
-from kernels.checking import Reference, ReferenceSubset
-from kernels.registry import ArmPath, HostPart, Workload, bound_path, check_point
+from kernels import activations, checking, device_nvfp4, dispatch, gemv_nvfp4, nvfp4
+from kernels.dispatch import Reference as AutoReference
+from kernels.nvfp4_linear import matmul_route, nvfp4_matmul
+from kernels.product_reference import HostWeights, ProductReference, affine_decoder, float64_later
+from kernels.registry import ArmPath, Workload, bound_path, check_point
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
 MLX_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-9, "float16": 2.0**-11}
-# A reference's float64 weights still to be decoded from what was read back (NumPy only: the decode
-# may run on the reference's own thread, `workers.job.reference_ahead`)
-HostWeights = Callable[[], np.ndarray]
 
 
 def mlx_backend() -> str:
@@ -78,7 +75,7 @@ def tolerance(path: str, dtype: str, k: int, backend: str) -> float:
       k=4096 reaches 2e-2 native, 8e-2 affine); GPU kernels and BLAS accumulate in float32.
       c = 4 for affine (its bias term makes partial sums larger: 2.5x native's error), 2 otherwise.
 
-    Seen on CUDA (H200, MLX 0.32.4) at the seeds' shape n=21504, k=5376 in bfloat16: native
+    Seen on CUDA (a Hopper GPU, MLX 0.32.4) at the seeds' shape n=21504, k=5376 in bfloat16: native
     4.2e-3 at tokens=1 and 1.7e-3 at 512..16384 (tolerance 7.8e-3), affine 4.3e-3 / 2.0e-3;
     float32 dense and dequant-gemm 2.1e-4 (TF32; tolerance 2.0e-3) where native shows 1.1e-6.
     A wrong global scale, layout or expert gives a relative error near 1, far above all of these.
@@ -90,139 +87,6 @@ def tolerance(path: str, dtype: str, k: int, backend: str) -> float:
     acc_u = u if in_dtype else UNIT_ROUNDOFF["float32"]
     c = 4.0 if path.startswith("affine") else 2.0
     return 4.0 * rounding_u + c * acc_u * math.sqrt(k / nvfp4.GROUP_SIZE)
-
-
-def unpack_affine(packed: npt.ArrayLike, bits: int = AFFINE_BITS) -> npt.NDArray[np.uint8]:
-    """Unpack MLX's affine uint32 words (low bits first) into one integer level per uint8."""
-    p = np.asarray(packed, dtype=np.uint32)
-    per_word = 32 // bits
-    shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    levels = (p[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    return levels.reshape(*p.shape[:-1], p.shape[-1] * per_word).astype(np.uint8)
-
-
-# 4-bit levels: a byte of MLX's words holds two (the low nibble first), tabulated as float64
-_LEVEL_PAIRS = np.stack([np.arange(256) & 0xF, np.arange(256) >> 4], axis=-1).astype(np.float64)
-
-
-def affine_weights(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GROUP) -> np.ndarray:
-    """The float64 weights an affine-quantized matrix holds: scale * level + bias, per group.
-
-    4-bit levels are read a byte (two levels) at a time from a table, and scaled in place: the
-    values of `unpack_affine`'s route, bit for bit, in about a third of its time.
-    """
-    return affine_decoder(packed, scales, biases, group)()
-
-
-def affine_decoder(packed: Any, scales: Any, biases: Any, group: int = AFFINE_GROUP) -> HostWeights:
-    """`affine_weights` in two parts: read back from the device now; the returned function decodes
-    (NumPy only: it may run on another thread)."""
-    s32 = np.array(scales.astype(mx.float32))
-    b32 = np.array(biases.astype(mx.float32))
-    words = np.ascontiguousarray(np.array(packed), dtype=np.uint32)
-    return lambda: _affine_decode(words, s32, b32, group)
-
-
-def _affine_decode(words: np.ndarray, s32: np.ndarray, b32: np.ndarray, group: int) -> np.ndarray:
-    s, b = s32.astype(np.float64), b32.astype(np.float64)
-    if AFFINE_BITS == 4 and np.little_endian:
-        levels = np.take(_LEVEL_PAIRS, words.view(np.uint8), axis=0).reshape(*s.shape, group)
-    else:
-        levels = unpack_affine(words).astype(np.float64).reshape(*s.shape, group)
-    levels *= s[..., None]
-    levels += b[..., None]
-    return levels.reshape(*s.shape[:-1], s.shape[-1] * group)
-
-
-def to_float64(a: Any) -> np.ndarray:
-    """An MLX array (any float dtype) as a float64 NumPy array, exactly."""
-    return np.array(a.astype(mx.float32), dtype=np.float64)
-
-
-def float64_later(a: Any) -> HostWeights:
-    """`to_float64(a)` in two parts: read back now (float32, exact for every 16-bit type), widened later."""
-    values = np.array(a.astype(mx.float32))
-    return lambda: values.astype(np.float64)
-
-
-class ProductReference:
-    """float64 x @ W^T per arm, remembering the last product per weight matrix.
-
-    Arms that hold the same weights (native, dequant-gemm, and dense when the dtype represents the
-    NVFP4 values exactly) share one matrix, so one product serves them all. With `rows` (token
-    indices) and `cols` (output features, the weights' rows), the weights given are those rows
-    only, and the product is the subset `kernels.checking.ReferenceSubset`. A weight given as a
-    function (`HostWeights`: read back from the device already, decoded when called) is decoded at
-    the first product, so a job's host decode runs with its products on the reference's thread.
-
-    `prepare(arms, x)` splits the work for a job (`Workload.prepare_reference`): x's rows are read
-    from the device in the calling thread, the products are left to the host part it returns
-    (NumPy only), which stores each one, or the exception computing it raised, for `__call__`.
-    """
-
-    def __init__(
-        self, weights: dict[str, np.ndarray | HostWeights], *, shape: tuple[int, int],
-        rows: np.ndarray | None = None, cols: np.ndarray | None = None,
-    ) -> None:  # fmt: skip
-        self._sources = dict(weights)
-        self._weights: dict[str, np.ndarray] | None = None
-        self._resolving = threading.Lock()
-        self._last: dict[int, tuple[Any, Reference | Exception]] = {}
-        self.shape, self.rows, self.cols = shape, rows, cols
-
-    def _resolved(self) -> dict[str, np.ndarray]:
-        """Every arm's float64 weights, decoded once (NumPy only); arms with equal weights share one matrix."""
-        with self._resolving:
-            if self._weights is None:
-                made: dict[int, np.ndarray] = {}  # one decode per source, however many arms hold it
-                resolved: dict[str, np.ndarray] = {}
-                for arm, src in self._sources.items():
-                    w = made.get(id(src))
-                    if w is None:
-                        w = made[id(src)] = src() if callable(src) else src
-                    same = next(
-                        (v for v in resolved.values() if v is w or (v.shape == w.shape and np.array_equal(v, w))), None
-                    )
-                    resolved[arm] = same if same is not None else w
-                self._weights = resolved
-            return self._weights
-
-    def __call__(self, arm: str, x: Any) -> Reference:
-        w = self._resolved()[arm]
-        cached = self._last.get(id(w))
-        if cached is not None and cached[0] is x:
-            if isinstance(cached[1], Exception):
-                raise cached[1]
-            return cached[1]
-        ref = self._product(self._host_rows(x), w)
-        self._last[id(w)] = (x, ref)
-        return ref
-
-    def prepare(self, arms: Sequence[str], x: Any) -> HostPart:
-        """Read x's checked rows now (MLX, this thread); return the products of `arms`' weights
-        with them as a host part (NumPy only) that stores each for `__call__`."""
-        xs = self._host_rows(x)
-
-        def host_part() -> None:
-            weights = self._resolved()  # the host decodes too (raising here: each is computed when asked)
-            matrices = list({id(w): w for a in arms if (w := weights.get(a)) is not None}.values())
-            for w in matrices:
-                try:
-                    ref: Reference | Exception = self._product(xs, w)
-                except Exception as exc:  # raised again where the arm asks for it, as if computed then
-                    ref = exc
-                self._last[id(w)] = (x, ref)
-
-        return host_part
-
-    def _host_rows(self, x: Any) -> np.ndarray:
-        """x (all of it, or the checked rows) as float64 on the host."""
-        return to_float64(x) if self.rows is None else checking.take_rows(x, self.rows)
-
-    def _product(self, xs: np.ndarray, w: np.ndarray) -> Reference:
-        if self.rows is None or self.cols is None:
-            return xs @ w.T
-        return ReferenceSubset.grid(xs @ w.T, self.rows, self.cols, self.shape)
 
 
 def nvfp4_weights(n: int, k: int, rng: np.random.Generator) -> device_nvfp4.DeviceWeights:
@@ -266,6 +130,74 @@ def dense_run(w: tuple[mx.array, ...]) -> Run:
     return lambda x: x @ wd.T
 
 
+def qmm_custom_path(
+    wq: Any, scales: Any, m: int, n: int, k: int, dtype_name: str, kernel: str | None = None
+) -> ArmPath:
+    """The qmm case's `custom` arm on packed NVFP4 weights [n, k/8] and E4M3 scales [n, k/16]
+    (`custom-ksplit`: `kernel="ksplit"`).
+
+    `kernels.nvfp4_linear.nvfp4_matmul`: M <= 8, the decode GEMV kernel (the stream kernel where
+    it applies, else K-split; K-split for `custom-ksplit`); larger M, the prefill GEMM
+    (`kernels.gemm_nvfp4`, bfloat16 and float16 on sm_89+), or where it cannot run on CUDA
+    (float32), the expert-batched MoE kernel with one expert. Without MLX's CUDA backend: the
+    twins. The first call (NVRTC compile) is timed as the build.
+    """
+
+    def make(w: tuple[Any, ...]) -> Callable[..., Any]:
+        wq_, scales_ = w
+        return lambda x: nvfp4_matmul(x, wq_, scales_, kernel=kernel)
+
+    route = matmul_route(m, n, k, dtype_name, kernel)
+    dtype = getattr(mx, dtype_name)
+    t0 = time.perf_counter()
+    mx.eval(make((wq, scales))(mx.zeros((m, k), dtype=dtype)))
+    build = time.perf_counter() - t0
+    return bound_path(make, (wq, scales), tolerance=gemv_nvfp4.TOLERANCE[dtype_name], route=route, build_seconds=build)
+
+
+def qmm_auto_path(
+    wq: Any,
+    scales: Any,
+    params: tuple[int, int, int, str, str],
+    make_inputs: Callable[[np.random.Generator], tuple[Any, ...]],
+    reference: AutoReference,
+) -> ArmPath:
+    """The qmm case's `auto` arm: the fastest correct of native, dequant-gemm, custom and (where
+    it is a different kernel) custom-ksplit.
+
+    Args:
+        wq, scales: the packed NVFP4 weights and E4M3 scales the case built.
+        params: (m, n, k, dtype name, backend).
+        make_inputs: the case's input generator.
+        reference: the float64 reference of the weights every candidate holds (`reference(x)`).
+    """
+    m, n, k, dtype_name, backend = params
+    candidates = {
+        "native": bound_path(
+            native_run,
+            (wq, scales),
+            tolerance=tolerance("native", dtype_name, k, backend),
+            route="mx.quantized_matmul(nvfp4)",
+        ),
+        "dequant-gemm": bound_path(
+            dequant_gemm_run,
+            (wq, scales),
+            tolerance=tolerance("dequant-gemm", dtype_name, k, backend),
+            route="mx.dequantize(nvfp4)+matmul",
+        ),
+        "custom": qmm_custom_path(wq, scales, m, n, k, dtype_name),
+    }
+    # where the K-split GEMV is a second kernel here (not the same path again), it competes too
+    if m <= gemv_nvfp4.MAX_ROWS and gemv_nvfp4.route(m, n, k, dtype_name, "ksplit") != candidates["custom"].route:
+        candidates["custom-ksplit"] = qmm_custom_path(wq, scales, m, n, k, dtype_name, "ksplit")
+    return dispatch.auto_path(
+        ("qmm", m, n, k, dtype_name, backend),
+        candidates,
+        make_inputs,
+        lambda name, *inputs: reference(*inputs),
+    )
+
+
 def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> Workload:
     """Build the `qmm` workload at one parameter point.
 
@@ -300,7 +232,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         return dense[0]
 
     paths: dict[str, ArmPath] = {}
-    weights: dict[str, np.ndarray | HostWeights] = {}  # the reference's, decoded on its thread
+    weights: dict[str, np.ndarray | HostWeights] = {}  # the reference's, decoded at its first product
     unsupported: dict[str, str] = {}
     for arm in arms:
         if arm == "native":
@@ -349,10 +281,10 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
             )
             weights[arm] = float64_later(wd[mx.array(cols.astype(np.int32))])
         elif arm == "custom":  # kernels.gemv_nvfp4 (M <= 8) / kernels.gemm_nvfp4 (M > 8)
-            paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name)
+            paths[arm] = qmm_custom_path(wq, wscales, m, n, k, dtype_name)
             weights[arm] = w_nvfp4
         elif arm == "custom-ksplit":  # the same with the GEMV's K-split kernel
-            paths[arm] = dispatch.qmm_custom_path(wq, wscales, m, n, k, dtype_name, "ksplit")
+            paths[arm] = qmm_custom_path(wq, wscales, m, n, k, dtype_name, "ksplit")
             weights[arm] = w_nvfp4
         elif arm == "auto":  # issue 7: built below, once the inputs and the reference exist
             weights[arm] = w_nvfp4
@@ -366,7 +298,7 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         return (activations.standard_normal(gen, (m, k), dtype),)
 
     if "auto" in arms:  # the fastest correct of native, dequant-gemm and the custom kernels, measured here
-        paths["auto"] = dispatch.qmm_auto_path(
+        paths["auto"] = qmm_auto_path(
             wq, wscales, (m, n, k, dtype_name, backend), make_inputs, lambda x: reference("auto", x)
         )
         paths = {a: paths[a] for a in arms if a in paths}
@@ -379,7 +311,6 @@ def build(params: dict[str, Any], arms: list[str], rng: np.random.Generator) -> 
         bytes_moved=qmm_bytes(m, n, k, dtype.size),
         tokens=m,
         unsupported=unsupported,
-        prepare_reference=reference.prepare,
     )
 
 

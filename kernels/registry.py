@@ -4,9 +4,9 @@ Each case declares, without importing MLX, its arms, the parameters it takes and
 parameter points must follow (`kernels.shapes`: e.g. `k` a multiple of the NVFP4 group size),
 with the fewest bytes a point's arrays hold on the device, so that the head can validate a sweep
 file, point by point and against the memory of the devices it runs on, before anything starts.
-`load_case(name)` imports the implementing module, which must expose
-`build(params, arms, rng) -> Workload` (timed kernel cases) or, for cases of another kind
-(`command`, `model`), whatever `workers.job.runner` dispatches to.
+`load_case(name)` imports the implementing module of a kernel case, which must expose
+`build(params, arms, rng) -> Workload`; a case of another `CaseKind` is run by that kind's runner
+(`workers.job.runner.RUNNERS`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import difflib
 import importlib
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -24,9 +25,16 @@ if TYPE_CHECKING:
     from kernels.checking import Reference
 
 ParamType = type[int] | type[float] | type[str] | type[bool]
-HostPart = Callable[[], None]  # a reference's float64 host work, NumPy only: safe on another thread
 PointCheck = Callable[[Mapping[str, Any]], None]
 PointBytes = Callable[[Mapping[str, Any], Iterable[str]], int]
+
+
+class CaseKind(StrEnum):
+    """How a case is run (`workers.job.runner.RUNNERS` has one runner per kind)."""
+
+    KERNEL = "kernel"  # `build(params, arms, rng) -> Workload`, timed by `workers.job.measure`
+    COMMAND = "command"  # an external benchmark built at a commit (`workers.command.job`)
+    MODEL = "model"  # a whole model's prefill and decode (`workers.job.model`)
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,7 @@ class CaseSpec:
 
     name: str
     module: str
-    kind: str  # "kernel": timed by workers.job.measure; "command", "model": their own runners
+    kind: CaseKind
     arms: tuple[str, ...]  # empty: the sweep names its arms freely (command cases)
     params: dict[str, ParamType]
     required: tuple[str, ...]
@@ -60,7 +68,7 @@ register(
     CaseSpec(
         name="qmm",
         module="kernels.qmm",
-        kind="kernel",
+        kind=CaseKind.KERNEL,
         arms=("native", "affine", "dequant-gemm", "dense", "custom", "custom-ksplit", "auto"),
         params={"tokens": int, "n": int, "k": int, "dtype": str},
         required=("tokens", "n", "k"),
@@ -74,7 +82,7 @@ register(
     CaseSpec(
         name="moe-gather",
         module="kernels.moe",
-        kind="kernel",
+        kind=CaseKind.KERNEL,
         arms=(
             "native-sorted",
             "native-unsorted",
@@ -103,7 +111,7 @@ register(
     CaseSpec(
         name="command",
         module="workers.command.job",
-        kind="command",
+        kind=CaseKind.COMMAND,
         arms=(),
         params={},
         required=(),
@@ -114,7 +122,7 @@ register(
     CaseSpec(
         name="model",
         module="workers.job.model",
-        kind="model",
+        kind=CaseKind.MODEL,
         arms=("native", "affine", "custom"),
         params={
             "prompt_tokens": int,
@@ -153,7 +161,7 @@ register(
     CaseSpec(
         name="mlp",
         module="kernels.mlp",
-        kind="kernel",
+        kind=CaseKind.KERNEL,
         arms=("fused", "op-at-a-time", "eager"),
         params={"tokens": int, "hidden": int, "intermediate": int, "dtype": str},
         required=("tokens", "hidden", "intermediate"),
@@ -266,13 +274,6 @@ class Workload:
         bytes_moved: the fewest bytes one call must move (weights, scales, input, output once).
         tokens: tokens one call processes (for tok/s), 0 where that means nothing.
         unsupported: arm -> reason, for arms this backend cannot run (recorded, not timed).
-        prepare_reference: where the case offers it, `prepare_reference(arms, *inputs)` gathers,
-            in the calling thread, what the references of `arms` (and of their auto candidates)
-            on `inputs` need from the device (MLX is called from one thread only), and returns
-            their host part: NumPy only, run on another thread (`workers.job.reference_ahead`) while
-            the device warms up. Once it has run, `reference(arm, *inputs)` returns what it
-            stored, or raises what computing that reference raised, as a synchronous call would.
-            None (the default), or a reference it did not store: computed when asked.
     """
 
     arms: dict[str, ArmPath]
@@ -282,4 +283,3 @@ class Workload:
     bytes_moved: float
     tokens: int
     unsupported: dict[str, str] = field(default_factory=dict)
-    prepare_reference: Callable[..., HostPart] | None = None

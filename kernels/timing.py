@@ -16,8 +16,8 @@ is timed under the same amortisation of the per-evaluation cost.
 
 Cache state, an explicit choice (`cache`, recorded in every row). `cold` (the default): an arm
 whose weights are small enough to stay in the last-level cache between calls rotates over copies
-of them, call by call, until the copies together exceed `ROTATION` x the cache (the H200's L2 is
-60 MB: a 58 MB GEMV weight is timed over 5 copies), so no call finds its weights in the cache.
+of them, call by call, until the copies together exceed `ROTATION` x the cache (with a 60 MB L2,
+as on Hopper, a 58 MB GEMV weight is timed over 5 copies), so no call finds its weights in the cache.
 `hot`: the same weights every call, as in a loop that reuses one layer. Activations rotate over the
 job's input sets sample by sample either way. Where the copies are capped (`MAX_COPIES`,
 `MAX_ROTATION_BYTES`) before they reach twice the cache the row says `warm`, not `cold`; where the
@@ -51,7 +51,7 @@ from kernels.registry import ArmPath
 MIN_SAMPLE_SECONDS = 2e-3  # a sample shorter than this times several calls together
 MAX_SAMPLE_SECONDS = 0.25  # ... but the slowest arm's sample stays under this
 MAX_CALLS = 64
-WARMUP_SECONDS = 0.3  # JIT, allocation and GPU clocks settle within this (H200: well under 0.1 s)
+WARMUP_SECONDS = 0.3  # JIT, allocation and GPU clocks settle within this (on a Hopper GPU, well under 0.1 s)
 ROTATION = 4  # cold: weight copies together exceed this many times the last-level cache
 MAX_COPIES = 64
 MAX_ROTATION_BYTES = 4 * 2**30
@@ -100,7 +100,7 @@ def _cpu_llc_bytes() -> int | None:
 
 def last_level_cache_bytes() -> int:
     """The last-level cache of the device MLX runs on (CUDA L2, Apple system cache, CPU L3)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the timing plan (calls, ABBA order) needs no MLX
 
     if mx.default_device() == mx.gpu:
         if mx.cuda.is_available():
@@ -152,7 +152,7 @@ def weight_copies(nbytes: int, method: Method) -> int:
 
 def copy_arrays(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
     """New buffers holding the same values (`mx.array(a)` copies; evaluated here, not when timed)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the timing plan (calls, ABBA order) needs no MLX
 
     out = tuple(mx.array(a) for a in arrays)
     mx.eval(*out)
@@ -208,7 +208,7 @@ class ArmTimer:
 
     def sample(self, inputs: tuple[Any, ...], calls: int) -> Sample:
         """Build `calls` calls' graphs (untimed), then time their evaluation, synchronised."""
-        import mlx.core as mx
+        import mlx.core as mx  # optional heavy dependency: the timing plan (calls, ABBA order) needs no MLX
 
         mx.synchronize()
         n = len(self.runs)

@@ -14,10 +14,12 @@ import importlib
 import re
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 import typer
 
 from orchestrator.errors import OrchestratorError
+from orchestrator.run.code_version import code_version
 
 # Which module registers each verb (a test checks it against what the modules register): a run
 # of one verb imports that module alone, not every command's libraries.
@@ -46,10 +48,6 @@ GLOBAL_OPTIONS = ("--version", "-h", "--help")
 
 def version_text() -> str:
     """`orchestrate 0.1.0 (commit abc123...)`."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from orchestrator.run.code_version import code_version
-
     try:
         number = version("orchestrate")
     except PackageNotFoundError:
@@ -80,18 +78,6 @@ def verb_of(args: Sequence[str]) -> str | None:
         if arg not in GLOBAL_OPTIONS:
             return None if arg.startswith("-") else arg
     return None
-
-
-def early_probe(args: Sequence[str]) -> bool:
-    """Whether the command asks this machine's device first: `run` on the default inventory (whose
-    `device = "auto"` needs the probe before Ray can start), without `-h`."""
-    rest = list(args)[1:]
-    asks_help = any(a in ("-h", "--help") for a in rest)
-    return (
-        verb_of(args) == "run"
-        and not asks_help
-        and not any(a in ("-i", "--inventory") or a.startswith(("-i", "--inventory=")) for a in rest)
-    )
 
 
 def build_app(args: Sequence[str] | None = None) -> typer.Typer:
@@ -142,42 +128,10 @@ def with_suggestion(message: str) -> str:
     return message.replace("Value error, ", "") + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
-def spare_pandas() -> None:
-    """Answer, once, pyarrow's question whether pandas is installed with no, where pandas is not yet imported.
-
-    pyarrow imports pandas (half a second) the first time it turns any Python value into Arrow,
-    only to ask whether the value is a pandas object; none of ours is. A stand-in too old for
-    pyarrow to use answers that question; it is gone at once, and a later `to_pandas()` still
-    imports the real pandas.
-    """
-    if "pyarrow" not in sys.modules or "pandas" in sys.modules:
-        return  # a verb that does not use pyarrow (nothing to spare), or pandas is here already
-    import types
-    import warnings
-
-    import pyarrow as pa
-
-    sys.modules["pandas"] = types.ModuleType("pandas")
-    sys.modules["pandas"].__version__ = "0"  # type: ignore[attr-defined]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "pyarrow requires pandas 2.2.2 or above": the answer sought
-            pa.array([0])
-    except Exception:  # another pyarrow may ask otherwise: then it imports pandas as before
-        pass
-    finally:
-        del sys.modules["pandas"]
-
-
 def main() -> None:
     """Console-script entry point."""
     try:
-        if early_probe(sys.argv[1:]):
-            from orchestrator.cluster.localhost import probe_early
-
-            probe_early()  # beside the imports that follow: `run` on this machine asks it next
         app = build_app(sys.argv[1:])
-        spare_pandas()
         code = app(standalone_mode=False)
     except OrchestratorError as exc:
         print(f"orchestrate: error: {exc}", file=sys.stderr)

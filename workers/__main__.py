@@ -7,9 +7,6 @@ The Parquet file is written atomically (temp file, then rename): it is either wh
 JSON (`{"device": "h200", "backend": "cuda"}`): the head asks it of a short-lived process, so that
 the head itself never opens a GPU context (which the GPU-user probes would see during every job).
 
-`python -m workers warm JOB.json` readies this host for a run's first job beside Ray's start (its
-peak probes and its kernels' first compile, `workers.job.warm`); the embedded head starts it.
-
 `python -m workers gpus BACKEND` prints this host's GPUs of that backend as JSON (`[{"index": 0,
 "uuid": "GPU-...", "name": "NVIDIA H200"}, ...]`, from `nvidia-smi` or the KFD topology, no device
 context; `workers.host.gpus`): `orchestrate cluster up` asks it of a host whose inventory entry has
@@ -25,7 +22,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from workers.contract import JobSpec
+from workers.contract import META_JOB_STATUS, JobSpec
 from workers.files import write_parquet_atomic
 
 
@@ -37,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job", type=Path, help="the job, as JSON (workers.contract.JobSpec)")
     run.add_argument("--out", type=Path, required=True, help="the Parquet file to write")
     sub.add_parser("device", help="print this machine's device kind and backend as JSON")
-    warm = sub.add_parser("warm", help="ready this host for a run's first job (peaks, kernels' first compile)")
-    warm.add_argument("job", type=Path, help="the run's first job, as JSON")
     gpus = sub.add_parser("gpus", help="print this host's GPUs of a backend as JSON")
     gpus.add_argument("backend", choices=["cpu", "cuda", "metal", "rocm"])
     args = parser.parse_args(argv)
@@ -64,10 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     job = _read_job(args.job)
     if job is None:
         return 2
-    if args.verb == "warm":
-        from workers.job import warm as warming
-
-        return warming.main(job)
     if not args.out.parent.is_dir():
         print(f"workers: error: {args.out}: the output directory does not exist", file=sys.stderr)
         return 2
@@ -76,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     table = run_job(job)
     write_parquet_atomic(table, args.out)
-    status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"?").decode()
+    status = (table.schema.metadata or {}).get(META_JOB_STATUS, b"?").decode()
     print(f"workers: {job.case_name} {job.job_key}: {table.num_rows} rows, job {status} -> {args.out}")
     return 0
 

@@ -10,6 +10,7 @@ so that `nvcc` can check it on a machine without a GPU (`standalone_source`).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 from collections.abc import Callable
@@ -154,9 +155,16 @@ def precompiled_source(
     lines = [f"  const int {n}_shape[1] = {{{n}_rows}};" for n in shaped] + template_lines(template)
     bounds = f"__launch_bounds__({max_threads}, 1) " if max_threads else ""
     return (
-        prelude + source.header + f'\nextern "C" __global__ void {bounds}{function_name}(' + ", ".join(params) + ") {\n"
-        + "\n".join(lines) + "\n\n" + source.body + "\n}\n"
-    )  # fmt: skip
+        prelude
+        + source.header
+        + f'\nextern "C" __global__ void {bounds}{function_name}('
+        + ", ".join(params)
+        + ") {\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + source.body
+        + "\n}\n"
+    )
 
 
 @dataclass(frozen=True)
@@ -173,8 +181,6 @@ class CudaDevice:
 def cuda_device() -> CudaDevice | None:
     """Device 0 through the driver API (libcuda, present wherever the NVIDIA driver is); None
     without a driver or device."""
-    import ctypes
-
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -204,14 +210,14 @@ def cuda_device() -> CudaDevice | None:
 # MLX's CUDA allocator (0.32) serves arrays of at most 8 bytes from one pool of unified memory
 # advised read-mostly. A kernel that reads such an array pays for it at every launch: the stream
 # GEMV at N=21504, K=5376 took 38.3 us per launch with MLX's 4-byte multiplier against 24.0 us with
-# the same value in a cudaMalloc buffer (H200, benchmarks/gemv_mlx_gap.py, BENCHMARKS.md).
+# the same value in a cudaMalloc buffer (a Hopper GPU, benchmarks/gemv_mlx_gap.py, BENCHMARKS.md).
 SMALL_POOL_BYTES = 8
 
 
 def off_small_pool(a: Any) -> Any:
     """`a` (an mx.array), or where it is small enough for MLX's small-buffer pool, its elements
     followed by zeros in a 16-byte array (the kernels read only the leading elements)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the sources render and check without MLX
 
     if a.nbytes > SMALL_POOL_BYTES:
         return a
@@ -221,7 +227,7 @@ def off_small_pool(a: Any) -> Any:
 
 def cuda_backend_available() -> bool:
     """True where MLX runs on its CUDA backend (an NVIDIA GPU); False on CPU and Metal."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the sources render and check without MLX
 
     try:
         if not mx.cuda.is_available():
@@ -235,7 +241,7 @@ def cuda_backend_available() -> bool:
 def compiled_kernel(source: CudaKernelSource, shared_memory: int = 0) -> Any:
     """The `mx.fast.cuda_kernel` for a source and dynamic shared memory size (MLX compiles it
     through NVRTC at first call, and lifts the 48 KB default where more is asked)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the sources render and check without MLX
 
     return mx.fast.cuda_kernel(
         name=source.name,
@@ -262,7 +268,7 @@ def single_output_launch(
     """`kernel`'s call on its inputs, returning its one output; traced once by `mx.compile` where
     `compiled` (later calls replay the graph instead of assembling the call in Python and C++, tens
     of microseconds, more than a decode kernel takes). `init_value` fills the output first."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the sources render and check without MLX
 
     def launch(*inputs: Any) -> Any:
         (y,) = kernel(
@@ -295,7 +301,7 @@ def precompiled_launch(
     """A cubin's kernel `name` (see `kernels.cuda.nvrtc`) called on its inputs through
     `mx.fast.precompiled_cuda_kernel`, returning its one output (traced by `mx.compile` where
     `compiled`). The kernel takes the inputs, the output, then `scalars` (ints)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the sources render and check without MLX
 
     def launch(*inputs: Any) -> Any:
         (y,) = mx.fast.precompiled_cuda_kernel(

@@ -9,8 +9,8 @@ and returns them.
 The key must name everything the bytes depend on (source, target, compiler version, options): a
 hit is trusted as it is. A cubin is code this process runs, so the cache is only used where nobody
 else can write it: a directory of ours, mode 0700, not a symlink, each entry a plain file of ours
-opened without following links; otherwise the build is used uncached. Entries are written to a
-temporary file and renamed into place, so a reader sees a whole entry or none, and concurrent
+opened without following links; otherwise the build is used uncached. Entries are written
+atomically (`kernels.files.write_atomic`), so a reader sees a whole entry or none, and concurrent
 writers of one key both leave a whole one.
 
 Where: `$ORCHESTRATE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/orchestrate/kernels`, else
@@ -23,9 +23,10 @@ import contextlib
 import hashlib
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from kernels.files import write_atomic
 
 CACHE_ENV = "ORCHESTRATE_KERNEL_CACHE"
 
@@ -67,18 +68,6 @@ def _read(path: Path) -> bytes | None:
         return f.read()
 
 
-def _write(root: Path, path: Path, data: bytes) -> None:
-    with contextlib.suppress(OSError):
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
 def cached(key: str, build: Callable[[], bytes]) -> bytes:
     """The bytes stored under `key`, else `build()`'s, stored for the next process."""
     root = cache_root()
@@ -89,5 +78,6 @@ def cached(key: str, build: Callable[[], bytes]) -> bytes:
     if hit is not None:
         return hit
     data = build()
-    _write(root, path, data)
+    with contextlib.suppress(OSError):  # a full disk only costs the next process a build
+        write_atomic(path, data, mode=0o600)
     return data

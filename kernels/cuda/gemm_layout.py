@@ -141,8 +141,18 @@ class GemmConfig:
     def template(self, n: int, k: int, xf16: bool) -> dict[str, int | bool]:
         """The template constants after T, in the order MLX declares them."""
         if self.rs:
-            return {"XF16": xf16, "N": n, "K": k, "WG": self.wm // 4, "BT": self.bm, "STAGES": self.stages,
-                    "GROUP_M": self.group_m, "NB": self.abufs, "EARLY": self.early, "YS": self.ystage}  # fmt: skip
+            return {
+                "XF16": xf16,
+                "N": n,
+                "K": k,
+                "WG": self.wm // 4,
+                "BT": self.bm,
+                "STAGES": self.stages,
+                "GROUP_M": self.group_m,
+                "NB": self.abufs,
+                "EARLY": self.early,
+                "YS": self.ystage,
+            }
         consts: dict[str, int | bool] = {"XF16": xf16, "N": n, "K": k, "WM": self.wm, "WN": self.wn}
         consts |= {"TM": self.tm, "TN": self.tn, "KH": self.kh, "STAGES": self.stages}
         consts |= {"BDEC": self.bdec, "GROUP_M": self.group_m, "WGMMA": self.wgmma, "DEEP": self.deep}
@@ -243,7 +253,7 @@ VARIANTS: dict[str, GemmConfig] = {
     # Hopper's warpgroup MMA (sm_90a through kernels.cuda.nvrtc): 2 warpgroups x 64 rows, 256 weight rows
     "g128x256k64s4": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True),
     "g128x256k64s5d": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, stages=5, deep=True),
-    # issue 20's next attempt at 0.8x dense (BENCHMARKS.md, "design"): the decode of a k-tile
+    # aimed at 0.8x dense (BENCHMARKS.md, "design"): the decode of a k-tile
     # (fixed by BN x BK) amortised over 192 rows of MMAs; and moved off the MMA warps into a
     # producer warpgroup (p: warp specialisation, mbarrier handoff, setmaxnreg), at 128 and 192 rows
     "g192x256k64s4": GemmConfig(wm=12, wn=1, tm=1, tn=32, wgmma=True),
@@ -287,10 +297,10 @@ VARIANTS: dict[str, GemmConfig] = {
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
 # environment variable overrides it for a run without a code change, e.g.
 #   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
-# Measured by benchmarks/gemm_lab.py on the H200 (BENCHMARKS.md, third session of 2026-12-02): the
-# register-sourced r256x128k64s5qey (three k-tiles of A fragments, each k-tile's MMAs issued before its
-# barrier, the tile of y stored through shared memory) is 0.75-0.85x dense at 512..16384 in the lab and
-# 0.82-0.91x through `orchestrate run` (r256x128k64s5k, the rule before, 0.72-0.81x in the same lab run);
+# Measured by benchmarks/gemm_lab.py on a Hopper GPU (BENCHMARKS.md): the register-sourced
+# r256x128k64s5qey (three k-tiles of A fragments, each k-tile's MMAs issued before its barrier, the
+# tile of y stored through shared memory) is the fastest variant at 512..16384 rows, 0.75-0.85x dense
+# in the lab and 0.82-0.91x through `orchestrate run` (r256x128k64s5k: 0.72-0.81x in the same lab run);
 # where wgmma cannot run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants.
 DEFAULT_RULE = "r256x128k64s5qey"
 PORTABLE_RULE = "b128x128k64s3@512,b256x128k64s4"

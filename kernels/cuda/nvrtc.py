@@ -18,12 +18,8 @@ import hashlib
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from kernels.cuda import build_cache
-
-if TYPE_CHECKING:
-    from kernels.cuda import CudaKernelSource, TemplateValue
+from kernels.cuda import CudaKernelSource, TemplateValue, build_cache, cuda_device, precompiled_source
 
 NVRTC_ENV = "ORCHESTRATE_NVRTC"  # an explicit libnvrtc.so path
 
@@ -90,7 +86,7 @@ def include_dirs() -> list[str]:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     dirs = [f"{home}/include"]
     try:
-        import mlx.core
+        import mlx.core  # optional heavy dependency: its CCCL headers, where MLX is installed
 
         dirs.append(str(Path(str(mlx.core.__file__)).resolve().parent / "include" / "cccl"))
     except ImportError:
@@ -100,8 +96,6 @@ def include_dirs() -> list[str]:
 
 def device_arch() -> str | None:
     """The SASS target of device 0 (e.g. "sm_90"), where a CUDA device and NVRTC are both here."""
-    from kernels.cuda import cuda_device
-
     device = cuda_device()
     if device is None or library() is None:
         return None
@@ -126,8 +120,6 @@ def build(
     pairs in call order; `template`: the constants MLX would declare; `max_threads`: the block
     size, where ptxas must keep to its registers (`precompiled_source`).
     """
-    from kernels.cuda import precompiled_source
-
     args = (source, dict(inputs), dict(outputs), dict(template))
     placeholder = precompiled_source(*args, "KERNEL", prelude=PRELUDE, max_threads=max_threads)
     fn = kernel_name(Path(source.body_file).stem, placeholder, arch)

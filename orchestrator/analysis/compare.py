@@ -27,15 +27,13 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups, stats
 from orchestrator.analysis.commits import COMMIT_SIDE, base_side, head_rows, match_side, with_commit_sides
 from orchestrator.analysis.fdr import FdrControl, control_fdr
+from orchestrator.analysis.groups import Point
 from orchestrator.analysis.samples import SampleSet, grouped_samples
-from orchestrator.analysis.stats import Comparison, Point, Summary
+from orchestrator.analysis.stats import Comparison, Summary
 from orchestrator.errors import InputError
-from orchestrator.specs.sweep import SweepSpec, builtin_sweeps, load_sweep
-from orchestrator.store.dataset import read_rows
-from orchestrator.store.fragments import ResultStore
 
 # The seeds' order: prefill, decode, memory, load; then the kernel metrics.
 METRIC_ORDER = (
@@ -166,9 +164,9 @@ def left_out_points(table: pa.Table, clean: pa.Table) -> list[str]:
     con = duckdb.connect()
     con.register("chosen", table.select(cols))
     con.register("clean", clean.select(cols))
-    why = {(c, d, stats.point_of(p)): reasons for c, d, p, reasons in con.sql(LEFT_OUT_SQL).fetchall()}
+    why = {(c, d, groups.point_of(p)): reasons for c, d, p, reasons in con.sql(LEFT_OUT_SQL).fetchall()}
     points = {
-        (c, d, stats.point_of(p))
+        (c, d, groups.point_of(p))
         for c, d, p in con.sql("SELECT DISTINCT case_name, device, params FROM chosen").fetchall()
     }
     con.close()
@@ -222,18 +220,18 @@ def compare_results(
         sides = [match_side(table, s) for s in sides] if sides else sides
     side_col = SIDE_COLUMNS[by]
     row_dims = [d for d in ("device", "arm") if d != side_col]
-    rows = stats.clean_rows(table)
+    rows = groups.clean_rows(table)
     if rows.num_rows == 0:
         raise InputError("no clean result rows to compare (status ok, not contended)")
     rows = _only(_only(rows, "arm", arms, "--arms"), "metric", metrics, "--metric")
     rows = _only(rows, side_col, sides, f"--by {by}: side")
     chosen = table if not arms else table.filter(pc.is_in(table["arm"], value_set=pa.array(list(arms), pa.string())))
-    left_out = left_out_points(chosen, stats.clean_rows(chosen))
-    groups = grouped_samples(rows, ["case_name", "params", *row_dims, "metric", side_col])
+    left_out = left_out_points(chosen, groups.clean_rows(chosen))
+    sample_sets = grouped_samples(rows, ["case_name", "params", *row_dims, "metric", side_col])
     samples: dict[tuple[str, Point, tuple[str, ...], str, str], SampleSet] = {}
     units: dict[str, str] = {}
     sides_seen: list[str] = []
-    for (case_name, point, *dim_values, metric, side), group in groups:
+    for (case_name, point, *dim_values, metric, side), group in sample_sets:
         side = str(side)
         if side not in sides_seen:
             sides_seen.append(side)
@@ -294,9 +292,21 @@ def compare_results(
     }
     sweeps = pc.unique(table["sweep"]).to_pylist() if table.num_rows else []
     return CompareResult(
-        by, base, sides, metric_list, ordered, varying, case_sides, case_base, threshold, left_out, units,
-        sweeps[0] if len(sweeps) == 1 else None, fdr=fdr_control, heavy_tails=heavy_tails(ordered, varying),
-    )  # fmt: skip
+        by,
+        base,
+        sides,
+        metric_list,
+        ordered,
+        varying,
+        case_sides,
+        case_base,
+        threshold,
+        left_out,
+        units,
+        sweeps[0] if len(sweeps) == 1 else None,
+        fdr=fdr_control,
+        heavy_tails=heavy_tails(ordered, varying),
+    )
 
 
 def heavy_tails(rows: list[CompareRow], varying: dict[str, list[str]]) -> list[str]:
@@ -314,148 +324,3 @@ def heavy_tails(rows: list[CompareRow], varying: dict[str, list[str]]) -> list[s
         "but re-run on a quiet machine to trust the spread"
         for (where, side, k, n), metrics in found.items()
     ]
-
-
-# ------------------------------------------------------------------------------------ selection
-
-
-def stored_sweeps(table: pa.Table) -> list[str]:
-    """The sweep names present in a table."""
-    return sorted(set(table["sweep"].to_pylist())) if table.num_rows else []
-
-
-def resolve_sweep(store: ResultStore, sweep: str | None) -> tuple[str | None, SweepSpec | None]:
-    """The stored name of a sweep given by name, built-in name or file, and its spec when there is one.
-
-    Raises:
-        InputError: a sweep file is bad, or no sweep is named and several are stored.
-    """
-    spec: SweepSpec | None = None
-    name = sweep
-    if sweep is not None and (sweep in builtin_sweeps() or sweep.endswith(".toml") or "/" in sweep):
-        spec = load_sweep(sweep)
-        name = spec.name
-    if name is None:
-        names = store.sweep_names()
-        if len(names) > 1:
-            raise InputError(f"results of several sweeps are stored ({', '.join(names)}); choose one with --sweep")
-        name = names[0] if names else None
-    if spec is None and name in builtin_sweeps():
-        spec = load_sweep(name)
-    return name, spec
-
-
-def select_results(
-    store: ResultStore,
-    sweep: str | None,
-    run: str | None,
-    *,
-    all_runs: bool = False,
-    runs: Sequence[str] | None = None,
-) -> tuple[pa.Table, SweepSpec | None]:
-    """The rows a command works on (selected in DuckDB), and the sweep's spec when it can be found.
-
-    Args:
-        store: the result store.
-        sweep: a stored sweep's name, a built-in sweep or a sweep file; None: the only stored sweep.
-        run: only this run id.
-        all_runs: pool every run's samples instead of keeping the newest run of each point.
-        runs: only these run ids (every one must have rows).
-
-    Raises:
-        InputError: nothing is stored, several sweeps are and none was named, or a run has no rows.
-    """
-    name, spec = resolve_sweep(store, sweep)
-    wanted = [run] if run else list(dict.fromkeys(runs)) if runs else None
-    table = read_rows(store, sweep=name, runs=wanted, newest=wanted is None and not all_runs)
-    if table.num_rows == 0:
-        what = f" for sweep {name!r}" if name else ""
-        what += f" and run {', '.join(wanted)}" if wanted else ""
-        raise InputError(f"no results stored{what}", where=str(store.root))
-    missing = sorted(set(wanted or []) - set(pc.unique(table["run_id"]).to_pylist()))
-    if missing:
-        raise InputError(f"run {', '.join(missing)}: no rows of sweep {name!r} (`orchestrate runs` lists them)")
-    return table, spec
-
-
-def resolve_side(name: str, available: Sequence[str], what: str) -> str:
-    """A side named exactly, or by a unique prefix (a short commit or run id).
-
-    Raises:
-        InputError: no side, or several, start with `name`.
-    """
-    if name in available:
-        return name
-    matches = [a for a in available if a.startswith(name)]
-    if len(matches) == 1:
-        return matches[0]
-    listing = ", ".join(sorted(available)[:12]) + (" ..." if len(available) > 12 else "")
-    if matches:
-        raise InputError(f"{what} {name!r} is ambiguous: {', '.join(sorted(matches))}")
-    raise InputError(f"{what} {name!r}: none stored (there are: {listing})")
-
-
-def compare_stored(
-    store: ResultStore,
-    *,
-    sweep: str | None = None,
-    run: str | None = None,
-    by: str = "arm",
-    baseline: str | None = None,
-    contenders: Sequence[str] | None = None,
-    arms: Sequence[str] | None = None,
-    metrics: Sequence[str] | None = None,
-    threshold: float = stats.THRESHOLD,
-    all_runs: bool = False,
-) -> tuple[CompareResult, pa.Table, SweepSpec | None]:
-    """`orchestrate compare`: select the rows (only the named runs when comparing runs) and compare them.
-
-    Args:
-        store: the result store.
-        sweep: see `select_results`.
-        run: only this run (not with `by="run"`).
-        by: what is compared: `arm`, `run`, `commit` or `device`.
-        baseline: the side the others are compared with (a run or commit may be a unique prefix).
-        contenders: only these sides against the baseline (None: every other side).
-        arms, metrics, threshold: see `compare_results`.
-        all_runs: pool every run's samples (implied by `by` run or commit).
-
-    Returns:
-        The comparison, the rows it was made of, and the sweep's spec when known.
-
-    Raises:
-        InputError: bad names, no rows, or only one side: nothing to compare.
-    """
-    named = [n for n in (baseline, *(contenders or [])) if n]
-    runs = None
-    if by == "run" and named:
-        stored = sorted(store.run_ids(resolve_sweep(store, sweep)[0]))
-        runs = [resolve_side(n, stored, "run") for n in named]
-    table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"), runs=runs)
-    sided = with_commit_sides(table) if by == "commit" else table
-    column = SIDE_COLUMNS.get(by, by)
-    available = pc.unique(sided[column]).to_pylist() if column in sided.column_names else []
-
-    def side_named(name: str) -> str:  # a commit side also by its ref (`main`) or a commit prefix
-        return resolve_side(match_side(sided, name) if by == "commit" else name, available, by)
-
-    if by in ("commit", "device", "run") and named:
-        baseline = side_named(baseline) if baseline else None
-        contenders = [side_named(c) for c in contenders or []]
-    preferred = baseline or (spec.baseline if spec is not None and by == "arm" else None)
-    if baseline is None and arms and preferred not in arms:
-        preferred = None  # the sweep's baseline is left out: `affine` or the first of --arms
-    sides = [*([preferred] if preferred and contenders else []), *(contenders or [])] or None
-    order = [a for case in spec.cases for a in case.arm_names()] if spec is not None and by == "arm" else None
-    result = compare_results(
-        table, by=by, baseline=preferred, threshold=threshold, arms=arms, metrics=metrics, order=order, sides=sides
-    )
-    if len(result.sides) < 2:
-        only = result.sides[0] if result.sides else "none"
-        hint = {
-            "run": "; run the sweep again, or list the runs with `orchestrate runs`",
-            "commit": "; the rows were all measured at one commit",
-            "device": "; the rows were all measured on one device kind",
-        }.get(by, "; `orchestrate results` shows the numbers")
-        raise InputError(f"only one {by} in the selected rows ({only}): nothing to compare{hint}")
-    return result, table, spec

@@ -8,90 +8,35 @@ would settle it); `max_ratio` mirrors that. A criterion PASSes when every point 
 when one point fails, and is AMBIGUOUS otherwise -- including when points are missing (a job
 that never ran, failed, or was contended): those are named, never passed over.
 
-`exit_code_for` maps the verdicts onto `orchestrate`'s exit codes: 0 all pass, 1 one fails, 4
-none fails but one is ambiguous.
+`orchestrator.analysis.verdicts.exit_code_for` maps the verdicts onto `orchestrate`'s exit codes:
+0 all pass, 1 one fails, 4 none fails but one is ambiguous. Each criterion kind (`KINDS`: ratio,
+same output) is registered once with how it is checked, judged and told.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups, same_output, stats
 from orchestrator.analysis.commits import head_rows
 from orchestrator.analysis.fdr import benjamini_hochberg
+from orchestrator.analysis.groups import Point
 from orchestrator.analysis.power import NORMAL, samples_to_clear
-from orchestrator.analysis.stats import Comparison, Point, Ratio
-from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK, InputError
+from orchestrator.analysis.stats import Comparison
+from orchestrator.analysis.verdicts import CriterionVerdict, MissingPoint, Outcome, PointResult, exit_code_for, overall
+from orchestrator.errors import EXIT_OK, InputError
 from orchestrator.run.plan import points as case_points
-from orchestrator.specs.sweep import Criterion, SweepSpec
+from orchestrator.specs.criterion import Criterion
+from orchestrator.specs.sweep import SweepSpec
 from orchestrator.specs.where import Condition, parse_where
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
-
-
-class Outcome(StrEnum):
-    """A criterion's (or one point's) result."""
-
-    PASS = "PASS"
-    FAIL = "FAIL"
-    AMBIGUOUS = "AMBIGUOUS"
-    SKIPPED = "SKIPPED"  # nothing to judge by design (a comparison of commits on rows of one commit)
-
-
-@dataclass(frozen=True)
-class PointResult:
-    """The ratio at one point on one device and what it says."""
-
-    device: str
-    case_name: str
-    point: Point
-    ratio: Ratio
-    outcome: Outcome
-    more_samples: int | None = None
-    note: str | None = None  # why there is no verdict (too few samples, multiplicity)
-
-
-@dataclass(frozen=True)
-class MissingPoint:
-    """A point the criterion needs but the data cannot judge, and why."""
-
-    device: str
-    case_name: str
-    point: Point
-    reason: str
-
-
-@dataclass
-class CriterionVerdict:
-    """One criterion's verdict with every point behind it."""
-
-    criterion: Criterion
-    baseline: str
-    outcome: Outcome
-    points: list[PointResult] = field(default_factory=list)
-    missing: list[MissingPoint] = field(default_factory=list)
-    shown: dict[str, list[str]] = field(default_factory=dict)  # case -> parameters that tell points apart
-
-    def label(self, device: str, case_name: str, point: Point) -> str:
-        """`h200 qmm tokens=4096`: the device, the case and the parameters that vary in it."""
-        names = self.shown.get(case_name)
-        return point_label(device, case_name, tuple(kv for kv in point if names is None or kv[0] in names))
-
-    def worst(self) -> PointResult | None:
-        """The point closest to failing (lowest interval for min_ratio, highest for max_ratio)."""
-        if not self.points:
-            return None
-        if self.criterion.min_ratio is not None:
-            return min(self.points, key=lambda p: p.ratio.ci_low)
-        return max(self.points, key=lambda p: p.ratio.ci_high)
-
-
-Verdict = CriterionVerdict
+from workers.contract import Status
 
 
 def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, int | None, str | None]:
@@ -154,7 +99,7 @@ def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> li
             continue
         applicable += 1
         for params in case_points(entry):
-            point = stats.point_of({k: str(v) for k, v in params.items()})
+            point = groups.point_of({k: str(v) for k, v in params.items()})
             if condition.matches(dict(point)):
                 out.append((entry.label, list(entry.devices or sweep.devices), point))
     if applicable == 0:
@@ -182,7 +127,7 @@ def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, m
         if not rows:
             reasons.append(f"no {side} rows")
             continue
-        bad = [r for r in rows if r["status"] != "ok"]
+        bad = [r for r in rows if r["status"] != Status.OK]
         if bad:
             reasons.append(f"{side} {bad[0]['status']}: {bad[0]['error'] or 'no error recorded'}")
         elif any(r["contended"] for r in rows):
@@ -192,45 +137,41 @@ def _why_missing(table_rows: list[dict[str, object]], arm: str, baseline: str, m
     return "; ".join(reasons) or "no clean samples"
 
 
-def evaluate_criterion(
-    table: pa.Table, sweep: SweepSpec, criterion: Criterion, *, resamples: int = stats.RESAMPLES
-) -> CriterionVerdict:
-    """Judge one criterion on stored rows of the sweep (see the module docstring).
-
-    A ratio criterion judges HEAD alone where the rows hold a commit comparison; a same-output
-    criterion (`orchestrator.analysis.same_output`) every commit.
-    """
-    if criterion.kind == "same-output":
-        from orchestrator.analysis import same_output
-
-        return same_output.evaluate(table, sweep, criterion)
+def evaluate_ratio(table: pa.Table, sweep: SweepSpec, criterion: Criterion, resamples: int) -> CriterionVerdict:
+    """Judge one ratio criterion on stored rows of the sweep (see the module docstring): HEAD alone
+    where the rows hold a commit comparison."""
     table = head_rows(table)
     baseline = criterion.baseline or sweep.baseline
     if baseline is None:
         raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
     expected = expected_points(sweep, criterion, baseline)
-    groups = stats.keyed_sample_groups(table)
+    samples = groups.keyed_sample_groups(table)
     seen_devices = sorted(set(table["device"].to_pylist())) if table.num_rows else []
     # Every row (clean or not) of each (device, case, point): to tell a missing point from one
     # that does not measure this metric (decode_tok_s only exists at tokens=1).
     slim = table.select(["device", "case_name", "params", "arm", "metric", "status", "contended", "error"])
     by_point: dict[tuple[str, str, Point], list[dict[str, object]]] = {}
     for row in slim.to_pylist():
-        key = (str(row["device"]), str(row["case_name"]), stats.point_of(row["params"]))
+        key = (str(row["device"]), str(row["case_name"]), groups.point_of(row["params"]))
         by_point.setdefault(key, []).append(row)
     verdict = CriterionVerdict(criterion, baseline, Outcome.PASS, shown=_varying_axes(sweep))
     comparisons: list[Comparison] = []
     for case_name, devices, point in expected:
         for device in devices or seen_devices or ["(any device)"]:
             rows_here = by_point.get((device, case_name, point), [])
-            key_a = stats.GroupKey(device, case_name, point, criterion.arm, criterion.metric)
-            key_b = stats.GroupKey(device, case_name, point, baseline, criterion.metric)
-            a, b = groups.get(key_a), groups.get(key_b)
+            key_a = groups.GroupKey(device, case_name, point, criterion.arm, criterion.metric)
+            key_b = groups.GroupKey(device, case_name, point, baseline, criterion.metric)
+            a, b = samples.get(key_a), samples.get(key_b)
             if a and b:
                 c = stats.compare_samples(
-                    a[0], b[0], metric=criterion.metric, seed=stats.seed_for(device, case_name, point, criterion.arm,
-                    baseline), resamples=resamples, a_keys=a[1], b_keys=b[1],
-                )  # fmt: skip
+                    a[0],
+                    b[0],
+                    metric=criterion.metric,
+                    seed=stats.seed_for(device, case_name, point, criterion.arm, baseline),
+                    resamples=resamples,
+                    a_keys=a[1],
+                    b_keys=b[1],
+                )
                 outcome, more, note = judge_ratio(c, criterion)
                 verdict.points.append(PointResult(device, case_name, point, c.ratio, outcome, more, note))
                 comparisons.append(c)
@@ -243,16 +184,6 @@ def evaluate_criterion(
     _control_failures(verdict, comparisons)
     verdict.outcome = overall({p.outcome for p in verdict.points}, bool(verdict.missing) or not verdict.points)
     return verdict
-
-
-def overall(outcomes: set[Outcome], incomplete: bool) -> Outcome:
-    """A criterion's outcome from its points': FAIL when one fails, else AMBIGUOUS when one is or
-    the points are `incomplete` (one is missing, or none was judged), else PASS."""
-    if Outcome.FAIL in outcomes:
-        return Outcome.FAIL
-    if Outcome.AMBIGUOUS in outcomes or incomplete:
-        return Outcome.AMBIGUOUS
-    return Outcome.PASS
 
 
 def _control_failures(verdict: CriterionVerdict, comparisons: list[Comparison]) -> None:
@@ -271,6 +202,14 @@ def _control_failures(verdict: CriterionVerdict, comparisons: list[Comparison]) 
             verdict.points[i] = dataclasses.replace(verdict.points[i], outcome=Outcome.AMBIGUOUS, note=note)
 
 
+def validate_ratio(sweep: SweepSpec, criterion: Criterion) -> None:
+    """Refuse a ratio criterion without a baseline, or whose arms or `where` fit no case."""
+    baseline = criterion.baseline or sweep.baseline
+    if baseline is None:
+        raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
+    expected_points(sweep, criterion, baseline)
+
+
 def validate_criteria(sweep: SweepSpec) -> None:
     """Refuse, before anything runs, a criterion that no case of the sweep can answer.
 
@@ -278,35 +217,19 @@ def validate_criteria(sweep: SweepSpec) -> None:
         InputError: a criterion without a baseline, or whose arms or `where` fit no case.
     """
     for criterion in sweep.criteria:
-        if criterion.kind == "same-output":
-            from orchestrator.analysis import same_output
+        KINDS[criterion.kind].validate(sweep, criterion)
 
-            same_output.validate(sweep, criterion)
-            continue
-        baseline = criterion.baseline or sweep.baseline
-        if baseline is None:
-            raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
-        expected_points(sweep, criterion, baseline)
+
+def evaluate_criterion(
+    table: pa.Table, sweep: SweepSpec, criterion: Criterion, *, resamples: int = stats.RESAMPLES
+) -> CriterionVerdict:
+    """Judge one criterion on stored rows of the sweep, by its kind."""
+    return KINDS[criterion.kind].evaluate(table, sweep, criterion, resamples)
 
 
 def evaluate_criteria(table: pa.Table, sweep: SweepSpec, *, resamples: int = stats.RESAMPLES) -> list[CriterionVerdict]:
     """Judge every criterion of `sweep` on its stored rows (pass the rows of this sweep only)."""
     return [evaluate_criterion(table, sweep, c, resamples=resamples) for c in sweep.criteria]
-
-
-def exit_code_for(verdicts: list[CriterionVerdict]) -> int:
-    """0 when all pass (or there are none), 1 when one fails, 4 when none fails but one is ambiguous."""
-    outcomes = {v.outcome for v in verdicts}
-    if Outcome.FAIL in outcomes:
-        return EXIT_CRITERION_FAILED
-    if Outcome.AMBIGUOUS in outcomes:
-        return EXIT_AMBIGUOUS
-    return EXIT_OK
-
-
-def point_label(device: str, case_name: str, point: Point) -> str:
-    """`cpu qmm tokens=4096 n=256` for messages."""
-    return " ".join([device, case_name, *(f"{k}={v}" for k, v in point)])
 
 
 def bound_text(c: Criterion) -> str:
@@ -320,11 +243,12 @@ def bound_text(c: Criterion) -> str:
 
 
 def describe(v: CriterionVerdict) -> list[str]:
-    """Human lines for one verdict: the headline, then ambiguous, failing and missing points."""
-    from orchestrator.analysis import same_output
+    """Human lines for one verdict, by its criterion's kind."""
+    return KINDS[v.criterion.kind].describe(v)
 
-    if isinstance(v, same_output.OutputVerdict):
-        return same_output.describe(v)
+
+def describe_ratio(v: CriterionVerdict) -> list[str]:
+    """Human lines for a ratio verdict: the headline, then ambiguous, failing and missing points."""
     c = v.criterion
     head = f"{v.outcome.value:<9} {c.name}: {c.metric} {c.arm}/{v.baseline} {bound_text(c)}"
     worst = v.worst()
@@ -350,6 +274,27 @@ def describe(v: CriterionVerdict) -> list[str]:
     if not v.points and not v.missing:
         lines.append("    no point of the sweep matches this criterion")
     return lines
+
+
+@dataclass(frozen=True)
+class CriterionKind:
+    """What one `kind` of criterion (`Criterion.kind`) does: refuse a criterion no case can answer
+    before a run, judge stored rows, and tell its verdict in text."""
+
+    validate: Callable[[SweepSpec, Criterion], None]
+    evaluate: Callable[[pa.Table, SweepSpec, Criterion, int], CriterionVerdict]
+    describe: Callable[[CriterionVerdict], list[str]]
+
+
+# Every kind a sweep may name (`Criterion.kind`'s values); a new kind is one entry here.
+KINDS: dict[str, CriterionKind] = {
+    "ratio": CriterionKind(validate_ratio, evaluate_ratio, describe_ratio),
+    "same-output": CriterionKind(
+        same_output.validate,
+        lambda table, sweep, c, _resamples: same_output.evaluate(table, sweep, c),
+        same_output.describe,
+    ),
+}
 
 
 def judge_stored(store: ResultStore, sweep: SweepSpec) -> tuple[str, int]:

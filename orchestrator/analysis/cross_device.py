@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import duckdb
 import pyarrow as pa
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups, stats
 from orchestrator.analysis.commits import head_rows
 from orchestrator.analysis.compare import point_sort_key
+from orchestrator.analysis.groups import Point
 from orchestrator.analysis.samples import grouped_samples
-from orchestrator.analysis.stats import Point, Summary
+from orchestrator.analysis.stats import Summary
 
 PEAK_COLUMNS = {"gb_per_s": "peak_copy_gb_s", "tflop_per_s": "peak_tflop_s"}
 
@@ -62,7 +63,7 @@ def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[C
     ):
         if metric not in PEAK_COLUMNS:
             continue
-        key = stats.GroupKey(device, case_name, point, arm, metric)
+        key = groups.GroupKey(device, case_name, point, arm, metric)
         summary = stats.summarize(group.values, seed=stats.seed_for(key), resamples=resamples)
         peak = peaks.get(device, {}).get(PEAK_COLUMNS[metric])
         fraction = summary.median / peak if peak else None

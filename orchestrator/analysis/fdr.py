@@ -77,8 +77,11 @@ def control_fdr(
     for key, c in comparisons.items():
         if math.isnan(c.p_value):
             continue
-        evidence = (test_of(key), round(math.log(c.speedup.ratio), 9) if c.speedup.ratio > 0 else None,
-                    round(c.p_value, 12))  # fmt: skip
+        evidence = (
+            test_of(key),
+            round(math.log(c.speedup.ratio), 9) if c.speedup.ratio > 0 else None,
+            round(c.p_value, 12),
+        )
         test_key[key] = evidence
         tests.setdefault(evidence, c.p_value)
     names = list(tests)

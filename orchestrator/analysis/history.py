@@ -29,7 +29,6 @@ import datetime as dt
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +37,8 @@ import pyarrow.compute as pc
 
 from orchestrator.analysis import changepoints
 from orchestrator.analysis.commits import head_rows
-from orchestrator.analysis.stats import higher_is_better
+from orchestrator.analysis.groups import higher_is_better
+from workers.contract import Status
 
 WINDOW = changepoints.WINDOW
 THRESHOLD = changepoints.THRESHOLD
@@ -145,25 +145,44 @@ def series_of(
     """Group clean rows into series of run points, each series in time order.
 
     Args:
-        table: rows in the contract's schema (e.g. `ResultStore.read(sweep)`).
+        table: rows in the contract's schema (e.g. `read_rows(store, sweep=...)`).
         case: keep one case (matched against `case_name`, then `case`).
         metric: keep one metric.
     """
     table = head_rows(table)  # a commit comparison's BASE rows share HEAD's run: only HEAD is the run's point
-    mask = pc.and_(pc.equal(table["status"], "ok"), pc.invert(pc.fill_null(table["contended"], False)))
+    mask = pc.and_(pc.equal(table["status"], Status.OK.value), pc.invert(pc.fill_null(table["contended"], False)))
     if case is not None:
         mask = pc.and_(mask, pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))
     if metric is not None:
         mask = pc.and_(mask, pc.equal(table["metric"], metric))
-    cols = ["device", "hostname", "case_name", "arm", "params", "metric", "unit", "run_id", "started_at",
-            "commit", "value", *ENVIRONMENT]  # fmt: skip
+    cols = [
+        "device",
+        "hostname",
+        "case_name",
+        "arm",
+        "params",
+        "metric",
+        "unit",
+        "run_id",
+        "started_at",
+        "commit",
+        "value",
+        *ENVIRONMENT,
+    ]
     points: dict[SeriesKey, dict[str, RunPoint]] = defaultdict(dict)
     for row in table.filter(mask).select(cols).to_pylist():
         value = row["value"]
         if (metric is None and row["metric"] in IGNORED_METRICS) or value is None or not math.isfinite(value):
             continue
-        key = SeriesKey(row["device"], row["hostname"] or "", row["case_name"], row["arm"],
-                        _params_key(row["params"]), row["metric"], row["unit"] or "")  # fmt: skip
+        key = SeriesKey(
+            row["device"],
+            row["hostname"] or "",
+            row["case_name"],
+            row["arm"],
+            _params_key(row["params"]),
+            row["metric"],
+            row["unit"] or "",
+        )
         point = points[key].get(row["run_id"])
         if point is None:
             env = {name: "" if row[name] is None else str(row[name]) for name in ENVIRONMENT}
@@ -198,15 +217,19 @@ def detect(
     sign = 1.0 if higher else -1.0
     y = [sign * math.log(medians[i]) for i in keep]
     se = [points[i].log_error() for i in keep]
-    changes = [j for j in range(1, len(keep)) if environment_change(points[keep[j - 1]].environment,
-                                                                    points[keep[j]].environment)]  # fmt: skip
+    changes = [
+        j
+        for j in range(1, len(keep))
+        if environment_change(points[keep[j - 1]].environment, points[keep[j]].environment)
+    ]
     calls = changepoints.judge_series(y, se, set(changes), window=window, threshold=threshold)
     out: dict[int, Finding] = {}
     for j, call in enumerate(calls):
         i = keep[j]
         out[i] = _finding(key, points, keep, j, call, sign)
-    return [out.get(i) or Finding(key, p.run_id, p.commit, p.started_at, NO_HISTORY, p.median)
-            for i, p in enumerate(points)]  # fmt: skip
+    return [
+        out.get(i) or Finding(key, p.run_id, p.commit, p.started_at, NO_HISTORY, p.median) for i, p in enumerate(points)
+    ]
 
 
 def _finding(
@@ -215,8 +238,11 @@ def _finding(
     """One night's call as a finding, in the metric's own orientation."""
     point = points[keep[j]]
     base = [points[keep[b]] for b in call.baseline]
-    verdict = {changepoints.NO_HISTORY: NO_HISTORY, changepoints.STEADY: STEADY,
-               changepoints.ENVIRONMENT: ENVIRONMENT_CHANGE}.get(call.kind)  # fmt: skip
+    verdict = {
+        changepoints.NO_HISTORY: NO_HISTORY,
+        changepoints.STEADY: STEADY,
+        changepoints.ENVIRONMENT: ENVIRONMENT_CHANGE,
+    }.get(call.kind)
     if verdict is None:
         verdict = REGRESSION if call.shift < 0 else IMPROVEMENT
     ends = sorted(math.exp(sign * v) for v in (call.lo, call.hi)) if math.isfinite(call.lo) else [math.nan, math.nan]
@@ -269,7 +295,7 @@ def findings_for_run(
 
 def unjudged(table: pa.Table, run_id: str) -> list[str]:
     """Series the run measured only under contention (foreign GPU/CPU users): they cannot be judged."""
-    rows = table.filter(pc.and_(pc.equal(table["run_id"], run_id), pc.equal(table["status"], "ok")))
+    rows = table.filter(pc.and_(pc.equal(table["run_id"], run_id), pc.equal(table["status"], Status.OK.value)))
     clean: set[tuple[str, ...]] = set()
     contended: set[tuple[str, ...]] = set()
     for row in rows.select(["device", "case_name", "arm", "params", "metric", "contended"]).to_pylist():
@@ -365,37 +391,3 @@ def trends(
         Trend(key, pts, detect(key, pts, window=window, threshold=threshold))
         for key, pts in series_of(table, case=case, metric=metric).items()
     ]
-
-
-def plot_trends(items: list[Trend], path: str | Path, title: str) -> Path:
-    """Draw run medians over time, one panel per device, regressions as red triangles (PNG, Agg)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    devices = sorted({t.series.device for t in items})
-    fig = Figure(figsize=(9, 2.8 * max(len(devices), 1) + 0.6), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(max(len(devices), 1), 1, squeeze=False)[:, 0]
-    hosts = {t.series.host for t in items}
-    for ax, device in zip(axes, devices, strict=False):
-        for t in (t for t in items if t.series.device == device):
-            label = " ".join(x for x in (t.series.arm, t.series.params) if x)
-            if len(hosts) > 1:
-                label += f" [{t.series.host}]"
-            ax.plot([p.started_at for p in t.points], [p.median for p in t.points], marker="o", ms=3, label=label)
-            bad = [f for f in t.findings if f.verdict == REGRESSION]
-            if bad:
-                labelled = "regression" in ax.get_legend_handles_labels()[1]
-                ax.scatter([f.started_at for f in bad], [f.median for f in bad], marker="v", s=70, color="red",
-                           zorder=3, label="_" if labelled else "regression")  # fmt: skip
-        unit = next((t.series.unit for t in items if t.series.device == device), "")
-        ax.set_title(device, fontsize=10)
-        ax.set_ylabel(f"{items[0].series.metric} ({unit})" if unit else items[0].series.metric, fontsize=8)
-        ax.legend(fontsize=7, loc="best")
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=11)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out

@@ -24,14 +24,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups
 from orchestrator.analysis.commits import commit_label
-from orchestrator.analysis.criteria import CriterionVerdict, MissingPoint, Outcome, overall
-from orchestrator.analysis.stats import Point
+from orchestrator.analysis.groups import Point
+from orchestrator.analysis.verdicts import CriterionVerdict, MissingPoint, Outcome, overall
 from orchestrator.errors import InputError
 from orchestrator.run.plan import points as case_points
-from orchestrator.specs.sweep import CaseEntry, Criterion, SweepSpec
+from orchestrator.specs.case import CaseEntry
+from orchestrator.specs.criterion import Criterion
+from orchestrator.specs.sweep import SweepSpec
 from orchestrator.specs.where import parse_where
+from workers.contract import Status
 
 DIGEST_KEYS = ("output_sha256", "greedy_digest")
 
@@ -91,8 +94,10 @@ def validate(sweep: SweepSpec, criterion: Criterion) -> None:
             fits.append(entry)
     if not fits:
         what = f"arm {criterion.arm!r}" if criterion.arm else "two arms or more" if criterion.across == "arms" else "it"
-        raise InputError(f"criteria {criterion.name!r}: no case of sweep {sweep.name!r} has {what}" + (
-            f" and the parameters of where {criterion.where!r}" if criterion.where else ""))  # fmt: skip
+        raise InputError(
+            f"criteria {criterion.name!r}: no case of sweep {sweep.name!r} has {what}"
+            + (f" and the parameters of where {criterion.where!r}" if criterion.where else "")
+        )
 
 
 def _digests(table: pa.Table) -> tuple[dict[tuple[Any, ...], dict[str, int]], dict[tuple[Any, ...], str]]:
@@ -107,8 +112,8 @@ def _digests(table: pa.Table) -> tuple[dict[tuple[Any, ...], dict[str, int]], di
     for row in table.select(cols).to_pylist():
         extra = dict(row["extra"] or [])
         side = (int(extra.get("ref_index", 0)), _side_label(extra.get("ref"), row["commit"]))
-        key = (row["device"], row["case_name"], stats.point_of(row["params"]), side, row["arm"])
-        if row["status"] != "ok":
+        key = (row["device"], row["case_name"], groups.point_of(row["params"]), side, row["arm"])
+        if row["status"] != Status.OK:
             first_line = (row["error"] or "no error recorded").strip().splitlines()[0]
             errors.setdefault(key, f"{row['status']}: {first_line}")
             continue
@@ -173,7 +178,7 @@ def evaluate(table: pa.Table, sweep: SweepSpec, criterion: Criterion) -> OutputV
         if not condition.names() <= set(axes):
             continue
         for params in case_points(entry):
-            point = stats.point_of({k: str(v) for k, v in params.items()})
+            point = groups.point_of({k: str(v) for k, v in params.items()})
             if not condition.matches(dict(point)):
                 continue
             for device in entry.devices or sweep.devices or seen_devices or ["(any device)"]:
@@ -241,8 +246,10 @@ def rule_text(v: OutputVerdict) -> str:
     return f"byte-identical greedy output, {what}"
 
 
-def describe(v: OutputVerdict) -> list[str]:
-    """Human lines for one verdict: the headline, then every non-passing and missing point."""
+def describe(v: CriterionVerdict) -> list[str]:
+    """Human lines for one verdict (an `OutputVerdict`): the headline, then every non-passing and missing point."""
+    if not isinstance(v, OutputVerdict):
+        raise TypeError(f"a same-output criterion's verdict is an OutputVerdict, not {type(v).__name__}")
     c = v.criterion
     head = f"{v.outcome.value:<9} {c.name}: {rule_text(v)}"
     if v.note:

@@ -1,7 +1,7 @@
 """Clean samples grouped in DuckDB, each group ordered so that pairs can be formed.
 
 `grouped_samples(rows, keys)` groups the clean rows of an Arrow table (status ok, not contended, a
-finite value; see `orchestrator.analysis.stats.clean_rows`) by the named columns and returns, per group,
+finite value; see `orchestrator.analysis.groups.clean_rows`) by the named columns and returns, per group,
 its values ordered by (run, job, sample) together with each value's `sample` index, `job_key`
 and `run_id`: two arms measured in one job (ABBA-interleaved) pair up by (job_key, sample). The
 first row of each group keeps its position, so sides can be listed in the order they were
@@ -18,7 +18,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def clean_in_duckdb(rows: pa.Table, name: str) -> duckdb.DuckDBPyConnection | No
 
     None when no row is clean.
     """
-    clean = stats.clean_rows(rows)
+    clean = groups.clean_rows(rows)
     if clean.num_rows == 0:
         return None
     con = duckdb.connect()
@@ -81,7 +81,7 @@ def grouped_samples(rows: pa.Table, keys: Sequence[str]) -> list[tuple[tuple[Any
     listed = ", ".join(f'"{k}"' for k in keys)
     out = []
     for record in con.sql(GROUP_SQL.format(keys=listed)).fetchall():
-        key = tuple(stats.point_of(v) if k == "params" else v for k, v in zip(keys, record, strict=False))
+        key = tuple(groups.point_of(v) if k == "params" else v for k, v in zip(keys, record, strict=False))
         values, samples, job_keys, run_ids, first, unit, versions, commits = record[len(keys) :]
         out.append(
             (

@@ -45,12 +45,10 @@ import zlib
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
+from orchestrator.analysis.groups import EXACT_METRICS, higher_is_better
 from orchestrator.analysis.power import LEVEL, NORMAL, band_p_value, samples_to_settle
 
 RESAMPLES = 2000
@@ -62,18 +60,6 @@ MIN_SAMPLES = 5
 # sample is always caught; normal noise of 10 % never reaches 2x.
 OUTLIER_FACTOR = 2.0
 OUTLIER_Z = 14.0
-
-# Metrics where a smaller value is the better one; every other metric is a rate (higher is better).
-LOWER_IS_BETTER = frozenset(
-    {"seconds", "host_seconds", "load_seconds", "peak_memory_bytes", "rel_error", "lock_wait_s"}
-)
-# Measured once per arm and job, deterministic by construction: compared as exact numbers.
-EXACT_METRICS = frozenset({"peak_memory_bytes", "rel_error"})
-
-
-def higher_is_better(metric: str) -> bool:
-    """True for rates (tok/s, GB/s, TFLOP/s); False for times, memory and errors."""
-    return metric not in LOWER_IS_BETTER and not metric.endswith("_seconds") and not metric.endswith("_bytes")
 
 
 class Verdict(StrEnum):
@@ -382,9 +368,14 @@ def compare_samples(
     raw, speedup = _as_ratio(log, higher)
     if log.n < MIN_SAMPLES:
         return Comparison(
-            raw, speedup, Verdict.TOO_FEW, threshold, MIN_SAMPLES - log.n,
-            note=f"n={log.n}: too few to judge", log_se=log.se,
-        )  # fmt: skip
+            raw,
+            speedup,
+            Verdict.TOO_FEW,
+            threshold,
+            MIN_SAMPLES - log.n,
+            note=f"n={log.n}: too few to judge",
+            log_se=log.se,
+        )
     verdict = classify(log, threshold)
     more = samples_to_settle(log.point, log.se, log.n, threshold) if verdict is Verdict.AMBIGUOUS else None
     p = band_p_value(log.point, log.se, threshold)
@@ -400,99 +391,3 @@ def _exact(a: float, b: float, n_a: int, n_b: int, higher: bool, threshold: floa
     log = math.log(turned) if turned > 0 and math.isfinite(turned) else math.nan
     verdict = classify(LogRatio(log, log, log, 0.0, n_a, n_b, False), threshold)
     return Comparison(raw, speedup, verdict, threshold, None, log_se=0.0)
-
-
-# ------------------------------------------------------------------------------------ tables
-
-
-def clean_rows(table: pa.Table) -> pa.Table:
-    """Only the rows that count as samples: status ok, not contended, a finite value."""
-    if table.num_rows == 0:
-        return table
-    ok = pc.equal(table["status"], "ok")
-    not_contended = pc.invert(pc.fill_null(table["contended"], False))
-    finite = pc.and_(pc.is_valid(table["value"]), pc.is_finite(pc.fill_null(table["value"], 0.0)))
-    return table.filter(pc.and_(pc.and_(ok, not_contended), finite))
-
-
-Point = tuple[tuple[str, str], ...]
-
-
-def point_of(params: Sequence[tuple[str, str]] | dict[str, str] | None) -> Point:
-    """A parameter point as a sorted tuple of (name, value-as-text) pairs."""
-    if params is None:
-        return ()
-    items = params.items() if isinstance(params, dict) else params
-    return tuple(sorted((str(k), str(v)) for k, v in items))
-
-
-@dataclass(frozen=True)
-class GroupKey:
-    """What a set of samples is of."""
-
-    device: str
-    case_name: str
-    point: Point
-    arm: str
-    metric: str
-    run_id: str | None = None
-    code_version: str | None = None
-
-
-PairKey = tuple[str, str, int]  # (run_id, job_key, sample): arms of one job pair on it
-KeyedSamples = tuple[list[float], list[PairKey]]
-
-
-def keyed_sample_groups(table: pa.Table, *, split_runs: bool = False) -> dict[GroupKey, KeyedSamples]:
-    """Clean samples by group, in row order, each with its pairing key (`compare_samples`)."""
-    rows = clean_rows(table)
-    names = ("device", "case_name", "params", "arm", "metric", "value", "run_id", "code_version", "job_key", "sample")
-    cols: dict[str, list[Any]] = {name: rows[name].to_pylist() for name in names}
-    out: dict[GroupKey, KeyedSamples] = {}
-    for i in range(rows.num_rows):
-        key = GroupKey(
-            cols["device"][i],
-            cols["case_name"][i],
-            point_of(cols["params"][i]),
-            cols["arm"][i],
-            cols["metric"][i],
-            cols["run_id"][i] if split_runs else None,
-            cols["code_version"][i] if split_runs else None,
-        )
-        values, keys = out.setdefault(key, ([], []))
-        values.append(float(cols["value"][i]))
-        sample = cols["sample"][i]
-        keys.append((str(cols["run_id"][i]), str(cols["job_key"][i]), -1 if sample is None else int(sample)))
-    return out
-
-
-def sample_groups(table: pa.Table, *, split_runs: bool = False) -> dict[GroupKey, list[float]]:
-    """Clean samples by group. `split_runs` keeps runs and code versions apart."""
-    return {key: values for key, (values, _) in keyed_sample_groups(table, split_runs=split_runs).items()}
-
-
-def summarize_groups(groups: dict[GroupKey, list[float]], *, resamples: int = RESAMPLES) -> dict[GroupKey, Summary]:
-    """`summarize` for every group, seeded by its key."""
-    return {key: summarize(vals, seed=seed_for(key), resamples=resamples) for key, vals in groups.items()}
-
-
-def latest_runs(table: pa.Table) -> pa.Table:
-    """Per (device, case, point), only the rows of the newest run that measured it.
-
-    Resumed sweeps keep the older run's points; a point measured again replaces its older rows
-    instead of pooling samples from different code or conditions.
-    """
-    if table.num_rows == 0:
-        return table
-    cols = {c: table[c].to_pylist() for c in ("device", "case_name", "params", "run_id", "started_at")}
-    newest: dict[tuple[str, str, Point], tuple[Any, str]] = {}
-    keys = []
-    for i in range(table.num_rows):
-        key = (cols["device"][i], cols["case_name"][i], point_of(cols["params"][i]))
-        keys.append(key)
-        stamp = (cols["started_at"][i] is not None, cols["started_at"][i] or 0, cols["run_id"][i])
-        best = newest.get(key)
-        if best is None or stamp > best[0]:
-            newest[key] = (stamp, cols["run_id"][i])
-    mask = [cols["run_id"][i] == newest[keys[i]][1] for i in range(table.num_rows)]
-    return table.filter(pa.array(mask, pa.bool_()))

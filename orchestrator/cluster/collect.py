@@ -18,10 +18,12 @@ from pathlib import Path
 import pyarrow as pa
 
 from orchestrator.cluster.lifecycle import spool_dir
-from orchestrator.cluster.ssh import RemoteShell, SshTarget
+from orchestrator.cluster.ssh import RemoteShell
+from orchestrator.cluster.target import SshTarget
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.specs.sweep import HostSpec, InventorySpec
 from orchestrator.store.fragments import ResultStore
+from orchestrator.store.incoming import import_fragment
 from workers.job.spool import parse_fragment_name
 
 
@@ -79,7 +81,7 @@ def collect_spooled(inventory: InventorySpec, store: ResultStore) -> list[HostCo
                 local = Path(tmp) / name
                 local.write_bytes(blob)
                 try:
-                    found.fetched.append(store.import_fragment(local))
+                    found.fetched.append(import_fragment(store, local))
                 except InputError as exc:  # unreadable, or a value that would leave the store: refused
                     found.error = f"{name}: {exc.message}"
                 except (OSError, pa.ArrowException) as exc:

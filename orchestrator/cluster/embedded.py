@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,17 +28,18 @@ from typing import Any
 from orchestrator.cluster.head import RAY_BIND_ENV, RAY_CLI
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.specs.inventory import HostSpec, InventorySpec
-from workers.host.gpus import GPU_SLOTS_ENV, GpuInfo, GpuListError, list_gpus, pin_labels, select_gpus
+from workers.host.gpus import GPU_SLOTS_ENV, GpuInfo, GpuListError, GpuNotFoundError, list_gpus, pin_labels, select_gpus
+from workers.proc.tree import end_descendants
 
-JOIN_TIMEOUT_S = 180.0  # a raylet's start on a loaded 2-core machine takes seconds; on an 8-GPU box, several at once
+JOIN_TIMEOUT_S = 180.0  # a raylet's start on a loaded small machine takes seconds; on an 8-GPU box, several at once
 NODE_OBJECT_STORE_BYTES = 2**30  # per extra node: rows are small, and N nodes share one /dev/shm
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 5
 # The CPUs each embedded node tells Ray it has. Our tasks take none (`num_cpus=0`, one `gpu_slot`)
 # and set the job's thread count themselves (`workers.job.task.job_env`), so the count only decides
 # how many Python workers Ray starts ahead when the run's driver connects: one per CPU. A slot runs
-# one job at a time and needs one; each further one was Ray's import (about a CPU second) competing
-# with the first job's start (16 of them per node on the H200's 16 cores).
+# one job at a time and needs one; each further one would be Ray's import (about a CPU second)
+# competing with the first job's start, once per core of a many-core GPU host.
 NODE_CPUS = 1
 
 
@@ -55,9 +55,9 @@ def local_gpus(inventory: InventorySpec) -> list[GpuInfo]:
         return []
     try:
         return select_gpus(host.gpus, list_gpus(host.backend), backend=host.backend)
+    except GpuNotFoundError as exc:
+        raise InputError(f"field hosts.0.gpus (host {host.name!r}): {exc}") from None
     except GpuListError as exc:
-        if host.gpus != "all" and "not found" in str(exc):
-            raise InputError(f"field hosts.0.gpus (host {host.name!r}): {exc}") from None
         raise InfrastructureError(f"host {host.name!r}: cannot list its {host.backend} GPUs: {exc}") from None
 
 
@@ -112,9 +112,13 @@ class GpuNodes:
             log = logs / f"orchestrate-node-gpu{gpu.index}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
-                )  # fmt: skip
+                )
             self.procs[gpu.index] = (proc, log)
         self._wait_joined(JOIN_TIMEOUT_S)
 
@@ -147,17 +151,10 @@ class GpuNodes:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        """End every extra node (its whole process group: raylet, agents, workers, jobs)."""
+        """End every extra node (its process tree and group: raylet, agents, workers, jobs), all at once."""
+        end_descendants(*(proc.pid for proc, _ in self.procs.values()), grace=STOP_GRACE_S, group=True)
         for proc, _ in self.procs.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for proc, _ in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            with contextlib.suppress(subprocess.TimeoutExpired):  # reap it
                 proc.wait(5)
         self.procs = {}
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from orchestrator.cluster.token import enable_token_auth, ensure_token
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import InventorySpec
 from workers.proc.table import is_descendant, listening_pids, pid_alive, process_cmdline, process_name
+from workers.proc.tree import end_descendants
 
 RAY_CLI = ["-m", "ray.scripts.scripts"]
 HEAD_PID = "head.pid"
@@ -176,7 +176,8 @@ def start_head(inventory: InventorySpec, *, timeout: float = 60.0) -> bool:
 
 
 def stop_head(inventory: InventorySpec, *, grace: float = 5.0) -> str:
-    """Stop the head `start_head` started (by its process group).
+    """Stop the head `start_head` started: its process tree and process group (SIGTERM, `grace`
+    seconds, then SIGKILL; `workers.proc.tree.end_descendants`).
 
     Returns:
         `stopped`, `not running` (no pid file, or its process is gone), or `stale pid file` (the
@@ -189,12 +190,7 @@ def stop_head(inventory: InventorySpec, *, grace: float = 5.0) -> str:
     if our_head_pid(inventory) != pid:
         pidfile.unlink(missing_ok=True)
         return "stale pid file" if pid_alive(pid) else "not running"
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and pid_alive(pid):
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    end_descendants(pid, grace=grace, group=True)
     with contextlib.suppress(ChildProcessError):  # reap it when it is our child
         os.waitpid(pid, os.WNOHANG)
     pidfile.unlink(missing_ok=True)

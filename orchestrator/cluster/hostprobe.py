@@ -9,7 +9,8 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from orchestrator.cluster.ssh import RemoteShell, SshTarget, shell_path
+from orchestrator.cluster.ssh import RemoteShell, shell_path
+from orchestrator.cluster.target import SshTarget
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import HostSpec
 from workers.job.spool import parse_fragment_name

@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 from orchestrator.cluster.hostprobe import HostProbe
-from orchestrator.cluster.ssh import RemoteShell, SshTarget
+from orchestrator.cluster.ssh import RemoteShell
+from orchestrator.cluster.target import SshTarget
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import HostSpec
 

@@ -59,7 +59,8 @@ from orchestrator.cluster.nodes import (
     stop_node,
     stop_other_nodes,
 )
-from orchestrator.cluster.ssh import RemoteShell, SftpError, SshTarget
+from orchestrator.cluster.ssh import RemoteShell, SftpError
+from orchestrator.cluster.target import SshTarget
 from orchestrator.cluster.token import ensure_token, rotate_token, token_path, token_problem
 from orchestrator.errors import InfrastructureError, InputError
 from orchestrator.specs.sweep import HostSpec, InventorySpec

@@ -14,7 +14,8 @@ from typing import Any
 
 from orchestrator.cluster.head import RAY_BIND_ENV, RAY_CLI, connect_env, head_address
 from orchestrator.cluster.hostprobe import HostProbe
-from orchestrator.cluster.ssh import RemoteShell, SshTarget, command_line, shell_path
+from orchestrator.cluster.ssh import RemoteShell, command_line, shell_path
+from orchestrator.cluster.target import SshTarget
 from orchestrator.cluster.tls import NODE_FILES, issue, tls_env
 from orchestrator.cluster.token import token_path
 from orchestrator.errors import InfrastructureError
@@ -55,9 +56,13 @@ def node_paths(host: HostSpec, home: str, gpu: int | None = None) -> dict[str, s
     wd = host.workdir if not host.workdir.startswith("~") else home + host.workdir[1:]
     node = "ray-node" if gpu is None else f"ray-node-gpu{gpu}"
     return {
-        "workdir": wd, "pid": f"{wd}/{node}.pid", "log": f"{wd}/{node}.log", "token": f"{wd}/{TOKEN_FILE}",
-        "tls": f"{wd}/tls", "temp": f"{wd}/ray" if gpu is None else f"{wd}/ray-gpu{gpu}",
-    }  # fmt: skip
+        "workdir": wd,
+        "pid": f"{wd}/{node}.pid",
+        "log": f"{wd}/{node}.log",
+        "token": f"{wd}/{TOKEN_FILE}",
+        "tls": f"{wd}/tls",
+        "temp": f"{wd}/ray" if gpu is None else f"{wd}/ray-gpu{gpu}",
+    }
 
 
 def _our_node_script(paths: dict[str, str]) -> str:

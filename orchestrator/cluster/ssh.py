@@ -6,7 +6,8 @@ the key's fingerprint and the command that would trust it. `~/.ssh/config` is co
 HostName, Port, User, IdentityFile, UserKnownHostsFile and ProxyJump; a ProxyJump chain is followed
 hop by hop through `direct-tcpip` channels. Keys come from the identity file and the SSH agent.
 Every connect and every command has a timeout; every remote argument is shell-quoted; nothing
-secret (the token, key material) is ever printed or logged.
+secret (the token, key material) is ever printed or logged. Where a host is and the hops to it
+are `orchestrator.cluster.target`'s.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import shlex
 import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import paramiko
 
+from orchestrator.cluster.target import Hop, SshTarget, known_hosts_name
 from orchestrator.errors import InfrastructureError
-from orchestrator.specs.sweep import HostSpec
 
 DEFAULT_COMMAND_TIMEOUT = 60.0
 
@@ -59,87 +60,10 @@ class CommandResult:
         return f"exit code {self.exit_code}"
 
 
-@dataclass(frozen=True)
-class Hop:
-    """One SSH endpoint on the way to a host (a jump host or the host itself)."""
-
-    hostname: str
-    port: int = 22
-    user: str | None = None
-    identity_file: str | None = None
-
-    @property
-    def address(self) -> str:
-        return f"{self.hostname}:{self.port}"
-
-
-@dataclass(frozen=True)
-class SshTarget:
-    """How to reach one inventory host: its name, the hop itself and the jumps before it."""
-
-    name: str
-    hop: Hop
-    jumps: tuple[Hop, ...] = ()
-    known_hosts: str = "~/.ssh/known_hosts"
-    connect_timeout: float = 10.0
-    env: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_host(cls, host: HostSpec, ssh_config: Path | None = None) -> SshTarget:
-        """Merge an inventory host with `~/.ssh/config` (the inventory's explicit fields win)."""
-        config = _load_ssh_config(ssh_config)
-        alias = host.host or host.name
-        found = config.lookup(alias) if config else {}
-        explicit = host.model_fields_set
-        hop = Hop(
-            hostname=str(found.get("hostname", alias)),
-            port=host.port if "port" in explicit or "port" not in found else int(found["port"]),
-            user=host.user or found.get("user"),
-            identity_file=host.identity_file or _first(found.get("identityfile")),
-        )
-        jump_specs = list(host.proxy_jump)
-        if not jump_specs and found.get("proxyjump") and str(found["proxyjump"]).lower() != "none":
-            jump_specs = [j for j in str(found["proxyjump"]).split(",") if j]
-        jumps = tuple(_jump_hop(spec, config, hop.identity_file) for spec in jump_specs)
-        known = host.known_hosts or _first(found.get("userknownhostsfile")) or "~/.ssh/known_hosts"
-        return cls(host.name, hop, jumps, known, host.connect_timeout, dict(host.env))
-
-
-def _first(value: Any) -> str | None:
-    if isinstance(value, list):
-        return str(value[0]) if value else None
-    return None if value is None else str(value)
-
-
-def _load_ssh_config(path: Path | None) -> paramiko.SSHConfig | None:
-    path = path or Path("~/.ssh/config").expanduser()
-    if not path.is_file():
-        return None
-    return paramiko.SSHConfig.from_path(str(path))
-
-
-def _jump_hop(spec: str, config: paramiko.SSHConfig | None, identity: str | None) -> Hop:
-    """`[user@]host[:port]`, looked up in the SSH config like `ssh -J` does."""
-    user, _, rest = spec.rpartition("@")
-    name, _, port = rest.partition(":")
-    found = config.lookup(name) if config else {}
-    return Hop(
-        hostname=str(found.get("hostname", name)),
-        port=int(port or found.get("port", 22)),
-        user=user or found.get("user"),
-        identity_file=_first(found.get("identityfile")) or identity,
-    )
-
-
 def key_fingerprint(key: paramiko.PKey) -> str:
     """The key's fingerprint as `ssh-keygen -l` prints it: `SHA256:<base64>`."""
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
-
-def known_hosts_name(hop: Hop) -> str:
-    """The name a known_hosts line uses for this endpoint (`host` or `[host]:port`)."""
-    return hop.hostname if hop.port == 22 else f"[{hop.hostname}]:{hop.port}"
 
 
 class SftpError(InfrastructureError):

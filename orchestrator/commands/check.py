@@ -8,10 +8,11 @@ from pathlib import Path
 import pyarrow as pa
 import typer
 
-from orchestrator.analysis.compare import select_results
-from orchestrator.analysis.criteria import CriterionVerdict, evaluate_criteria, exit_code_for, render_verdicts
+from orchestrator.analysis.criteria import evaluate_criteria, render_verdicts
 from orchestrator.analysis.records import typed
 from orchestrator.analysis.same_output import OutputVerdict
+from orchestrator.analysis.selection import select_results
+from orchestrator.analysis.verdicts import CriterionVerdict, exit_code_for
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
 from orchestrator.report.console import warn_broken

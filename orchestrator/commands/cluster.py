@@ -40,10 +40,18 @@ def hosts_table(states: list[HostState], title: str) -> Table:
         reachable = "-" if p is None else ("yes" if p.reachable else "no")
         problem = "; ".join(s.notes) or (p.error if p is not None and p.error else "")
         table.add_row(
-            s.name, s.device, s.address, reachable,
-            p.os if p else "-", (p.python or "-") if p else "-", (p.ray or "-") if p else "-",
-            s.node, s.lock, s.last_job, problem,
-        )  # fmt: skip
+            s.name,
+            s.device,
+            s.address,
+            reachable,
+            p.os if p else "-",
+            (p.python or "-") if p else "-",
+            (p.ray or "-") if p else "-",
+            s.node,
+            s.lock,
+            s.last_job,
+            problem,
+        )
     return table
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import typer
 
 from orchestrator.analysis import stats
-from orchestrator.analysis.compare import compare_stored, select_results
 from orchestrator.analysis.cross_device import cross_device
+from orchestrator.analysis.selection import compare_stored, select_results
 from orchestrator.commands.options import (
     By,
     View,
@@ -27,8 +27,9 @@ from orchestrator.commands.options import (
 )
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, warn, warn_broken
+from orchestrator.report.cross import print_cross, write_cross
 from orchestrator.report.output import Format, destination
-from orchestrator.report.text import print_comparison, print_cross, write_comparison, write_cross
+from orchestrator.report.text import print_comparison, write_comparison
 from orchestrator.store.fragments import ResultStore
 
 
@@ -82,18 +83,28 @@ def register(app: typer.Typer) -> None:
             warn_broken(store.broken)
             return
         result, table, _ = compare_stored(
-            store, sweep=sweep, run=run, by=by.value, baseline=baseline, contenders=split_list(contender),
-            arms=split_list(arms), metrics=metrics, threshold=threshold, all_runs=all_runs,
-        )  # fmt: skip
+            store,
+            sweep=sweep,
+            run=run,
+            by=by.value,
+            baseline=baseline,
+            contenders=split_list(contender),
+            arms=split_list(arms),
+            metrics=metrics,
+            threshold=threshold,
+            all_runs=all_runs,
+        )
         several = fmt in (Format.table, Format.md) and len(set(table["device"].to_pylist())) > 1
         cross = cross_device(table) if several else []  # CSV and JSON records carry no share-of-peak view
         with destination(output) as stream:
             if fmt is Format.table:
-                print_comparison(console(stream), result, cross, metrics, wide=wide or output is not None,
-                                 only_changed=only_changed)  # fmt: skip
+                print_comparison(
+                    console(stream), result, cross, metrics, wide=wide or output is not None, only_changed=only_changed
+                )
             else:
-                write_comparison(result, fmt, stream, cross if fmt is Format.md else None, metrics,
-                                 only_changed=only_changed)  # fmt: skip
+                write_comparison(
+                    result, fmt, stream, cross if fmt is Format.md else None, metrics, only_changed=only_changed
+                )
         if fmt in (Format.csv, Format.json):  # the records carry the verdicts; what the legend says goes to stderr
             if result.left_out:
                 warn(f"left out, no clean sample: {'; '.join(result.left_out)}")

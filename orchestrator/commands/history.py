@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, plot_trends, sparkline, trends
+from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, sparkline, trends
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn_broken
@@ -83,12 +83,20 @@ def history_table(items: list[Trend], title: str, *, compact: bool = False) -> T
             verdict_text(f.verdict, f"{f.verdict} {(f.since_commit or f.commit or f.run_id)[:10]} x{f.ratio:.3f}")
             for f in t.changes
         )
-        rows.append([
-            t.series.device, t.series.host, t.series.arm, t.series.params, str(len(t.points)),
-            format_value(first, unit_of(t.series.metric, t.series.unit)),
-            format_value(last, unit_of(t.series.metric, t.series.unit)), f"{(last / first - 1):+.1%}",
-            sparkline([p.median for p in t.points]), flagged if t.changes else "-",
-        ])  # fmt: skip
+        rows.append(
+            [
+                t.series.device,
+                t.series.host,
+                t.series.arm,
+                t.series.params,
+                str(len(t.points)),
+                format_value(first, unit_of(t.series.metric, t.series.unit)),
+                format_value(last, unit_of(t.series.metric, t.series.unit)),
+                f"{(last / first - 1):+.1%}",
+                sparkline([p.median for p in t.points]),
+                flagged if t.changes else "-",
+            ]
+        )
     if compact:
         keep = [i for i, h in enumerate(heads) if h not in ("first", "trend")]
         heads, rows = [heads[i] for i in keep], [[r[i] for i in keep] for r in rows]
@@ -130,6 +138,8 @@ def register(app: typer.Typer) -> None:
             else:
                 write_table(history_records(items), fmt, stream)
         if png is not None:
-            path = plot_trends(items, png, f"{case}: {chosen}")
+            from orchestrator.report.history import history_png  # matplotlib: only when a chart is asked for
+
+            path = history_png(items, png, f"{case}: {chosen}")
             console(stderr=fmt is not Format.table).print(f"plot: {path}")
         warn_broken(store.broken)

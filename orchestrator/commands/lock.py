@@ -55,21 +55,16 @@ def _say(message: str) -> None:
     print(f"orchestrate: {message}", file=sys.stderr, flush=True)
 
 
-def _kill_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)
-
-
-def _give_terminal(pgid: int) -> int | None:
+def _give_terminal(tree: ProcessTree) -> int | None:
     """Make the command's group the terminal's foreground (as a shell does), if we are in front."""
     try:
         fd = sys.stdin.fileno()
         if not os.isatty(fd) or os.tcgetpgrp(fd) != os.getpgrp():
             return None
-        os.tcsetpgrp(fd, pgid)
+        os.tcsetpgrp(fd, tree.pgid)
     except (OSError, ValueError):
         return None
-    _kill_group(pgid, signal.SIGCONT)  # in case it read the terminal before it was its own
+    tree.signal(signal.SIGCONT)  # in case it read the terminal before it was its own
     return fd
 
 
@@ -148,7 +143,7 @@ def run_held(argv: list[str], lock: GpuLock | SlotLock, *, grace: float = GRACE_
             return 126
         if signals:  # arrived while the command was being started
             tree.signal(signals[0])
-        terminal = _give_terminal(tree.pgid)
+        terminal = _give_terminal(tree)
         try:
             code = _wait_tree(tree, signals, grace)
         finally:

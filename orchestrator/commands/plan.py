@@ -19,6 +19,7 @@ from orchestrator.run.code_version import code_version
 from orchestrator.run.plan import expand, new_run_id
 from orchestrator.specs.sweep import InventorySpec, load_sweep, validation_message
 from orchestrator.store.fragments import ResultStore
+from orchestrator.store.incoming import check_fragment, import_fragment
 
 
 def write_jobs(sweep_name: str, device: str, backend: str, out: Path, lock_path: str | None) -> list[Path]:
@@ -73,6 +74,6 @@ def register(app: typer.Typer) -> None:
             if not f.is_file():
                 raise InputError("no such file", where=str(f))
         for f in files:  # every fragment checked before any is stored: a bad one stores nothing
-            store.check_fragment(f)
+            check_fragment(store, f)
         for f in files:
-            print(store.import_fragment(f))
+            print(import_fragment(store, f))

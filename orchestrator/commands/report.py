@@ -7,10 +7,11 @@ from pathlib import Path
 import typer
 
 from orchestrator.analysis import stats
-from orchestrator.analysis.compare import select_results
+from orchestrator.analysis.selection import select_results
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
 from orchestrator.report.console import console, warn_broken
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 
 
@@ -30,7 +31,7 @@ def register(app: typer.Typer) -> None:
         store = ResultStore(results_root(results_dir))
         table, spec = select_results(store, sweep, run, all_runs=all_runs)
         # The trend charts need every stored run of the sweep, not only the newest one per point.
-        history = store.read(sweep=table["sweep"][0].as_py()) if run is None and not all_runs else table
+        history = read_rows(store, sweep=table["sweep"][0].as_py()) if run is None and not all_runs else table
         path = write_report(html, build_report(table, spec=spec, threshold=threshold, history=history))
         console().print(f"Report written to {path} ({path.stat().st_size / 1e3:.0f} kB)")
         warn_broken(store.broken)

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from orchestrator.analysis.commits import head_rows
-from orchestrator.analysis.compare import resolve_sweep
+from orchestrator.analysis.selection import resolve_sweep
 from orchestrator.commands.options import format_option, output_option, results_option, sweep_option
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, print_fitted, print_wide, warn, warn_broken

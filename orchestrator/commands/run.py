@@ -28,7 +28,7 @@ from orchestrator.run.sweep import JobOutcome, RunSummary, run_sweep
 from orchestrator.specs.sweep import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store.compact import compact_after_run
 from orchestrator.store.fragments import ResultStore
-from workers.contract import JobSpec
+from workers.contract import ErrorKind, JobSpec, Status
 
 DEFAULT_RESULTS = "results"
 
@@ -130,8 +130,6 @@ def report_summary(
             out.print(
                 f"sweep {summary.sweep}: {account} (per job: orchestrate phases --run {summary.run_id})", markup=False
             )
-        if summary.warmed:  # part of the start-up above, beside Ray's start
-            out.print(f"host readied for the first job beside Ray's start: {summary.warmed}", markup=False)
         if len(view.outcomes) > 1:
             out.print(view.slowest(), markup=False)
         if summary.contended:
@@ -196,7 +194,7 @@ def _report(
 ) -> None:
     """What `run` prints and its exit code, once the sweep's rows are stored."""
     if summary.interrupted:
-        stored = sum(1 for o in summary.outcomes if o.status == "ok")
+        stored = sum(1 for o in summary.outcomes if o.status == Status.OK)
         print(
             f"interrupted: {stored} of {summary.planned - summary.skipped} jobs stored"
             f"{f' ({summary.skipped} were complete before)' if summary.skipped else ''}; rerun to resume",
@@ -210,7 +208,7 @@ def _report(
         print(verdicts, flush=True)
     if not no_compact and (line := compact_after_run(store, spec.name, after_days=compact_after, warn=warn)):
         print(line, flush=True)
-    if any(o.error and "LockBusyError" in o.error for o in summary.outcomes):
+    if any(o.error_kind is ErrorKind.LOCK_BUSY for o in summary.outcomes):
         raise typer.Exit(EXIT_LOCK_TIMEOUT)  # a host's GPU lock stayed busy past its max wait
     if summary.failed:
         raise typer.Exit(1)  # a job failed (wrong output, crash, lost host): its rows say why

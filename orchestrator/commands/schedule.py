@@ -22,7 +22,8 @@ from orchestrator.run.nightly import (
     remove_schedule,
     run_now,
 )
-from orchestrator.specs.sweep import check_sweep_against_inventory, load_inventory, load_sweep, resolve_sweep_path
+from orchestrator.specs.checks import check_sweep_against_inventory
+from orchestrator.specs.sweep import load_inventory, load_sweep, resolve_sweep_path
 
 
 class Scheduler(StrEnum):

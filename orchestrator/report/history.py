@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -25,8 +26,8 @@ from orchestrator.analysis.history import (
     default_metric,
     trends,
 )
-from orchestrator.report.plots import HistoryLine, HistoryPanel, history_chart
-from orchestrator.report.style import ArmStyles
+from orchestrator.report.plots import HistoryLine, HistoryPanel, history_chart, history_figure
+from orchestrator.report.style import ArmStyles, save_png
 from orchestrator.report.tables import Cell, TableView
 from orchestrator.report.text import metric_label
 
@@ -83,24 +84,39 @@ def history_view(table: pa.Table, styles: ArmStyles, uid: Callable[[], str], *, 
         host = HostHistory(f"{anchor}-{len(hosts)}", title, device)
         for case, items in cases.items():
             series += len(items)
-            panels: dict[tuple[str, str], HistoryPanel] = {}
             for t in items:
-                s = t.series
                 runs.update(p.run_id for p in t.points)
-                key = (s.metric, s.params)
-                panel = panels.setdefault(key, HistoryPanel(f"{metric_label(s.metric)}, {s.params}", s.metric, []))
-                flagged = [(f.started_at, f.median, f.verdict) for f in t.changes]
-                panel.lines.append(
-                    HistoryLine(s.arm, s.arm, [p.started_at for p in t.points], [p.median for p in t.points], flagged)
-                )
-                for f in t.changes:
-                    flagged_rows.append(_flagged_row(host.title, case, t, f, styles))
+                flagged_rows += [_flagged_row(host.title, case, t, f, styles) for f in t.changes]
             title = f"{host.title}: {case}, run medians over time (flagged steps marked)"
-            host.charts.append(history_chart(title, list(panels.values()), styles, uid=uid()))
+            host.charts.append(history_chart(title, history_panels(items), styles, uid=uid()))
         hosts.append(host)
     heads = [Cell("host"), Cell("case"), Cell("arm"), Cell("point"), Cell("metric"), Cell("step"), Cell("run")]
     heads += [Cell("commit"), Cell("ratio to the earlier runs [95 % CI]", "num")]
     return HistoryView(hosts, TableView(heads, flagged_rows, "flagged"), series, len(runs), len(flagged_rows))
+
+
+def history_panels(items: list[Trend], *, by_host: bool = False) -> list[HistoryPanel]:
+    """A panel per metric and point (and per device and host, `by_host`), a line per arm."""
+    panels: dict[tuple[str, ...], HistoryPanel] = {}
+    for t in items:
+        s = t.series
+        title = f"{metric_label(s.metric)}, {s.params}"
+        key: tuple[str, ...] = (s.metric, s.params)
+        if by_host:
+            key, title = (s.device, s.host, *key), f"{s.device} on {s.host or 'an unnamed host'}: {title}"
+        panel = panels.setdefault(key, HistoryPanel(title, s.metric, []))
+        flagged = [(f.started_at, f.median, f.verdict) for f in t.changes]
+        panel.lines.append(
+            HistoryLine(s.arm, s.arm, [p.started_at for p in t.points], [p.median for p in t.points], flagged)
+        )
+    return list(panels.values())
+
+
+def history_png(items: list[Trend], path: Path, title: str) -> Path:
+    """`orchestrate history --png`: the report's history chart of one case's trends, a panel per
+    device, host and point."""
+    styles = ArmStyles(dict.fromkeys(t.series.arm for t in items), [])
+    return save_png(history_figure(title, history_panels(items, by_host=True), styles), path)
 
 
 def _flagged_row(host: str, case: str, t: Trend, f: Finding, styles: ArmStyles) -> list[Cell]:

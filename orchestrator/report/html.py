@@ -33,10 +33,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from markupsafe import Markup
 
-from orchestrator.analysis import stats
+from orchestrator.analysis import groups, stats
 from orchestrator.analysis.compare import CompareResult, compare_results, default_baseline
-from orchestrator.analysis.criteria import CriterionVerdict, evaluate_criteria
+from orchestrator.analysis.criteria import evaluate_criteria
 from orchestrator.analysis.cross_device import cross_device
+from orchestrator.analysis.verdicts import CriterionVerdict
 from orchestrator.errors import InputError
 from orchestrator.report.history import HistoryView, history_view
 from orchestrator.report.panels import (
@@ -201,8 +202,9 @@ def _device_view(
     return view
 
 
-def _cross_views(table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list[str], resamples: int,
-                 uid: Callable[[], str]) -> tuple[list[CrossView], list[str]]:  # fmt: skip
+def _cross_views(
+    table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list[str], resamples: int, uid: Callable[[], str]
+) -> tuple[list[CrossView], list[str]]:
     """The device-by-device view per case, and a warning per device with a share above 100 %."""
     rows = cross_device(table, resamples=resamples)
     over: dict[str, int] = defaultdict(int)
@@ -238,7 +240,7 @@ def sweep_view(
 ) -> SweepView:
     """One sweep's sections (see the module docstring)."""
     name = ", ".join(sorted(set(table["sweep"].to_pylist())))
-    clean = stats.clean_rows(table)
+    clean = groups.clean_rows(table)
     order = arm_order(table, spec)
     verdicts = evaluate_criteria(table, spec, resamples=resamples) if spec is not None and spec.criteria else []
     runs = sorted(set(table["run_id"].to_pylist()))
@@ -288,7 +290,7 @@ def build_report(
     """The whole report as one HTML document (see the module docstring).
 
     Args:
-        table: the stored rows to report on (`compare.select_results`: one sweep, newest runs).
+        table: the stored rows to report on (`orchestrator.analysis.selection.select_results`: one sweep, newest runs).
         spec: the sweep, for its arms' order, baseline and criteria; None: baseline guessed, no
             criteria (a sweep whose name differs from the spec's gets no criteria either).
         threshold: the relevance threshold of the comparison verdicts.

@@ -3,13 +3,12 @@
 Tables go through Rich (on the console, or as plain text into a file), Markdown through tabulate
 (GitHub pipe tables, `|` escaped), CSV and JSON through DuckDB's writers from an Arrow table
 (typed numbers, empty CSV cells and JSON nulls for missing values, one JSON array of records).
-A file named with `--output` is written whole or not at all (temp file, then rename).
+A file named with `--output` is written whole or not at all (`workers.files.atomic_file`).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -23,6 +22,7 @@ from rich.console import Console
 
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, print_wide
+from workers.files import atomic_file
 
 
 class Format(StrEnum):
@@ -44,14 +44,8 @@ def destination(output: Path | None) -> Iterator[IO[str]]:
     parent = output.parent if str(output.parent) else Path(".")
     if not parent.is_dir():
         raise InputError("the directory of --output does not exist", where=str(output))
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as fh:
-            yield fh
-        os.replace(tmp, output)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(output, text=True) as fh:
+        yield fh
 
 
 def output_console(stream: IO[str]) -> Console:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from orchestrator.analysis.compare import CompareResult, varying_params
-from orchestrator.analysis.criteria import CriterionVerdict, Outcome, PointResult
 from orchestrator.analysis.cross_device import CrossDeviceRow
-from orchestrator.analysis.stats import Point
+from orchestrator.analysis.groups import Point
+from orchestrator.analysis.verdicts import CriterionVerdict, Outcome, PointResult
 from orchestrator.report.plots import Bound, MetricPanel, RatioPanel, Series, SharePanel
 from orchestrator.report.text import VALUE_ONLY, metric_label, shown_metrics
 
@@ -144,8 +144,11 @@ def gap_panels(
         series = sorted(axes.series(case, entries), key=lambda s: (order.get(s.arm, 99), s.label))
         if series:
             title = f"{metric_label(metric)}: each arm to {base}"
-            panels.append(RatioPanel(title, metric, axes.xparam.get(case), base, series, bounds.get(metric, []),
-                                     threshold=threshold))  # fmt: skip
+            panels.append(
+                RatioPanel(
+                    title, metric, axes.xparam.get(case), base, series, bounds.get(metric, []), threshold=threshold
+                )
+            )
     return panels
 
 

@@ -19,22 +19,28 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import matplotlib
 from markupsafe import Markup
 from matplotlib.axes import Axes
+from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
+from matplotlib.figure import Figure
 
-from orchestrator.analysis.stats import higher_is_better
+from orchestrator.analysis.groups import higher_is_better
 from orchestrator.report.style import (
     BASELINE_COLOUR,
     DEVICE_STYLES,
     MARKERS,
     QUANTITIES,
+    RC,
     WARN_COLOUR,
     ArmStyles,
     XAxis,
     axis_label,
     axis_unit,
     chart,
+    figure,
     plain_numbers,
+    svg_markup,
     x_axis,
 )
 from orchestrator.report.text import ratio_label
@@ -219,9 +225,16 @@ def _draw_bound(ax: Axes, axis: XAxis, b: Bound, styles: ArmStyles, percent: boo
     colour = styles.colour(b.arm)
     text = _bound_text(b, percent)
     ax.plot([lo, hi], [y, y], color=colour, linestyle="-.", linewidth=1.6, label=f"{b.arm}: criterion's bound")
-    ax.annotate(f"{b.arm} {text}", (lo, y), xytext=(1, 2), textcoords="offset points", color=colour, fontsize=7,
-                va="bottom", bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none",
-                                   "alpha": 0.8})  # fmt: skip
+    ax.annotate(
+        f"{b.arm} {text}",
+        (lo, y),
+        xytext=(1, 2),
+        textcoords="offset points",
+        color=colour,
+        fontsize=7,
+        va="bottom",
+        bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+    )
 
 
 @dataclass
@@ -247,15 +260,31 @@ def share_chart(title: str, panels: list[SharePanel], styles: ArmStyles, *, uid:
             xs = [axis.pos(x, slot, len(p.devices)) for x in s.xs]
             err = [[max(y - _finite(lo, y), 0.0) for y, lo in zip(s.ys, s.lows, strict=True)]]
             err.append([max(_finite(hi, y) - y, 0.0) for y, hi in zip(s.ys, s.highs, strict=True)])
-            ax.errorbar(xs, s.ys, yerr=err, color=colour, marker=marker, markersize=4, capsize=2.5,
-                        linestyle="none" if axis.kind == "category" else dash, linewidth=1)  # fmt: skip
+            ax.errorbar(
+                xs,
+                s.ys,
+                yerr=err,
+                color=colour,
+                marker=marker,
+                markersize=4,
+                capsize=2.5,
+                linestyle="none" if axis.kind == "category" else dash,
+                linewidth=1,
+            )
             ax.plot([], [], color="grey", marker=marker, linestyle=dash, label=s.label)  # the device, not the arm
             high = [(x, y) for x, y in zip(xs, s.ys, strict=True) if y > 100]
             if high:
                 over = True
-                ax.plot(*zip(*high, strict=True), marker="o", markersize=10, markerfacecolor="none",
-                        markeredgecolor=WARN_COLOUR, markeredgewidth=1.5, linestyle="none",
-                        label="above 100 %: the peak probe is wrong")  # fmt: skip
+                ax.plot(
+                    *zip(*high, strict=True),
+                    marker="o",
+                    markersize=10,
+                    markerfacecolor="none",
+                    markeredgecolor=WARN_COLOUR,
+                    markeredgewidth=1.5,
+                    linestyle="none",
+                    label="above 100 %: the peak probe is wrong",
+                )
         ax.axhline(100, color=BASELINE_COLOUR, linestyle="--", linewidth=1.0, label="the device's measured peak")
         axis.apply(ax)
         plain_numbers(ax)
@@ -287,19 +316,37 @@ class HistoryPanel:
 
 
 def history_chart(title: str, panels: list[HistoryPanel], styles: ArmStyles, *, uid: str) -> Markup:
+    """`history_figure` as an inline `<svg>` for the report."""
+    with matplotlib.rc_context(RC):  # type: ignore[arg-type]
+        return svg_markup(history_figure(title, panels, styles), title=title, uid=uid)
+
+
+def history_figure(title: str, panels: list[HistoryPanel], styles: ArmStyles) -> Figure:
     """Run medians over time per arm, regressions and improvements marked (module docstring)."""
-    from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
 
     def draw(ax: Axes, i: int) -> None:
         p = panels[i]
         scale, unit = axis_unit(p.metric, [v for line in p.lines for v in line.medians])
         for line in p.lines:
-            ax.plot(line.times, [v / scale for v in line.medians], markersize=3.5, label=line.label,  # type: ignore[arg-type]
-                    **styles[line.arm].line())  # fmt: skip
+            ax.plot(
+                line.times,  # type: ignore[arg-type]
+                [v / scale for v in line.medians],
+                markersize=3.5,
+                label=line.label,
+                **styles[line.arm].line(),
+            )
             for when, median, verdict in line.flagged:
-                ax.plot([when], [median / scale], marker="v" if verdict == "regression" else "^", markersize=10,  # type: ignore[arg-type]
-                        markerfacecolor="none", markeredgecolor=BASELINE_COLOUR, markeredgewidth=1.5,
-                        linestyle="none", label=f"{verdict} (flagged step)")  # fmt: skip
+                ax.plot(
+                    [when],  # type: ignore[arg-type]
+                    [median / scale],
+                    marker="v" if verdict == "regression" else "^",
+                    markersize=10,
+                    markerfacecolor="none",
+                    markeredgecolor=BASELINE_COLOUR,
+                    markeredgewidth=1.5,
+                    linestyle="none",
+                    label=f"{verdict} (flagged step)",
+                )
         locator = AutoDateLocator(maxticks=6)
         ax.xaxis.set_major_locator(locator)
         ax.xaxis.set_major_formatter(ConciseDateFormatter(locator))
@@ -308,4 +355,4 @@ def history_chart(title: str, panels: list[HistoryPanel], styles: ArmStyles, *, 
         ax.set_xlabel("run start (UTC)")
         ax.set_ylabel(axis_label(p.metric, unit))
 
-    return chart(title, len(panels), draw, uid=uid, cols=3, size=(4.1, 2.5))
+    return figure(title, len(panels), draw, cols=3, size=(4.1, 2.5))

@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -245,6 +246,19 @@ def chart(
     cols: int = 3,
     size: tuple[float, float] = (4.1, 2.7),
 ) -> Markup:
+    """`figure` as an inline `<svg>` for the report."""
+    with matplotlib.rc_context(RC):  # type: ignore[arg-type]
+        return svg_markup(figure(title, panels, draw, cols=cols, size=size), title=title, uid=uid)
+
+
+def figure(
+    title: str,
+    panels: int,
+    draw: Callable[[Axes, int], None],
+    *,
+    cols: int = 3,
+    size: tuple[float, float] = (4.1, 2.7),
+) -> Figure:
     """A figure of `panels` panels, each drawn by `draw(ax, i)`, with one legend for the figure.
 
     Each panel must set its title and y label; gids mark the suptitle, every panel's title, axis
@@ -273,4 +287,11 @@ def chart(
         ncols = max(1, min(len(handles), int(fig.get_figwidth() / widest), 6))
         legend = fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=ncols)
         legend.set_gid("legend")
-        return svg_markup(fig, title=title, uid=uid)
+        return fig
+
+
+def save_png(fig: Figure, path: Path) -> Path:
+    """Write a figure of `figure` to `path` as a PNG, in the report's style."""
+    with matplotlib.rc_context(RC):  # type: ignore[arg-type]
+        fig.savefig(path, format="png")
+    return path

@@ -24,24 +24,24 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.analysis import stats
 from orchestrator.analysis.commits import compared_refs
 from orchestrator.analysis.compare import (
     compare_results,
     default_baseline,
     point_sort_key,
-    select_results,
     varying_params,
 )
+from orchestrator.analysis.groups import Point, point_of
 from orchestrator.analysis.records import typed
 from orchestrator.analysis.samples import clean_in_duckdb
-from orchestrator.analysis.stats import Point
+from orchestrator.analysis.selection import select_results
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, warn_broken
 from orchestrator.report.output import markdown
 from orchestrator.report.text import print_comparison
 from orchestrator.report.units import format_value, metric_label, unit_of
 from orchestrator.specs.sweep import SweepSpec
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 
 DEFAULT_METRICS = ("seconds", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "load_seconds", "rel_error")
@@ -90,7 +90,7 @@ def summarize(table: pa.Table, *, baseline: str | None, metrics: Sequence[str] =
             dev,
             backend or "",
             case,
-            stats.point_of(params),
+            point_of(params),
             arm,
             metric,
             unit_of(metric, unit),
@@ -277,7 +277,7 @@ def render_run_end(
         note = left_out(table)
         if note:
             out.print(Text(note))
-    this_run = store.read(sweep=sweep.name, run=run_id) if run_id else None
+    this_run = read_rows(store, sweep=sweep.name, runs=[run_id]) if run_id else None
     commits = this_run is not None and this_run.num_rows > 0 and compared_refs(this_run) > 1
     if this_run is not None and commits:
         out.print()

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from orchestrator.analysis.compare import CompareResult, point_sort_key, varying_params
-from orchestrator.analysis.criteria import CriterionVerdict, Outcome, PointResult, bound_text, overall
+from orchestrator.analysis.criteria import bound_text
 from orchestrator.analysis.cross_device import CrossDeviceRow
+from orchestrator.analysis.groups import Point
 from orchestrator.analysis.same_output import OutputVerdict, rule_text
-from orchestrator.analysis.stats import Point
+from orchestrator.analysis.verdicts import CriterionVerdict, Outcome, PointResult, overall
 from orchestrator.report.style import ArmStyles, with_unit
 from orchestrator.report.text import (
     VALUE_ONLY,
@@ -29,9 +30,19 @@ from orchestrator.report.text import (
 )
 
 FINGERPRINT_COLUMNS = (
-    "device", "backend", "hostname", "gpu", "gpu_driver", "cpu", "cpu_count", "memory_bytes", "os",
-    "mlx_version", "mlx_device", "fingerprint_id",
-)  # fmt: skip
+    "device",
+    "backend",
+    "hostname",
+    "gpu",
+    "gpu_driver",
+    "cpu",
+    "cpu_count",
+    "memory_bytes",
+    "os",
+    "mlx_version",
+    "mlx_device",
+    "fingerprint_id",
+)
 NUMERIC_FINGERPRINT = frozenset({"cpu_count", "memory_bytes"})
 
 
@@ -110,8 +121,14 @@ def device_verdict(v: CriterionVerdict, device: str) -> CriterionVerdict:
         )
         return OutputVerdict(v.criterion, v.baseline, outcome, [], missing, v.shown, outputs, v.note)
     points = [p for p in v.points if p.device == device]
-    return CriterionVerdict(v.criterion, v.baseline, overall({p.outcome for p in points}, bool(missing) or not points),
-                            points, missing, v.shown)  # fmt: skip
+    return CriterionVerdict(
+        v.criterion,
+        v.baseline,
+        overall({p.outcome for p in points}, bool(missing) or not points),
+        points,
+        missing,
+        v.shown,
+    )
 
 
 def applies(v: CriterionVerdict) -> bool:

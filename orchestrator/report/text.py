@@ -17,28 +17,26 @@ documented in `docs/results.md`).
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-import pyarrow as pa
 import pyarrow.compute as pc
 from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.analysis.compare import CompareResult, CompareRow, varying_params
+from orchestrator.analysis.compare import CompareResult, CompareRow
 from orchestrator.analysis.cross_device import CrossDeviceRow, over_peak
-from orchestrator.analysis.records import CROSS_SCHEMA, cross_records, records_table, verdict_label
+from orchestrator.analysis.records import records_table, verdict_label
 from orchestrator.analysis.stats import Comparison, Verdict
 from orchestrator.report.console import fit, grid, print_fitted, print_wide, verdict_text
+from orchestrator.report.cross import cross_display, print_cross
 from orchestrator.report.output import Format, markdown, write_records
 from orchestrator.report.units import format_value as format_in_unit
 from orchestrator.report.units import header_unit, metric_label, unit_of
 
-FORMATS = tuple(f.value for f in Format)
 # The metrics a table shows by default (the users' tables), where a case measures them.
 DEFAULT_METRICS = ("prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "load_seconds")
 # Shown per side without a ratio column: one sample per job (memory, load and build time) or an
@@ -322,7 +320,7 @@ def legend(result: CompareResult, *, intervals: bool = True) -> list[str]:
         + (", [95 % bootstrap interval, over ABBA pairs where the sides share a job]" if intervals else "")
         + f"; FASTER/SLOWER: the whole interval past a {result.threshold:.0%} band around 1, SAME: inside it, "
         "AMBIGUOUS: across its edge; TOO FEW: under 5 samples per side."
-    ]  # fmt: skip
+    ]
     if not intervals:
         lines.append("Intervals left out to fit the terminal: --wide or --format md shows them.")
     if result.fdr is not None and result.fdr.hypotheses:
@@ -362,18 +360,6 @@ def print_comparison(
         print_cross(out, cross, wide=wide)
 
 
-def print_cross(out: Console, cross: list[CrossDeviceRow], *, wide: bool = False) -> None:
-    """The cross-device view on a console, then a warning for every share of a device's peak above
-    100 %: the full view when it fits (or `wide`), else the compact one with the peaks said once."""
-    full = cross_table(cross)
-    chosen = full if wide else fit(out, [full, cross_table(cross, compact=True)])
-    print_wide(out, chosen)
-    if chosen is not full:
-        out.print(Text(f"measured peaks: {cross_peaks(cross)}"))
-    for line in over_peak(cross):
-        out.print(Text(line))
-
-
 def _print(out: Console, renderable: RenderableType) -> None:
     """A fitted table: at the console's width when it fits, else at its own (never a cell cut short)."""
     print_fitted(out, [renderable])
@@ -404,77 +390,3 @@ def write_comparison(
         parts += ["", "### across devices (share of each device's measured peak)", "", markdown(*cross_display(cross))]
         parts += ["", *(f"{line}  " for line in over_peak(cross))]
     stream.write("\n".join(parts).rstrip() + "\n")
-
-
-def render_text(
-    result: CompareResult, fmt: str, cross: list[CrossDeviceRow] | None = None, metrics: Sequence[str] | None = None
-) -> str:
-    """The comparison as Markdown, CSV or JSON text."""
-    buf = io.StringIO()
-    write_comparison(result, Format(fmt), buf, cross, metrics)
-    return buf.getvalue()
-
-
-def display_rows(result: CompareResult) -> dict[str, tuple[list[str], list[list[str]]]]:
-    """Per case: the header and the cells of every row, every computed metric (the HTML report).
-
-    An AMBIGUOUS cell carries its sample estimate inline (there is no footnote to point to).
-    """
-    tables = [sides_table(result, case, result.metrics, footnotes=False) for case in result.varying]
-    return {t.case: ([t.header(i) for i in range(len(t.heads))], t.plain_rows()) for t in tables}
-
-
-# ------------------------------------------------------------------------------- across devices
-
-
-def cross_display(rows: list[CrossDeviceRow], *, compact: bool = False) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the cross-device view: `412.3 GB/s (52% of 790.0 GB/s)` per device
-    (`compact`: `412.3 GB/s (52%)`, only the parameters that vary within a case, the peaks said
-    once under the table: `cross_peaks`)."""
-    devices = sorted({d for r in rows for d in r.cells})
-    heads = ["case", "point", "arm", "metric", *devices]
-    varying = {c: varying_params(r.point for r in rows if r.case_name == c) for c in {r.case_name for r in rows}}
-    body = []
-    for r in rows:
-        point = " ".join(f"{k}={v}" for k, v in r.point if not compact or k in varying[r.case_name])
-        cells = [r.case_name, point, r.arm, metric_label(r.metric)]
-        for dev in devices:
-            cell = r.cells.get(dev)
-            if cell is None:
-                cells.append("-")
-                continue
-            value = format_value(r.metric, cell.summary.median)
-            if cell.fraction is None:
-                cells.append(f"{value} (no peak)")
-            elif compact:
-                cells.append(f"{value} ({cell.fraction:.0%})")
-            else:
-                cells.append(f"{value} ({cell.fraction:.0%} of {format_value(r.metric, cell.peak)})")
-        body.append(cells)
-    return heads, body
-
-
-def write_cross(rows: list[CrossDeviceRow], fmt: Format, stream: IO[str]) -> None:
-    """The cross-device view alone as Markdown, CSV or JSON."""
-    if fmt in (Format.csv, Format.json):
-        write_records(pa.Table.from_pylist(cross_records(rows), schema=CROSS_SCHEMA), fmt, stream)
-    else:
-        stream.write("\n".join([markdown(*cross_display(rows)), *(f"\n{line}" for line in over_peak(rows))]) + "\n")
-
-
-def cross_peaks(rows: list[CrossDeviceRow]) -> str:
-    """`cpu 400.0 GB/s; h200 4.80 TB/s, 989.0 TFLOP/s`: each device's measured peaks, once."""
-    peaks: dict[str, dict[str, str]] = {}
-    for r in rows:
-        for dev, cell in r.cells.items():
-            if cell.peak is not None:
-                peaks.setdefault(dev, {})[r.metric] = format_value(r.metric, cell.peak)
-    return "; ".join(f"{dev} {', '.join(by_metric.values())}" for dev, by_metric in sorted(peaks.items()))
-
-
-def cross_table(rows: list[CrossDeviceRow], *, compact: bool = False) -> Table:
-    """The cross-device view as a rich table (cells never wrapped; `compact`: see `cross_display`)."""
-    heads, body = cross_display(rows, compact=compact)
-    return grid(
-        "across devices: share of each device's measured peak", heads, body, [False] * 4 + [True] * (len(heads) - 4)
-    )

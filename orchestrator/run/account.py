@@ -100,7 +100,7 @@ def job_labels(store: ResultStore, sweep: str | None = None, run: str | None = N
     """(run id, job key) -> the job for people: its case name and the parameters that tell it apart
     from the other listed jobs of the same case (`qmm tokens=512`), read from the rows (a compacted
     job's footer facts do not carry its point)."""
-    from orchestrator.store.dataset import StoreScan
+    from orchestrator.store.scan import StoreScan
 
     where, params = ("WHERE run_id = $run", {"run": run}) if run else ("", None)
     sql = f"SELECT DISTINCT run_id, job_key, case_name, map_keys(params), map_values(params) FROM results_files {where}"

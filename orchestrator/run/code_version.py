@@ -26,12 +26,14 @@ def code_version(root: Path | None = None) -> str:
         ).stdout.strip()
         diff = subprocess.run(
             ["git", "-C", str(root), "diff", "HEAD", "--no-ext-diff", "--binary", *paths],
-            capture_output=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            check=True,
+        ).stdout
         new_files = subprocess.run(
             ["git", "-C", str(root), "ls-files", "--others", "--exclude-standard", "-z", *paths],
-            capture_output=True, check=True,
-        ).stdout.split(b"\0")  # fmt: skip
+            capture_output=True,
+            check=True,
+        ).stdout.split(b"\0")
         digest = hashlib.sha256(diff)
         for name in sorted(f for f in new_files if f):
             digest.update(b"\0" + name + b"\0" + (root / name.decode()).read_bytes())

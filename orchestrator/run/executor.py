@@ -30,11 +30,9 @@ import pyarrow as pa
 
 from orchestrator.cluster.embedded import NODE_CPUS, GpuNodes, local_gpus, node_labels
 from orchestrator.errors import InfrastructureError
-from orchestrator.specs.inventory import HostSpec
 from orchestrator.specs.sweep import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
-from workers.host.gpus import GPU_SLOTS_ENV, GpuInfo, pin_from_labels
-from workers.proc.prestart import Prestarted, Warming, warming_wanted, withdraw
+from workers.host.gpus import GPU_SLOTS_ENV, GpuInfo
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -93,18 +91,11 @@ class RayExecutor:
         *,
         job_timeout: float | None = None,
         gpus: list[GpuInfo] | None = None,
-        first_job: JobSpec | None = None,
     ) -> None:
-        """`gpus`: the embedded host's GPUs when the caller resolved them already (`local_gpus`).
-        `first_job`: a job of the sweep; an embedded instance starts its first node's fork server
-        for it beside Ray's start (`workers.job.task.prestart_server`)."""
+        """`gpus`: the embedded host's GPUs when the caller resolved them already (`local_gpus`)."""
         self.inventory = inventory
         self.job_timeout = job_timeout
         self._gpus = gpus
-        self._first_job = first_job
-        self._prestarted: Prestarted | None = None
-        self._warming: Warming | None = None
-        self.warmed = ""  # the host warming's line (`workers.job.warm`), once settled
         self._nodes = GpuNodes()
         self._started = False
         self._signals = _StopOnSignal()
@@ -129,7 +120,6 @@ class RayExecutor:
             gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
             if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
                 os.environ[GPU_SLOTS_ENV] = str(len(gpus))
-            self._prestart(host, gpus[0] if gpus else None)  # before Ray's import (0.35 s on the CPU machine)
         import ray
         from ray.exceptions import RayError
 
@@ -152,9 +142,6 @@ class RayExecutor:
                 self._started = True
                 if len(gpus) > 1:
                     self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
-                if self._warming is not None:  # before any job: none of them waits on its GPU lock
-                    self.warmed = self._warming.settle()
-                    self._warming = None
             else:
                 from orchestrator.cluster.head import connect_env, require_head
 
@@ -172,18 +159,6 @@ class RayExecutor:
         self._started = True
         self._signals.install()
 
-    def _prestart(self, host: HostSpec, gpu: GpuInfo | None) -> None:
-        """The first node's fork server for the first job, as that node's worker would localise it."""
-        if self._first_job is None or self._first_job.device != host.device:
-            return
-        from workers.job.task import job_env, localise, prestart_server
-
-        pin = pin_from_labels(node_labels(host, gpu))
-        first = self._first_job.model_copy(update={"gpu": pin})
-        if warming_wanted(first.backend):  # its peak probes and first compile beside Ray's start
-            self._warming = Warming(localise(first).model_dump_json(), job_env(first))
-        self._prestarted = prestart_server(first)
-
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop what `start` started (an embedded instance, or our connection to the head).
 
@@ -192,9 +167,9 @@ class RayExecutor:
         the run and every GPU lock is free.
 
         Args:
-            wait: False: our signal handlers go now, and Ray stops in a thread of its own (about
-                1.5 s on the 2-core CPU machine, most of it its autoscaler monitor's exit) while
-                the caller reports the stored rows; `wait_stopped` joins it. Only once every job
+            wait: False: our signal handlers go now, and Ray stops in a thread of its own (its
+                autoscaler monitor's exit takes a second or more) while the caller reports the
+                stored rows; `wait_stopped` joins it. Only once every job
                 has ended: the processes it stops run no job then.
         """
         self._signals.restore()  # in this thread: Python sets handlers in the main thread only
@@ -219,12 +194,6 @@ class RayExecutor:
                 ray.shutdown()
         finally:
             self._started = False
-            if self._warming is not None:  # Ray did not start: it is not waited for
-                self._warming.stop()
-                self._warming = None
-            if self._prestarted is not None:  # after Ray: no worker uses it any more
-                withdraw(self._prestarted)
-                self._prestarted = None
 
     def live_kinds(self) -> set[str]:
         """Device kinds with at least one live node offering a GPU slot."""

@@ -55,6 +55,8 @@ from orchestrator.errors import (
     OrchestratorError,
 )
 from orchestrator.store.compact import COMPACT_AFTER_DAYS, compact_after_run
+from workers.contract import Status
+from workers.files import write_atomic
 
 TAG = "# orchestrate:"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # matched whole: no '/', no '..', no newline
@@ -155,10 +157,7 @@ class Crontab:
     def _write(self, lines: list[str]) -> None:
         text = "".join(line + "\n" for line in lines)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, text)
             return
         proc = subprocess.run([self.command, "-"], input=text, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -373,6 +372,7 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
     """
     from orchestrator.run.sweep import run_sweep  # Ray: imported only when a sweep really runs
     from orchestrator.specs.sweep import load_inventory, load_sweep
+    from orchestrator.store.dataset import read_rows
     from orchestrator.store.fragments import ResultStore
 
     sched = load_schedule(name)
@@ -383,10 +383,12 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
         inventory = load_inventory(sched.inventory)
         store = ResultStore(sched.results)
         summary = run_sweep(spec, inventory, store, sweep_where=sched.sweep, force=True, progress=progress)
-        table = store.read(sweep=spec.name)
+        table = read_rows(store, sweep=spec.name)
         findings = findings_for_run(table, summary.run_id, window=sched.window, threshold=sched.threshold)
         failed = [
-            f"{o.job.device} {o.job.case_name} {o.job.params}: {o.error}" for o in summary.outcomes if o.status != "ok"
+            f"{o.job.device} {o.job.case_name} {o.job.params}: {o.error}"
+            for o in summary.outcomes
+            if o.status != Status.OK
         ]
         result = NightlyResult(summary.run_id, findings, failed, unjudged(table, summary.run_id))
         text = report_markdown(spec.name, summary.run_id, findings)

@@ -19,8 +19,9 @@ from typing import Any
 
 from kernels import registry
 from orchestrator.errors import InputError
-from orchestrator.specs.checks import check_size, job_count
-from orchestrator.specs.sweep import CaseEntry, HostSpec, InventorySpec, SweepSpec
+from orchestrator.specs.case import CaseEntry, check_size
+from orchestrator.specs.checks import job_count
+from orchestrator.specs.sweep import HostSpec, InventorySpec, SweepSpec
 from workers.command.case import CommandCaseError, plan_commits
 from workers.contract import JobSpec, LockSettings
 
@@ -141,7 +142,7 @@ def expand(
         options = {f: getattr(case, f) for f in OPTION_FIELDS if getattr(case, f) is not None}
         if case.repo is not None:
             options = _pin_refs(case, options)
-        if registry.CASES[case.case].kind == "kernel":  # the cache state is part of what a job measures
+        if registry.CASES[case.case].kind == registry.CaseKind.KERNEL:  # the cache state is part of what a job measures
             options["cache"] = case.cache or sweep.cache
         reps = case.repetitions or sweep.repetitions
         warmup = case.warmup if case.warmup is not None else sweep.warmup

@@ -21,10 +21,11 @@ from orchestrator.cluster.embedded import local_gpus
 from orchestrator.run.code_version import code_version
 from orchestrator.run.executor import Interrupted, RayExecutor
 from orchestrator.run.plan import expand, new_run_id
-from orchestrator.specs.sweep import InventorySpec, SweepSpec, check_sweep_against_inventory
+from orchestrator.specs.checks import check_sweep_against_inventory
+from orchestrator.specs.sweep import InventorySpec, SweepSpec
 from orchestrator.store.fragments import ResultStore
 from orchestrator.store.lock import LOCK_DIR, hold_store
-from workers.contract import META_PHASES, STATUS_CONTENDED, STATUS_OK, JobSpec
+from workers.contract import META_PHASES, ErrorKind, JobSpec, Status, footer_error_kind, footer_status
 
 
 @dataclass
@@ -41,10 +42,11 @@ class JobOutcome:
     """
 
     job: JobSpec
-    status: str
+    status: Status
     rows: int
     path: Path
     error: str | None = None
+    error_kind: ErrorKind | None = None  # why it failed, where the worker told (a busy GPU lock)
     contended_samples: int = 0
     samples: int = 0
     attempts: int = 1
@@ -53,10 +55,10 @@ class JobOutcome:
 
     def describe(self) -> str:
         """`ok`, `failed (why)`, `contended 10/10 samples, retried 1x`."""
-        if self.status == STATUS_CONTENDED:
+        if self.status == Status.CONTENDED:
             retried = f", retried {self.attempts - 1}x" if self.attempts > 1 else ""
             return f"contended {self.contended_samples}/{self.samples} samples{retried}"
-        return self.status if self.status == STATUS_OK or not self.error else f"{self.status} ({self.error})"
+        return str(self.status) if self.status == Status.OK or not self.error else f"{self.status} ({self.error})"
 
 
 @dataclass
@@ -71,7 +73,6 @@ class RunSummary:
     wall_seconds: float = 0.0
     startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
-    warmed: str = ""  # the host warming's line beside Ray's start (`workers.job.warm`), where one ran
     wait_stopped: Callable[[], None] = lambda: None  # returns once Ray has stopped (`stop_in_background`)
 
     @property
@@ -81,12 +82,12 @@ class RunSummary:
     @property
     def failed(self) -> int:
         """Jobs that did not measure cleanly for another reason than contention."""
-        return sum(1 for o in self.outcomes if o.status not in (STATUS_OK, STATUS_CONTENDED))
+        return sum(1 for o in self.outcomes if o.status not in (Status.OK, Status.CONTENDED))
 
     @property
     def contended(self) -> int:
         """Jobs whose measurement saw a foreign GPU user (the next plain run measures them again)."""
-        return sum(1 for o in self.outcomes if o.status == STATUS_CONTENDED)
+        return sum(1 for o in self.outcomes if o.status == Status.CONTENDED)
 
     def phase_totals(self) -> dict[str, float]:
         """Seconds per phase over every job of this run."""
@@ -156,16 +157,24 @@ def run_sweep(
 
     def on_done(job: JobSpec, table: pa.Table) -> None:
         nonlocal last_done
-        status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"failed").decode()
+        status = footer_status(table)
         path = store.write(table, sweep=job.sweep, date=today, device=job.device, run_id=run_id, job_key=job.job_key)
         contended, samples = sample_contention(table)
         attempts = table["lock_attempts"][0].as_py() if table.num_rows else 1
         now = time.perf_counter()
         outcome = JobOutcome(
-            job, status, table.num_rows, path, None if status == STATUS_OK else _first_error(table),
-            contended_samples=contended, samples=samples, attempts=int(attempts or 1),
-            seconds=now - last_done, phases=job_phases(table),
-        )  # fmt: skip
+            job,
+            status,
+            table.num_rows,
+            path,
+            None if status == Status.OK else _first_error(table),
+            error_kind=footer_error_kind(table),
+            contended_samples=contended,
+            samples=samples,
+            attempts=int(attempts or 1),
+            seconds=now - last_done,
+            phases=job_phases(table),
+        )
         last_done = now
         summary.outcomes.append(outcome)
         if progress:
@@ -173,10 +182,9 @@ def run_sweep(
 
     if progress:
         progress("starting", todo[0], None)
-    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus, first_job=todo[0])
+    executor = RayExecutor(inventory, job_timeout=job_timeout, gpus=gpus)
     try:
         executor.start()
-        summary.warmed = executor.warmed
         executor.check_kinds({j.device for j in todo})
         last_done = time.perf_counter()
         summary.startup_seconds = last_done - t0

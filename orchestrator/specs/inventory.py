@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kernels.registry import did_you_mean
+from orchestrator.cluster.localhost import local_device
 from orchestrator.cluster.reach import DEFAULT_SSH_PORT, is_this_machine, jump_chain, parse_hop
 from orchestrator.specs.names import BACKENDS, Strict, check_env, check_ip, check_label, check_safe
 from orchestrator.specs.toml import load_model
@@ -143,8 +144,6 @@ class HostSpec(HostSettings):
     def _auto(cls, data: Any) -> Any:
         """`device = "auto"` / `backend = "auto"` on this machine: what MLX runs on here."""
         if isinstance(data, dict) and not data.get("host") and "auto" in (data.get("device"), data.get("backend")):
-            from orchestrator.cluster.localhost import local_device  # asked of a short-lived process
-
             kind, backend = local_device()
             data = {**data}
             if data.get("device") == "auto":

@@ -1,8 +1,8 @@
 """Which points and runs a fragment holds, written into its own footer so an index is built from footers.
 
 The point index (`orchestrator.store.index`) needs, for every file of a sweep, the (case, point,
-run) groups it holds. Reading them from the rows means decoding data pages of every file, about
-0.7 ms a fragment: 17 s for a sweep of 25,000 fragments. So `ResultStore.write` puts them in the
+run) groups it holds. Reading them from the rows means decoding data pages of every file, which
+dominates a read of a large sweep (BENCHMARKS.md). So `ResultStore.write` puts them in the
 fragment's footer (`orchestrate.points`, a JSON list, one entry per group: case name and kind, the
 parameters as key/value pairs in their stored order, run, newest start in microseconds since the
 epoch and schema version), and the index reads them back with one `parquet_kv_metadata` query per
@@ -11,25 +11,34 @@ core over the files, in threads -- footers only, about three times cheaper per f
 The footer holds the parameters, not DuckDB's text for them: the index's `point` is made from
 them by the same DuckDB that compares it with a row's `params::VARCHAR`, so the two always agree
 (a MAP of the same pairs in the same order prints the same). A file without the key (written
-before it existed, or by another tool) is read from its rows, as before.
+by a version without it, or by another tool) is read from its rows instead.
+
+A compacted file's footer indexes the jobs it holds instead (`compact_index`, `packed_index`):
+what listing, resume and compaction read where a fragment would have its own footer.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from workers.contract import META_SCHEMA_VERSION
+from workers.contract import META_JOBS, META_PREFIX, META_SCHEMA_VERSION
+from workers.job.spool import fragment_name
 
 if TYPE_CHECKING:
     import duckdb
 
-META_POINTS = b"orchestrate.points"
+META_POINTS = META_PREFIX + b"points"
+# A quoted path in a DuckDB error: `Failed to read file "x.parquet": ...`, `No magic bytes ... 'x.parquet'`.
+ERROR_PATH = re.compile(r"""["']([^"']+\.parquet)["']""")
 POINT_COLUMNS = ("case_name", "case", "params", "run_id", "started_at", "schema_version")
 FACT_TYPE = (
     '[{"case_name": "VARCHAR", "case": "VARCHAR", "params": [{"key": "VARCHAR", "value": "VARCHAR"}], '
@@ -61,8 +70,14 @@ def points_footer(body: pa.Table) -> bytes:
         entry = groups.get(key)
         if entry is None:
             pairs = None if params is None else [{"key": k, "value": v} for k, v in params]
-            groups[key] = {"case_name": case_name, "case": case, "params": pairs, "run_id": run_id,
-                           "started_at": started, "schema_version": version}  # fmt: skip
+            groups[key] = {
+                "case_name": case_name,
+                "case": case,
+                "params": pairs,
+                "run_id": run_id,
+                "started_at": started,
+                "schema_version": version,
+            }
             continue
         for name, value in (("started_at", started), ("schema_version", version)):  # max, nulls ignored (SQL's)
             if value is not None and (entry[name] is None or value > entry[name]):
@@ -76,9 +91,7 @@ def _footers(con: duckdb.DuckDBPyConnection, files: Sequence[str]) -> tuple[pa.T
     A file DuckDB names in an error (a bad footer, a file gone) is left to the row scan, which
     sets it aside or lists the files again; an error naming none leaves all of them to it.
     """
-    import duckdb
-
-    from orchestrator.store.dataset import ERROR_PATH
+    import duckdb  # the writer needs `points_footer` alone
 
     cursor, todo, unread = con.cursor(), list(files), list[str]()
     for _ in range(MAX_RETRIES):
@@ -128,3 +141,35 @@ def footer_facts(files: Sequence[str]) -> tuple[pa.Table, list[str]]:
         con.close()
     skipped = set(unread)
     return facts, unread + [f for f in files if f not in have and f not in skipped]
+
+
+def compact_index(meta: dict[bytes, bytes]) -> list[dict[str, str]]:
+    """The jobs a compacted file holds: one dict of footer facts per job (`file`, `job_key`, ...).
+
+    Stored as zlib-compressed JSON (`zlib:` + base64), without what every job of the file shares
+    (its partition) or what its name says (`file`): footers stay small for every reader.
+    """
+    raw = meta.get(META_JOBS)
+    if not raw:
+        return []
+    if raw.startswith(b"zlib:"):
+        raw = zlib.decompress(base64.b64decode(raw[5:]))
+    jobs = [{str(k): str(v) for k, v in job.items()} for job in json.loads(raw)]
+    for job in jobs:
+        if "file" not in job and job.get("run_id") and job.get("job_key"):
+            job["file"] = fragment_name(job["run_id"], job["job_key"])
+    return jobs
+
+
+def packed_index(jobs: list[dict[str, str]]) -> bytes:
+    """`compact_index`'s stored form of a list of per-job facts."""
+    slim = [
+        {
+            k: v
+            for k, v in job.items()
+            if k not in ("sweep", "device", "date")
+            and not (k == "file" and v == fragment_name(job.get("run_id", ""), job.get("job_key", "")))
+        }
+        for job in jobs
+    ]
+    return b"zlib:" + base64.b64encode(zlib.compress(json.dumps(slim, sort_keys=True).encode(), 9))

@@ -19,15 +19,12 @@ run and job key are safe names (`check_fragment`): no file it names can land out
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import fcntl
-import json
 import os
 import tempfile
 import uuid
-import zlib
 from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,19 +33,15 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from orchestrator.errors import InfrastructureError, InputError
-from orchestrator.specs.names import NAME_RE
-from orchestrator.store.footer import META_POINTS, points_footer
+from orchestrator.store.footer import META_POINTS, compact_index, points_footer
 from workers.contract import (
-    META_DATE,
     META_DEVICE,
     META_JOB_KEY,
     META_JOB_STATUS,
-    META_JOBS,
     META_SWEEP,
-    STATUS_OK,
     SchemaVersionError,
+    Status,
     fragment_version,
-    restored_table,
     stored_table,
 )
 from workers.job.spool import fragment_name, parse_fragment_name
@@ -104,38 +97,6 @@ def _dirs(parent: Path, key: str) -> list[tuple[str, Path]]:
     return sorted((e.name[len(prefix) :], Path(e.path)) for e in entries if e.name.startswith(prefix) and e.is_dir())
 
 
-def compact_index(meta: dict[bytes, bytes]) -> list[dict[str, str]]:
-    """The jobs a compacted file holds: one dict of footer facts per job (`file`, `job_key`, ...).
-
-    Stored as zlib-compressed JSON (`zlib:` + base64), without what every job of the file shares
-    (its partition) or what its name says (`file`): footers stay small for every reader.
-    """
-    raw = meta.get(META_JOBS)
-    if not raw:
-        return []
-    if raw.startswith(b"zlib:"):
-        raw = zlib.decompress(base64.b64decode(raw[5:]))
-    jobs = [{str(k): str(v) for k, v in job.items()} for job in json.loads(raw)]
-    for job in jobs:
-        if "file" not in job and job.get("run_id") and job.get("job_key"):
-            job["file"] = fragment_name(job["run_id"], job["job_key"])
-    return jobs
-
-
-def packed_index(jobs: list[dict[str, str]]) -> bytes:
-    """`compact_index`'s stored form of a list of per-job facts."""
-    slim = [
-        {
-            k: v
-            for k, v in job.items()
-            if k not in ("sweep", "device", "date")
-            and not (k == "file" and v == fragment_name(job.get("run_id", ""), job.get("job_key", "")))
-        }
-        for job in jobs
-    ]
-    return b"zlib:" + base64.b64encode(zlib.compress(json.dumps(slim, sort_keys=True).encode(), 9))
-
-
 class JobIndex(Set[str]):
     """The complete job keys of a store (or one sweep), looked up lazily.
 
@@ -163,7 +124,7 @@ class JobIndex(Set[str]):
             for path in self._compacted:
                 meta = self._store.footer(path)
                 if meta is not None:
-                    keys.update(j["job_key"] for j in compact_index(meta) if j.get("job_status") == STATUS_OK)
+                    keys.update(j["job_key"] for j in compact_index(meta) if j.get("job_status") == Status.OK)
             self._from_compacted = keys
         return self._from_compacted
 
@@ -175,7 +136,7 @@ class JobIndex(Set[str]):
             for path in self._by_key.get(key, []):
                 meta = self._store.footer(path)
                 if meta is not None and meta.get(META_JOB_KEY, b"").decode() == key:
-                    ok = ok or meta.get(META_JOB_STATUS, b"").decode() == STATUS_OK
+                    ok = ok or meta.get(META_JOB_STATUS, b"").decode() == Status.OK
             self._known[key] = ok or key in self._compacted_keys()
         return self._known[key]
 
@@ -276,83 +237,6 @@ class ResultStore:
             raise
         return path
 
-    def check_fragment(self, source: Path) -> tuple[pa.Table, Path]:
-        """Read a fragment written elsewhere and say where it would go, refusing what is unsafe.
-
-        The fragment's rows come back in `SCHEMA`, whatever schema version wrote them (a version-2
-        body takes its `sweep` and `device` from its footer). The destination is built from the
-        fragment's own `sweep`, `device`, `run_id`, date and job key, so each must pass the sweep
-        loader's name rule (`orchestrator.specs.names.NAME_RE`: no `/`, no `..`), the date must be a
-        date, and every row must carry the same values: a fragment from a compromised host or a
-        handed-over file can never write outside the store or into another job's place.
-
-        Raises:
-            InputError: not a readable fragment, a newer schema, or a value that is not a safe name
-                (naming it).
-        """
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(source)
-        except (OSError, pa.ArrowException) as exc:
-            raise InputError(
-                f"not a readable Parquet fragment: {str(exc).splitlines()[0]}", where=str(source)
-            ) from None
-        meta = table.schema.metadata or {}
-        if table.num_rows == 0 or META_JOB_KEY not in meta:
-            raise InputError("not an orchestrate result fragment", where=str(source))
-        for column in ("run_id", "job_key"):  # in every schema's body (sweep and device may be in the footer)
-            if column not in table.column_names:
-                raise InputError(f"not an orchestrate result fragment (no column {column!r})", where=str(source))
-        try:
-            table = restored_table(table)
-        except SchemaVersionError as exc:
-            raise InputError(str(exc), where=str(source)) from None
-        values = {"job key": meta[META_JOB_KEY].decode(errors="replace")}
-        for column in ("sweep", "device", "run_id", "job_key"):
-            found = set(table.column(column).to_pylist())
-            if len(found) != 1:
-                shown = ", ".join(sorted(repr(v) for v in found)[:3])
-                raise InputError(f"fragment mixes several values of {column} ({shown}); refused", where=str(source))
-            values[column] = next(iter(found))
-        if values["job_key"] != values["job key"]:
-            raise InputError("fragment's rows and footer name different job keys; refused", where=str(source))
-        for name, value in values.items():
-            if not isinstance(value, str) or not NAME_RE.fullmatch(value):
-                raise InputError(
-                    f"fragment's {name} {value!r} is not a safe name (letters, digits, '.', '_' or '-'); refused",
-                    where=str(source),
-                )
-        stamp = meta.get(META_DATE, b"").decode(errors="replace")
-        if stamp:
-            try:
-                date = dt.date.fromisoformat(stamp)
-            except ValueError:
-                raise InputError(f"fragment's date {stamp!r} is not a date; refused", where=str(source)) from None
-        else:
-            started = table.column("started_at")[0].as_py()
-            date = (started if isinstance(started, dt.datetime) else dt.datetime.now(dt.UTC)).date()
-        dest = self.fragment_path(
-            sweep=values["sweep"], date=date, device=values["device"], run_id=values["run_id"],
-            job_key=values["job_key"],
-        )  # fmt: skip
-        return table, dest
-
-    def import_fragment(self, source: Path) -> Path:
-        """Copy a fragment written elsewhere (another host, a worker's spool, another store) into the
-        store, after `check_fragment`.
-
-        A job already stored under the same run, compacted or not, is not stored twice.
-        """
-        table, dest = self.check_fragment(source)
-        if dest.name in self.compacted_names(dest.parent):
-            return dest
-        row = table.slice(0, 1).to_pylist()[0]
-        date = dt.date.fromisoformat(dest.parent.parent.name.removeprefix("date="))
-        return self.write(
-            table, sweep=row["sweep"], date=date, device=row["device"], run_id=row["run_id"], job_key=row["job_key"]
-        )
-
     def set_aside(self, path: Path, reason: str) -> Path:
         """Move a broken file out of the dataset into the side directory (with why); return where it went."""
         rel = path.resolve().relative_to(self.root.resolve())
@@ -391,7 +275,7 @@ class ResultStore:
 
     def metadata(self, path: Path) -> pq.FileMetaData | None:
         """A file's Parquet footer, or None (and the file noted in `broken`) when it is unreadable."""
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # loaded on the first footer read, not by a command that only lists
 
         try:
             return pq.read_metadata(path)
@@ -489,11 +373,3 @@ class ResultStore:
     def fragment_files(self, sweep: str | None = None) -> list[Path]:
         """Paths of the data files with a readable footer (fragments and compacted files); others go to `broken`."""
         return [f.path for f in self.files(sweep=sweep) if self.metadata(f.path) is not None]
-
-    # ------------------------------------------------------------------------------- reads
-
-    def read(self, sweep: str | None = None, run: str | None = None) -> pa.Table:
-        """All stored rows (of one sweep and/or run), in `SCHEMA`; broken files skipped and listed in `broken`."""
-        from orchestrator.store.dataset import read_rows  # DuckDB over the files
-
-        return read_rows(self, sweep=sweep, runs=[run] if run else None)

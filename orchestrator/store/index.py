@@ -14,17 +14,21 @@ that printed its points, and another version builds it again.
 
 from __future__ import annotations
 
-import os
-import uuid
+import contextlib
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from orchestrator.store.footer import footer_facts
 from orchestrator.store.fragments import ResultStore
+from orchestrator.store.scan import StaleListing, StoreScan
+from workers.contract import META_PREFIX
+from workers.files import write_parquet_atomic
 
 INDEX_SCHEMA = pa.schema(
     [
@@ -40,7 +44,7 @@ INDEX_SCHEMA = pa.schema(
         pa.field("schema_version", pa.int32()),  # the newest any of these rows was written with
     ]
 )
-META_DUCKDB = b"orchestrate.duckdb_version"  # the index's: which DuckDB printed its points
+META_DUCKDB = META_PREFIX + b"duckdb_version"  # the index's: which DuckDB printed its points
 FACTS_SQL = """
 SELECT filename AS file, device, case_name, "case", params::VARCHAR AS point, run_id, max(started_at) AS started_at,
     max(schema_version) AS schema_version
@@ -98,26 +102,17 @@ def _load(path: Path) -> pa.Table:
 
 def duckdb_version() -> bytes:
     """The DuckDB version that prints this process's points."""
-    from importlib.metadata import version
-
     return version("duckdb").encode()
 
 
 def _save(store: ResultStore, path: Path, table: pa.Table) -> None:
     """Replace the index atomically; a store this process cannot write to keeps the old one."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        pq.write_table(table.replace_schema_metadata({META_DUCKDB: duckdb_version()}), tmp, compression="zstd")
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # read-only, or full: the index is a shortcut; the next read scans
+        write_parquet_atomic(table.replace_schema_metadata({META_DUCKDB: duckdb_version()}), path)
 
 
 def refreshed(store: ResultStore, sweep: str) -> pa.Table:
     """The sweep's index, brought up to date with its files (new and changed ones scanned in DuckDB)."""
-    from orchestrator.store.dataset import StaleListing
-
     for _ in range(3):
         try:
             return _refresh(store, sweep)
@@ -127,8 +122,6 @@ def refreshed(store: ResultStore, sweep: str) -> pa.Table:
 
 
 def _refresh(store: ResultStore, sweep: str) -> pa.Table:
-    from orchestrator.store.dataset import StoreScan  # the scan uses the store; the index is a layer above
-
     stats, devices = _stats(store, sweep)
     path = index_path(store, sweep)
     old = _load(path) if path.is_file() else INDEX_SCHEMA.empty_table()
@@ -180,8 +173,6 @@ def newest_points(
     cases: Sequence[str] | None = None,
 ) -> pa.Table:
     """Per (device, case, point) of the sweep(s), the newest run (of `runs`, of `cases`) and its files."""
-    import duckdb
-
     index = whole_index(store, sweep)
     if runs:
         index = index.filter(pc.is_in(index["run_id"], pa.array(list(runs), pa.string())))

@@ -23,10 +23,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from orchestrator.store.footer import META_POINTS
-from orchestrator.store.fragments import COMPACT_PREFIX, compact_index, packed_index
+from orchestrator.store.footer import META_POINTS, compact_index, packed_index
+from orchestrator.store.fragments import COMPACT_PREFIX
 from workers.contract import (
     META_JOBS,
+    META_PREFIX,
     META_SCHEMA_VERSION,
     PARTITION_COLUMNS,
     SCHEMA_VERSION,
@@ -131,7 +132,7 @@ def job_entries(path: str, meta: dict[bytes, bytes], num_rows: int) -> list[dict
     name = Path(path).name
     if name.startswith(COMPACT_PREFIX):
         return compact_index(meta)
-    entry = {k.decode(): v.decode() for k, v in meta.items() if k.startswith(b"orchestrate.") and k not in FILE_KEYS}
+    entry = {k.decode(): v.decode() for k, v in meta.items() if k.startswith(META_PREFIX) and k not in FILE_KEYS}
     entry = {k.removeprefix("orchestrate."): v for k, v in entry.items()}
     parsed = parse_fragment_name(name)
     if "run_id" not in entry and parsed is not None:  # version 1 did not write it: the name says it

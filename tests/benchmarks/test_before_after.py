@@ -1,6 +1,6 @@
 """benchmarks/before_after.py's comparison: each side's files pooled, intervals from a two-stage bootstrap.
 
-The simulations draw samples the way the H200 gives them: within one worker process a lognormal
+The simulations draw samples the way a GPU host gives them: within one worker process a lognormal
 noise of 1.5 %, and between processes of the same code a random shift of 1.75 % (each process
 draws, allocates and clocks differently). An interval from one process's samples alone ignores the
 second, so an A/A comparison often reports intervals that do not overlap; resampling the processes
@@ -65,7 +65,7 @@ def table_rows(table: str) -> list[list[str]]:
 
 def test_a_a_intervals_from_four_processes_a_side_overlap_where_one_processs_do_not() -> None:
     hierarchical = no_rate(outcomes(processes=4, slowdown=1.0, seed=1))
-    one_process = no_rate(outcomes(processes=1, slowdown=1.0, seed=2))  # the old method: one file a side
+    one_process = no_rate(outcomes(processes=1, slowdown=1.0, seed=2))  # one process (one file) a side
     print(f"A/A 'NO' rate: one process a side {one_process:.1%}, four processes a side {hierarchical:.1%}")
     assert hierarchical < 0.10
     assert one_process > 0.25 and one_process > 3 * hierarchical

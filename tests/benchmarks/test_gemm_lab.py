@@ -56,8 +56,8 @@ def test_the_recommended_rule_is_the_fastest_correct_variant_per_m() -> None:
     assert rule == f"{a}@2048,{c}"
     assert parse_rule(rule) == [(2048, a), (None, c)]  # the library accepts what the lab prints
     assert gemm_lab.recommend([{"m": 512, "paths": [path("native", 1.0)]}], 1e-2) == ""
-    # the wgmma child's blocks come after all of this process's: one M's blocks are pooled (on the
-    # H200 the unpooled rule kept a slower variant up to M=16384 beside a faster wgmma one)
+    # the wgmma child's blocks come after all of this process's: one M's blocks are pooled (unpooled,
+    # a rule can keep a slower variant up to the largest M beside a faster wgmma one)
     child = [{"m": m, "paths": [path(b, 0.5)]} for m in (512, 2048, 4096, 16384)]
     assert gemm_lab.recommend(per_m + child, 1e-2) == b
 

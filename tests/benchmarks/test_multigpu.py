@@ -18,7 +18,7 @@ from benchmarks import multigpu
 from orchestrator.run.plan import expand
 from orchestrator.specs.sweep import InventorySpec, load_sweep
 from orchestrator.store.fragments import ResultStore
-from workers.contract import META_JOB_SECONDS, META_PHASES, STATUS_OK, JobContext, JobSpec, RowBuilder
+from workers.contract import META_JOB_SECONDS, META_PHASES, JobContext, JobSpec, RowBuilder, Status
 from workers.host.fingerprint import static_fingerprint
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -48,7 +48,7 @@ def _store_job(store: ResultStore, sweep: str, key: str, gpu: int, start_s: floa
     rows = RowBuilder(job, fp, JobContext(started_at=T0 + dt.timedelta(seconds=start_s)))
     for i, v in enumerate(values):
         rows.add("native", "seconds", v, "seconds", sample=i)
-    table = rows.table(STATUS_OK)
+    table = rows.table(Status.OK)
     meta = {**(table.schema.metadata or {}), META_JOB_SECONDS: f"{seconds + 0.5}".encode()}
     meta[META_PHASES] = json.dumps({"fingerprint": 0.5}).encode()  # started_at is taken after it
     store.write(table.replace_schema_metadata(meta), sweep=sweep, date=T0.date(), device="h200",

@@ -13,7 +13,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from benchmarks import store_scale
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
+from workers.contract import META_DATE
 
 
 def test_templated_rows_are_the_row_builders_column_for_column() -> None:
@@ -33,9 +35,9 @@ def test_a_built_night_is_every_job_once_in_the_stores_own_format(tmp_path: Path
     store = ResultStore(tmp_path / "s")
     date = today - dt.timedelta(days=1)
     assert set(store.complete_job_keys("nightly-a")) == {store_scale.job_key("nightly-a", j, date) for j in range(6)}
-    rows = store.read("nightly-a")
+    rows = read_rows(store, sweep="nightly-a")
     assert rows.num_rows == 6 * 25 and sorted(set(rows["tokens"].to_pylist())) == [16, 32, 48]
     for path in store.root.rglob("*.parquet"):
         meta = pq.read_metadata(path).metadata
         assert path.name.endswith(f"-{meta[b'orchestrate.job_key'].decode()}.parquet")
-        assert meta[b"orchestrate.date"] == date.isoformat().encode()
+        assert meta[META_DATE] == date.isoformat().encode()

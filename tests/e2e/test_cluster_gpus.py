@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import BIN, child_env
 from tests.e2e.test_cluster import SWEEP  # the same two-arm qmm sweep
@@ -132,7 +133,7 @@ def test_one_node_per_gpu_jobs_spread_a_lost_gpu_node_is_retried_on_the_other(la
     results = lab.root / "results-1"
     run = lab.orchestrate("run", "--inventory", inv, "--sweep", str(lab.root / "spread.toml"), "-r", str(results))
     assert run.returncode == 0, run.stdout + run.stderr
-    table = ResultStore(results).read(sweep="spread")
+    table = read_rows(ResultStore(results), sweep="spread")
     assert set(table.column("status").to_pylist()) == {"ok"} and set(table.column("host").to_pylist()) == {"g1"}
     pairs = set(zip(table.column("gpu_index").to_pylist(), table.column("gpu_uuid").to_pylist(), strict=True))
     assert pairs == {(0, "fake-gpu-0"), (1, "fake-gpu-1")}, pairs
@@ -157,7 +158,7 @@ def test_one_node_per_gpu_jobs_spread_a_lost_gpu_node_is_retried_on_the_other(la
             proc.wait()
     assert proc.returncode == 0, out
     store = ResultStore(results)
-    table = store.read(sweep="loss")
+    table = read_rows(store, sweep="loss")
     assert set(table.column("status").to_pylist()) == {"ok"} and len(store.fragments()) == 4  # nothing lost
     retried = table.filter(pc.equal(table.column("job_key"), lost))
     assert retried.num_rows > 0 and set(retried.column("gpu_index").to_pylist()) == {0}

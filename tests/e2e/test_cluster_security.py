@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from ray._private.services import _find_address_from_flag
 
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.e2e.test_cluster import ORCHESTRATE, SWEEP, inventory_toml
@@ -249,7 +250,7 @@ def test_a_tls_cluster_speaks_only_mutual_tls_serves_no_open_metrics_and_cleans_
         results = work / "results"
         run = orchestrate(env, "run", "--inventory", str(inv), "--sweep", str(sweep), "-r", str(results))
         assert run.returncode == 0, run.stdout + run.stderr
-        table = ResultStore(results).read(sweep="tls")
+        table = read_rows(ResultStore(results), sweep="tls")
         assert set(table.column("host").to_pylist()) == {"x1"} and set(table.column("status").to_pylist()) == {"ok"}
 
         head_pid = int((work / "head" / "head.pid").read_text())

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.engine_repo import CARGO, EngineRepo, Knobs, cargo_env, edited_sweep, git, make_checkpoint
@@ -68,7 +69,7 @@ class Lab:
         return self.orchestrate_cmd(*args)
 
     def rows(self, sweep: str) -> list[dict[str, Any]]:
-        return ResultStore(self.results).read(sweep=sweep).to_pylist()
+        return read_rows(ResultStore(self.results), sweep=sweep).to_pylist()
 
     def compare_by_commit(self, sweep: Path, run_id: str) -> list[dict[str, Any]]:
         """`compare --by commit --format json`: its tidy records (docs/results.md)."""

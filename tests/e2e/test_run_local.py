@@ -22,10 +22,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from orchestrator.errors import EXIT_LOCK_TIMEOUT
 from orchestrator.run.plan import expand
 from orchestrator.specs.sweep import load_inventory, load_sweep
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
-from tests.conftest import child_env, until_clean
+from orchestrator.store.incoming import check_fragment
+from tests.conftest import REPO, child_env, until_clean
+from workers.contract import META_PHASES
 from workers.proc.table import is_descendant, pid_alive
 
 pytestmark = pytest.mark.slow
@@ -59,7 +63,7 @@ def older_night(results: Path, fragments: list[Path], days: int) -> Path:
     day = dt.datetime.now(dt.UTC).date() - dt.timedelta(days=days)
     run_id = f"{day.strftime('%Y%m%d')}T020000Z-old{days}"
     for path in fragments:
-        table, _ = store.check_fragment(path)
+        table, _ = check_fragment(store, path)
         column = table.schema.get_field_index("run_id")
         table = table.set_column(column, table.field(column), pa.array([run_id] * table.num_rows, pa.string()))
         key = table["job_key"][0].as_py()
@@ -149,8 +153,41 @@ def test_an_inventory_naming_this_machine_runs_here_and_starts_ray(
         assert any(ray_tmp.rglob("session_*"))  # Ray started, under the temp dir RAY_TMPDIR names
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    table = ResultStore(results).read(sweep="tiny")
+    table = read_rows(ResultStore(results), sweep="tiny")
     assert set(table.column("host").to_pylist()) == {"here"} and set(table.column("status").to_pylist()) == {"ok"}
+
+
+def test_a_gpu_lock_that_stays_busy_ends_the_run_with_its_exit_code(tmp_path: Path, orchestrate_bin: str) -> None:
+    """Another process holds this machine's GPU lock past the host's `max_wait`: the job's rows say
+    so, its footer names the kind (`ErrorKind.LOCK_BUSY`), and `run` exits as the shell guard does."""
+    lock = tmp_path / "gpu.lock"
+    helper = str(REPO / "tests" / "workers" / "lock_helper.py")
+    holder = subprocess.Popen([sys.executable, helper, "hold", str(lock), "0"], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env=child_env())  # fmt: skip
+    inv = tmp_path / "here.toml"
+    inv.write_text(
+        f'[[hosts]]\nname = "here"\nhost = "localhost"\ndevice = "cpu"\nbackend = "cpu"\nlock = "{lock}"\n'
+        "max_wait = 0.5\n"
+    )
+    sweep = tmp_path / "tiny.toml"
+    sweep.write_text(
+        'name = "tiny"\nrepetitions = 1\nwarmup = 0\n[[cases]]\ncase = "qmm"\narms = ["native"]\n'
+        "params = { tokens = 1, n = 32, k = 64 }\n"
+    )
+    results = tmp_path / "results"
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().startswith("held")
+        proc = subprocess.run(
+            [orchestrate_bin, "run", "--inventory", str(inv), "--sweep", str(sweep), "--results", str(results)],
+            capture_output=True, text=True, env=child_env(), timeout=600,
+        )  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == EXIT_LOCK_TIMEOUT, proc.stdout + proc.stderr
+    table = read_rows(ResultStore(results), sweep="tiny")
+    assert set(table.column("status").to_pylist()) == {"failed"}
+    assert f"gave up waiting for GPU lock {lock}" in table.column("error")[0].as_py()
 
 
 def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -176,7 +213,7 @@ def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestra
     lines, tree = [], set()
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("[1/2]"):  # Ray's daemons and worker, the fork server the head started beside them
+        if line.startswith("[1/2]"):  # Ray's daemons and worker, the worker's fork server
             tree = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if is_descendant(p, proc.pid)}
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, "".join(lines) + out + err
@@ -185,13 +222,12 @@ def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestra
         time.sleep(0.2)
     assert tree and not [p for p in tree if pid_alive(p)]
     store = ResultStore(results)
-    table = store.read(sweep="tiny")
+    table = read_rows(store, sweep="tiny")
     assert set(table.column("threads").to_pylist()) == {os.cpu_count()}
     assert set(table.column("status").to_pylist()) == {"ok"}
-    processes = [
-        json.loads(pq.read_metadata(f).metadata[b"orchestrate.phases"])["process"] for f in store.fragment_files()
-    ]
-    # each from the server the head started beside Ray's start (the node's worker adopted it)
-    assert len(processes) == 2 and all(
-        p.startswith("forked from a warm server (mlx preloaded, started beside Ray's start") for p in processes
-    ), processes
+    processes = [json.loads(pq.read_metadata(f).metadata[META_PHASES])["process"] for f in store.fragment_files()]
+    # each from the node's warm server (which refuses to fork with a thread running: it would end,
+    # and the jobs would start in fresh interpreters)
+    assert len(processes) == 2 and all(p.startswith("forked from a warm server (mlx preloaded;") for p in processes), (
+        processes
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.bench_repo import git
@@ -136,7 +137,7 @@ def test_a_command_case_sees_no_token_markup_in_data_prints_as_is_and_a_moved_re
     second = orchestrate(orchestrate_bin, tmp_path, "run", "--sweep", str(sweep), "-r", str(results), env=env)
     assert second.returncode == 1, second.stdout + second.stderr
     assert "3 jobs ran" in second.stdout, second.stdout  # main moved: the good jobs are measured again
-    table = store.read(sweep="ext")
+    table = read_rows(store, sweep="ext")
     rows = [r for r in table.to_pylist() if r["case"] == "command" and r["metric"] == "decode_tok_s"]
     by_commit = {(r["commit"], r["value"]) for r in rows}
     assert by_commit == {(first_commit, 100.0), (git(repo, "rev-parse", "HEAD"), 80.0)}
@@ -216,6 +217,6 @@ def test_a_full_results_disk_is_exit_3_with_the_stored_jobs_kept(tmp_path: Path,
         kept = store.fragments()
         assert store.broken == [] and len(kept) < 6  # what was stored is whole; the rest is missing
         assert not [p for p in results.rglob("*") if p.name.endswith(".tmp")]  # no half-written file
-        assert store.read(sweep="slow").num_rows == sum(f.num_rows for f in kept)
+        assert read_rows(store, sweep="slow").num_rows == sum(f.num_rows for f in kept)
     finally:
         subprocess.run(["umount", str(disk)], check=False)

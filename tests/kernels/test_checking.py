@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import checking, moe, qmm
+from kernels import checking, moe, product_reference, qmm
 from kernels.checking import ReferenceSubset, relative_error, stratified
 from kernels.registry import ArmPath
 
@@ -54,7 +54,7 @@ def test_qmm_checks_a_subset_that_passes_every_right_arm(monkeypatch: pytest.Mon
         ref = wl.reference(arm, x)
         assert isinstance(ref, ReferenceSubset)
         assert ref.describe() == "16 of 96 rows x 24 of 384 columns"
-        full = qmm.to_float64(x) @ np.array(path.run(mx.eye(128)).astype(mx.float32), dtype=np.float64)
+        full = product_reference.to_float64(x) @ np.array(path.run(mx.eye(128)).astype(mx.float32), dtype=np.float64)
         assert np.allclose(ref.values, full[ref.index], rtol=1e-5, atol=1e-5), arm  # the subset of the true product
         assert relative_error(np.array(path.run(x)), ref) <= path.tolerance, arm
 
@@ -176,7 +176,7 @@ def test_a_decode_point_with_many_weights_checks_a_column_subset_that_catches_a_
         y = np.array(native.run(x))
         y[:, c0 : c0 + 32] *= 1.5
         assert relative_error(y, ref) > 50 * native.tolerance, c0
-    # under the limit (and the product's), the whole output is checked as before
+    # under the limit (and the product's), the whole output is checked
     monkeypatch.setattr(checking, "FULL_REFERENCE_WEIGHTS", 384 * 128)
     whole = qmm.build({"tokens": 1, "n": 384, "k": 128, "dtype": "float32"}, ["native"], np.random.default_rng(7))
     assert not isinstance(whole.reference("native", x), ReferenceSubset)

@@ -387,7 +387,7 @@ def test_variant_table_fits_the_seed_shape_and_the_default_is_in_it(monkeypatch:
         assert cfg.reason(1004, 5376) is not None  # N % 8
     assert DEFAULT_VARIANT in VARIANTS and variant_for(512) in VARIANTS
     monkeypatch.delenv(VARIANT_ENV, raising=False)
-    # Hopper: the register-sourced wgmma kernel at every M (the H200 lab's winner)
+    # Hopper: the register-sourced wgmma kernel at every M (the lab's winner there, BENCHMARKS.md)
     assert [variant_for(m) for m in (16, 512, 513, 16384)] == ["r256x128k64s5qey"] * 4
     portable = [variant_for(m, wgmma=False) for m in (512, 513, 16384)]
     assert portable == ["b128x128k64s3", "b256x128k64s4", "b256x128k64s4"]

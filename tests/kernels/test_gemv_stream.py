@@ -356,7 +356,7 @@ def test_launch_shape_never_leaves_a_warp_without_work() -> None:
 
 def test_small_inputs_are_padded_out_of_mlx_s_small_buffer_pool() -> None:
     # MLX's CUDA allocator serves <= 8-byte arrays from a read-mostly unified-memory pool that
-    # made each GEMV launch 14 us slower on the H200 (BENCHMARKS.md); kernels get 16 bytes instead
+    # makes each GEMV launch slower (BENCHMARKS.md); kernels get 16 bytes instead
     one = mx.array([3.5], dtype=mx.float32)
     padded = off_small_pool(one)
     assert padded.nbytes == 16 and np.array(padded).tolist() == [3.5, 0.0, 0.0, 0.0]

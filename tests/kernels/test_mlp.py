@@ -13,7 +13,7 @@ import pytest
 from kernels import checking, mlp, nvfp4, qmm, registry
 from kernels.checking import ReferenceSubset
 from kernels.registry import Workload
-from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
+from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder, Status
 from workers.job.measure import measure_workload, relative_error
 
 SHAPE = {"tokens": 8, "hidden": 128, "intermediate": 256}
@@ -157,11 +157,11 @@ def test_registered_and_measured_through_the_worker_loop() -> None:
     rows = RowBuilder(job, fp, JobContext(started_at=dt.datetime.now(dt.UTC)))
     rng = np.random.default_rng(job.seed)
     workload = registry.load_case("mlp").build({**spec.defaults, **job.params}, job.arms, rng)
-    assert measure_workload(job, workload, rows, rng) == STATUS_OK
-    table = rows.table(STATUS_OK).to_pylist()
+    assert measure_workload(job, workload, rows, rng) == Status.OK
+    table = rows.table(Status.OK).to_pylist()
     for arm in mlp.ARMS:
         rel = [r for r in table if r["arm"] == arm and r["metric"] == "rel_error"]
-        assert len(rel) == 1 and rel[0]["status"] == STATUS_OK and rel[0]["value"] < 1e-5
+        assert len(rel) == 1 and rel[0]["status"] == Status.OK and rel[0]["value"] < 1e-5
         tok_s = [r["value"] for r in table if r["arm"] == arm and r["metric"] == "prefill_tok_s"]
         assert len(tok_s) == 2 and all(v > 0 for v in tok_s)
-    assert not [r for r in table if r["status"] == STATUS_FAILED]
+    assert not [r for r in table if r["status"] == Status.FAILED]

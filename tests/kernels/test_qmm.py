@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import device_nvfp4, nvfp4, qmm
+from kernels import device_nvfp4, nvfp4, product_reference, qmm
 from kernels.registry import CASES, Workload
 from kernels.shapes import AFFINE_BITS, AFFINE_GROUP
 
@@ -153,10 +153,10 @@ def test_affine_weights_are_scale_times_level_plus_bias_bit_for_bit() -> None:
     seed = secrets.randbits(32)
     w = mx.array(np.random.default_rng(seed).standard_normal((96, 512)).astype(np.float32)).astype(mx.bfloat16)
     aq, scales, biases = mx.quantize(w, group_size=AFFINE_GROUP, bits=AFFINE_BITS)
-    levels = qmm.unpack_affine(np.array(aq)).astype(np.float64).reshape(96, -1, AFFINE_GROUP)
+    levels = product_reference.unpack_affine(np.array(aq)).astype(np.float64).reshape(96, -1, AFFINE_GROUP)
     s = np.array(scales.astype(mx.float32), dtype=np.float64)[..., None]
     b = np.array(biases.astype(mx.float32), dtype=np.float64)[..., None]
     want = (levels * s + b).reshape(96, 512)
-    got = qmm.affine_weights(aq, scales, biases)
+    got = product_reference.affine_weights(aq, scales, biases)
     np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
     # what the affine arm computes with is checked against these in test_arms_hold_the_reference_weights

@@ -15,8 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from orchestrator.analysis.compare import select_results
+from orchestrator.analysis.selection import select_results
 from orchestrator.report.html import build_report, write_report
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.chromium_page import DevToolsPage
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.results is not None:
         store = ResultStore(args.results)
         table, spec = select_results(store, args.sweep, None)
-        history = store.read(sweep=table["sweep"][0].as_py())
+        history = read_rows(store, sweep=table["sweep"][0].as_py())
     else:
         from tests.orchestrator.h200_benchmarks import h200_rows
 

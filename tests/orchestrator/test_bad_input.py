@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.specs.sweep import check_sweep_against_inventory, load_inventory, load_sweep
+from orchestrator.specs.checks import check_sweep_against_inventory
+from orchestrator.specs.sweep import load_inventory, load_sweep
 from tests.conftest import child_env
 
 GOOD_CASE = """

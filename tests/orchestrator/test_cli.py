@@ -109,7 +109,8 @@ def test_a_verb_imports_its_own_module_and_what_it_needs_alone(store_root: Path)
     )
     compared, modules = imported_by("compare", "-r", str(store_root), "--by", "run", "-f", "json")
     assert compared.returncode == 0 and json.loads(compared.stdout), compared.stderr
-    assert not modules & {"pandas", "pyarrow.dataset", "rich.progress", "ray", "orchestrator.commands.run"}
+    # (pandas may come: pyarrow imports it to ask whether a Python value it converts is a pandas object)
+    assert not modules & {"pyarrow.dataset", "rich.progress", "ray", "orchestrator.commands.run"}
     version, modules = imported_by("--version")
     assert version.returncode == 0 and version.stdout.startswith("orchestrate ")
     assert not {m for m in modules if m.startswith("orchestrator.commands.")}

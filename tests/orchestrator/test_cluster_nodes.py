@@ -69,7 +69,7 @@ def test_the_embedded_host_lists_its_gpus_here_without_mlx(monkeypatch: pytest.M
         )
 
     monkeypatch.delenv(FAKE_GPUS_ENV, raising=False)
-    assert local_gpus(local("all")) == []  # the CPU backend has no GPU: one unpinned slot, as before
+    assert local_gpus(local("all")) == []  # the CPU backend has no GPU: one unpinned slot
     with pytest.raises(InputError, match=r"field hosts.0.gpus \(host 'local'\): gpus = \[0, 1\]: GPUs 0, 1 not found"):
         local_gpus(local([0, 1]))
     monkeypatch.setenv("PATH", "/nonexistent")

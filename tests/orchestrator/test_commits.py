@@ -13,9 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.analysis.commits import base_side, head_rows, match_side, with_commit_sides
-from orchestrator.analysis.compare import compare_results, compare_stored
+from orchestrator.analysis.compare import compare_results
 from orchestrator.analysis.history import series_of
 from orchestrator.analysis.records import records
+from orchestrator.analysis.selection import compare_stored
 from orchestrator.analysis.stats import Verdict
 from orchestrator.errors import InputError
 from orchestrator.report.summary import summarize

@@ -17,11 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from orchestrator.store import compact as compaction
-from orchestrator.store import dataset
+from orchestrator.store import index as point_index
 from orchestrator.store import merge as compact_merge
 from orchestrator.store.compact import compact
 from orchestrator.store.dataset import read_rows
-from orchestrator.store.fragments import ResultStore, compact_index
+from orchestrator.store.footer import compact_index
+from orchestrator.store.fragments import ResultStore
+from orchestrator.store.incoming import import_fragment
 from orchestrator.store.index import index_path, refreshed
 from tests.conftest import child_env
 from tests.orchestrator.test_dataset import DAY, key, write_job
@@ -157,7 +159,7 @@ def test_the_point_index_is_written_by_compact_so_the_next_read_scans_nothing(
         raise AssertionError("the index was scanned again after compaction")
 
     with monkeypatch.context() as m:
-        m.setattr(dataset, "StoreScan", no_scan)
+        m.setattr(point_index, "StoreScan", no_scan)
         fresh = refreshed(store, "nightly")
     assert fresh.num_rows == written.num_rows == facts.num_rows
     # Exactly the facts a scan of the merged files finds (the same points, runs, times, versions).
@@ -248,7 +250,7 @@ def test_an_imported_job_already_compacted_is_not_stored_twice(tmp_path: Path) -
     copy = tmp_path / "copy.parquet"
     copy.write_bytes(next(store.root.rglob("part-*.parquet")).read_bytes())
     compact(store)
-    store.import_fragment(copy)
+    import_fragment(store, copy)
     assert read_rows(store).num_rows == 2 * 6
     assert len(list(store.root.rglob("*.parquet"))) == 1
 

@@ -9,6 +9,7 @@ import io
 import json
 import re
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,19 +17,19 @@ import pyarrow as pa
 import pytest
 from rich.console import Console
 
-from orchestrator.analysis.compare import compare_results, select_results
-from orchestrator.analysis.cross_device import cross_device, over_peak
+from orchestrator.analysis.compare import CompareResult, compare_results
+from orchestrator.analysis.cross_device import CrossDeviceRow, cross_device, over_peak
 from orchestrator.analysis.records import RECORD_SCHEMA
+from orchestrator.analysis.selection import select_results
 from orchestrator.analysis.stats import Verdict
 from orchestrator.errors import InputError
+from orchestrator.report.cross import write_cross
 from orchestrator.report.output import Format
 from orchestrator.report.text import (
     case_tables,
     fitted_tables,
     print_comparison,
-    render_text,
     write_comparison,
-    write_cross,
 )
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
@@ -44,6 +45,15 @@ SEED1 = {
     8192: (118.62, 109.79, 4.73, 12.20, 49.11, 37.91, 222.6, 82.7),
     16384: (114.19, 107.45, 4.44, 11.54, 52.60, 39.70, 222.0, 83.4),
 }
+
+
+def render_text(
+    result: CompareResult, fmt: str, cross: list[CrossDeviceRow] | None = None, metrics: Sequence[str] | None = None
+) -> str:
+    """The comparison as `orchestrate compare -f md|csv|json` writes it."""
+    buf = io.StringIO()
+    write_comparison(result, Format(fmt), buf, cross, metrics)
+    return buf.getvalue()
 
 
 def seed1_table(*, n: int = 9, noise: float = 0.0005, run_id: str = "run1", scale: float = 1.0) -> pa.Table:

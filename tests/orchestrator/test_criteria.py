@@ -6,16 +6,19 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.analysis.criteria import Outcome, evaluate_criteria, exit_code_for, render_verdicts, validate_criteria
+from orchestrator.analysis.criteria import KINDS, evaluate_criteria, render_verdicts, validate_criteria
+from orchestrator.analysis.verdicts import Outcome, exit_code_for
 from orchestrator.errors import EXIT_CONTENDED, InputError
-from orchestrator.specs.sweep import SweepSpec, load_sweep
+from orchestrator.specs.sweep import Criterion, SweepSpec, load_sweep
 from orchestrator.specs.where import parse_where
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import concat, job_table, noisy
@@ -263,7 +266,7 @@ def test_run_ends_with_the_criteria_and_their_exit_code(tmp_path: Path, orchestr
     run = orchestrate("run", "--sweep", str(sweep_file), "--results", str(results))
     ran = re.search(r"2 jobs ran \(0 failed(?:, ([12]) contended)?\)", run.stdout)
     assert ran, run.stdout + run.stderr
-    table = ResultStore(results).read(sweep="criteria-e2e")
+    table = read_rows(ResultStore(results), sweep="criteria-e2e")
     # the points the criteria miss: an arm with no clean timed sample there (a job retried after a
     # contended attempt keeps both attempts' rows; only a point with nothing clean is missing)
     clean = {
@@ -318,3 +321,9 @@ def test_a_criterion_no_case_can_answer_is_refused_before_running() -> None:
     with pytest.raises(ValidationError, match=r"criteria\.0 \('z'\): arm 'custom' is not an arm of any case"):
         sweep([{"name": "z", "metric": "prefill_tok_s", "arm": "custom", "min_ratio": 1}])
     validate_criteria(sweep())  # the seed's criteria fit
+
+
+def test_every_criterion_kind_a_sweep_may_name_is_registered() -> None:
+    """`Criterion.kind`'s values and the registry's kinds are the same set: a kind added to the
+    sweep format without a judge (or a judge no sweep can name) fails here."""
+    assert set(get_args(Criterion.model_fields["kind"].annotation)) == set(KINDS)

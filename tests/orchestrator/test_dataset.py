@@ -23,10 +23,20 @@ from orchestrator.errors import InputError
 from orchestrator.store.compact import compact
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
+from orchestrator.store.incoming import import_fragment
 from orchestrator.store.index import index_path
 from tests.conftest import child_env
 from tests.orchestrator.synthetic_rows import job_table
-from workers.contract import META_SCHEMA_VERSION, PARTITION_COLUMNS, SCHEMA, STORED_SCHEMA
+from workers.contract import (
+    META_JOB_KEY,
+    META_JOB_STATUS,
+    META_JOBS,
+    META_SCHEMA_VERSION,
+    META_SWEEP,
+    PARTITION_COLUMNS,
+    SCHEMA,
+    STORED_SCHEMA,
+)
 
 DAY = dt.date(2026, 11, 30)
 
@@ -58,7 +68,7 @@ def write_job(
         started_at=dt.datetime.combine(day, dt.time(2), tzinfo=dt.UTC),
     )
     meta = dict(table.schema.metadata or {})
-    meta[b"orchestrate.job_key"] = key(i).encode()
+    meta[META_JOB_KEY] = key(i).encode()
     column = table.schema.get_field_index("job_key")
     table = table.set_column(column, SCHEMA.field("job_key"), pa.array([key(i)] * table.num_rows, pa.string()))
     table = table.replace_schema_metadata(meta)
@@ -112,7 +122,7 @@ def test_pandas_polars_duckdb_and_pyarrow_read_the_store_with_their_default_call
     assert files and all(f.suffix == ".parquet" and f.name.startswith("part-") for f in files)
     body = pq.read_schema(files[0])
     assert not set(PARTITION_COLUMNS) & set(body.names)  # the partitions are in the path, not the body
-    assert pq.read_metadata(files[0]).metadata[b"orchestrate.sweep"] in (b"nightly", b"smoke")  # and the footer
+    assert pq.read_metadata(files[0]).metadata[META_SWEEP] in (b"nightly", b"smoke")  # and the footer
     for when in ("before", "after"):
         seen = read_four_ways(store.root)
         for reader, (rows, partitions) in seen.items():
@@ -196,7 +206,7 @@ def test_broken_files_are_skipped_with_one_warning_each_by_every_reader(tmp_path
 def v1_fragment(store: ResultStore, i: int) -> Path:
     """A fragment as version 1 wrote it: partition columns in the body too, version 1 in the footer."""
     table = job_table({"native": {"seconds": [1.0, 1.1]}}, params={"tokens": 100 + i}, sweep="nightly", run_id="r-old")
-    meta = {**(table.schema.metadata or {}), META_SCHEMA_VERSION: b"1", b"orchestrate.job_key": key(100 + i).encode()}
+    meta = {**(table.schema.metadata or {}), META_SCHEMA_VERSION: b"1", META_JOB_KEY: key(100 + i).encode()}
     table = table.set_column(0, SCHEMA.field("schema_version"), pa.array([1] * table.num_rows, pa.int32()))
     path = (
         store.partition_dir(sweep="nightly", date=DAY.isoformat(), device="cpu") / f"part-r-old-{key(100 + i)}.parquet"
@@ -224,7 +234,7 @@ def test_an_older_schema_is_read_and_migrated_by_compact(tmp_path: Path) -> None
     assert len(pd.read_parquet(store.root)) == 8  # pandas reads the migrated store
     # The merged file's index still names both jobs' fragments (resume, collect and import use them).
     assert store.compacted_names(merged.parent) == {old.name, f"part-20261130T020000Z-aaaa-{key(0)}.parquet"}
-    assert pq.read_metadata(merged).metadata[b"orchestrate.jobs"].startswith(b"zlib:")
+    assert pq.read_metadata(merged).metadata[META_JOBS].startswith(b"zlib:")
 
 
 def test_a_newer_schema_is_refused_with_a_message(tmp_path: Path, orchestrate_bin: str) -> None:
@@ -247,7 +257,7 @@ def test_a_newer_schema_is_refused_with_a_message(tmp_path: Path, orchestrate_bi
     )  # fmt: skip
     assert out.returncode == 2 and "schema version 3" in out.stderr and path.name in out.stderr
     with pytest.raises(InputError, match="newer than this orchestrate reads"):
-        ResultStore(tmp_path / "other").import_fragment(path)
+        import_fragment(ResultStore(tmp_path / "other"), path)
 
 
 def test_resume_knows_complete_jobs_from_names_and_footers_compacted_or_not(tmp_path: Path) -> None:
@@ -266,5 +276,5 @@ def test_resume_knows_complete_jobs_from_names_and_footers_compacted_or_not(tmp_
     frags = {f.path.name: f for f in store.fragments()}
     assert frags[f"part-20261130T020000Z-aaaa-{key(1)}.parquet"].job_status == "failed"
     assert frags[f"part-20261130T030000Z-bbbb-{key(1)}.parquet"].num_rows == 6
-    assert frags[f"part-20261130T020000Z-aaaa-{key(1)}.parquet"].meta[b"orchestrate.job_status"] == b"failed"
+    assert frags[f"part-20261130T020000Z-aaaa-{key(1)}.parquet"].meta[META_JOB_STATUS] == b"failed"
     assert store.run_ids("nightly") == {"20261130T020000Z-aaaa", "20261130T030000Z-bbbb"}

@@ -14,6 +14,7 @@ from orchestrator.cluster.head import HEAD_PID, require_head, stop_head
 from orchestrator.cluster.token import enable_token_auth, ensure_token, rotate_token, token_path
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import InventorySpec
+from workers.proc.table import pid_alive
 
 
 def test_token_is_made_once_with_mode_0600_where_ray_looks() -> None:
@@ -110,3 +111,35 @@ def test_a_stale_head_pid_file_never_kills_the_process_that_reused_the_pid(tmp_p
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_stop_head_ends_the_heads_tree_and_group_sigterm_first(tmp_path: Path) -> None:
+    workdir = tmp_path / "head"
+    workdir.mkdir()
+    head_spec = {"address": "127.0.0.1", "workdir": str(workdir)}
+    inv = InventorySpec.model_validate({"head": head_spec, "hosts": [{"name": "a", "host": "h", "device": "x"}]})
+    log, pids = tmp_path / "log", tmp_path / "pids"
+    # A stand-in for `ray start --head --block`: it exits on SIGTERM, one child ignores it, and an
+    # orphan left its tree (not its process group).
+    script = (
+        f"trap 'echo term >> {log}; exit 0' TERM; (sleep 61 & echo $! >> {pids}); "
+        f"(trap '' TERM; sleep 62) & echo $! >> {pids}; wait"
+    )
+    port, temp = str(inv.head.ray_port), str(workdir / "ray")
+    argv = ["bash", "-c", script, "start", "--head", "--port", port, "--temp-dir", temp]
+    head = subprocess.Popen(argv, start_new_session=True)
+    try:
+        (workdir / HEAD_PID).write_text(f"{head.pid}\n")
+        deadline = time.monotonic() + 10
+        while len(pids.read_text().split() if pids.exists() else []) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        left = [int(p) for p in pids.read_text().split()]
+        assert stop_head(inv, grace=1.0) == "stopped"
+        assert log.read_text() == "term\n"
+        assert head.wait(5) == 0
+        assert not [p for p in left if pid_alive(p)]
+        assert not (workdir / HEAD_PID).exists()
+    finally:
+        head.kill()
+        head.wait()

@@ -26,6 +26,7 @@ from orchestrator.analysis.history import (
     series_of,
     unjudged,
 )
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
 from workers.command.job import run_command_job
@@ -83,7 +84,7 @@ def test_nightly_runs_flag_exactly_the_commit_that_slowed_down(tmp_path: Path, m
         if night < 4:  # another host, much slower: a series of its own, never a baseline for fp-a
             nightly(store, repo, tmp_path, run_id, fid="fp-slow-host")
 
-    table = store.read(sweep="nightly")
+    table = read_rows(store, sweep="nightly")
     flagged = {}
     for run_id in commits:
         for f in regressions(findings_for_run(table, run_id)):
@@ -100,7 +101,7 @@ def test_nightly_runs_flag_exactly_the_commit_that_slowed_down(tmp_path: Path, m
     assert {k.host: len(v) for k, v in series.items()} == {"fp-a": 10, "fp-slow-host": 4}
     assert unjudged(table, slow_run) == []
     nightly(store, repo, tmp_path, "20261120T020000Z", contended=True)  # a foreign GPU user was seen
-    table = store.read(sweep="nightly")
+    table = read_rows(store, sweep="nightly")
     assert findings_for_run(table, "20261120T020000Z") == []
     assert unjudged(table, "20261120T020000Z") == ["cpu engine native prompt_tokens=512 decode_tok_s"]
     report = report_markdown("nightly", slow_run, findings_for_run(table, slow_run))
@@ -151,7 +152,7 @@ def _calls(y: list[float], se: list[float]) -> list[changepoints.Call]:
 @pytest.mark.parametrize(("noise", "limit"), [(0.03, 0.05), (0.02, 0.05)])
 def test_thirty_stable_nights_raise_no_alarm_in_95_percent_of_series(noise: float, limit: float) -> None:
     """At 3 % night-to-night noise, P(any regression or improvement in 30 stable nights) <= 5 %
-    (the old rule: 46-94 % of series)."""
+    (an interval of the ratio of medians against a few earlier runs alarms on 46-94 % of them)."""
     rng = np.random.default_rng(30)
     alarmed = sum(
         any(c.kind == changepoints.CHANGE for c in _calls(*night_medians(rng, 30, noise))) for _ in range(SERIES)

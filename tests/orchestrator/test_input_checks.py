@@ -13,11 +13,12 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.cluster.reach import MAX_JUMPS, JumpHop, is_this_machine, parse_hop
-from orchestrator.cluster.ssh import SshTarget
+from orchestrator.cluster.target import SshTarget
 from orchestrator.errors import InputError
 from orchestrator.run.plan import expand
-from orchestrator.specs.checks import MAX_JOBS
-from orchestrator.specs.sweep import InventorySpec, SweepSpec, check_sweep_against_inventory, load_inventory, load_sweep
+from orchestrator.specs.case import MAX_JOBS
+from orchestrator.specs.checks import check_sweep_against_inventory
+from orchestrator.specs.sweep import InventorySpec, SweepSpec, load_inventory, load_sweep
 from orchestrator.specs.toml import validation_message
 
 # ------------------------------------------------------------------------------------- ProxyJump

@@ -200,7 +200,7 @@ def test_a_killed_holder_takes_the_command_tree_with_it_and_the_lock_outlasts_ev
     orchestrate_bin: str, lock: str, env: dict[str, str], tmp_path: Path
 ) -> None:
     pids = tmp_path / "pids"
-    # A command whose helper left its session: killing the holder used to free the lock at once
+    # A command whose helper left its session: killing only the holder would free the lock at once
     # while the command ran on, reparented to init.
     script = f"echo $$ >> {pids}; setsid sleep 60 & echo $! >> {pids}; sleep 60"
     holder = start_hold(orchestrate_bin, lock, "sh", "-c", script, env=env)

@@ -15,12 +15,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.store import dataset
 from orchestrator.store import index as point_index
-from orchestrator.store.dataset import StoreScan, read_rows
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.footer import META_POINTS, footer_facts
 from orchestrator.store.fragments import ResultStore
 from orchestrator.store.index import FACTS_SQL, index_path, refreshed
+from orchestrator.store.scan import StoreScan
 from tests.orchestrator.synthetic_rows import job_table
 from tests.orchestrator.test_dataset import DAY, key, write_job
 
@@ -89,7 +89,7 @@ def test_the_index_of_new_fragments_is_built_from_footers_alone(
         raise AssertionError("the index read rows of files whose footers carry their facts")
 
     with monkeypatch.context() as m:
-        m.setattr(dataset, "StoreScan", no_row_scan)
+        m.setattr(point_index, "StoreScan", no_row_scan)
         built = refreshed(store, "nightly")
     assert built.num_rows == 5
     index_path(store, "nightly").unlink()

@@ -18,6 +18,7 @@ from orchestrator.store.fragments import ResultStore
 from orchestrator.store.query import run_query
 from tests.conftest import child_env
 from tests.orchestrator.test_dataset import write_job
+from workers.contract import META_SCHEMA_VERSION
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_a_newer_schema_is_refused_from_few_files_or_many(
     assert run_query(store, "select count(*) as n from results")["n"].to_pylist() == [18]
     path = sorted(store.root.rglob("*.parquet"))[1]
     table = pq.read_table(path)
-    meta = {**(table.schema.metadata or {}), b"orchestrate.schema_version": b"3"}
+    meta = {**(table.schema.metadata or {}), META_SCHEMA_VERSION: b"3"}
     table = table.set_column(0, table.schema.field("schema_version"), pa.array([3] * table.num_rows, pa.int32()))
     pq.write_table(table.replace_schema_metadata(meta), path)
     with pytest.raises(InputError, match=r"schema version 3, newer than this orchestrate reads \(2\)") as err:

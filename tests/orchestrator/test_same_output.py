@@ -11,7 +11,8 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.analysis.criteria import Outcome, describe, evaluate_criteria, exit_code_for, validate_criteria
+from orchestrator.analysis.criteria import describe, evaluate_criteria, validate_criteria
+from orchestrator.analysis.verdicts import Outcome, exit_code_for
 from orchestrator.commands.check import check_records
 from orchestrator.report.html import build_report
 from orchestrator.report.tables import applies, criteria_table, device_verdict, overview_table

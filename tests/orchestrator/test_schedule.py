@@ -28,6 +28,7 @@ from orchestrator.run.nightly import (
     remove_schedule,
     run_now,
 )
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
 
@@ -201,7 +202,7 @@ def earlier_nights(results: Path, sweep: str, nights: int) -> None:
     without running the sweep that many more times. They are stored five days back (their rows
     keep their times), so the next scheduled run compacts that partition."""
     store = ResultStore(results)
-    table = store.read(sweep=sweep)
+    table = read_rows(store, sweep=sweep)
     (run_id,) = set(table["run_id"].to_pylist())
     for i in range(1, nights + 1):
         copy = table

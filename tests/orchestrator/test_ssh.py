@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cluster.ssh import RemoteShell, SshTarget, command_line, sftp_path, shell_path
+from orchestrator.cluster.ssh import RemoteShell, command_line, sftp_path, shell_path
+from orchestrator.cluster.target import SshTarget
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import HostSpec
 from tests.sshd_hosts import SshLab, make_key, require_sshd, start_lab

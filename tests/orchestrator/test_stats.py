@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats as ss
 
-from orchestrator.analysis import fdr, stats
+from orchestrator.analysis import fdr, groups, stats
 from orchestrator.analysis.compare import compare_results
 from orchestrator.analysis.stats import Verdict
 from tests.orchestrator.synthetic_rows import concat, job_table
@@ -130,13 +130,13 @@ def test_clean_rows_drop_failed_contended_and_missing_values() -> None:
     contended = job_table({"native": {"seconds": [8.0, 8.0]}}, params=point, contended=True, run_id="r3")
     nan = job_table({"native": {"seconds": [float("nan"), 7.0]}}, params=point, run_id="r4")
     table = concat([good, failed, contended, nan])
-    clean = stats.clean_rows(table)
+    clean = groups.clean_rows(table)
     assert sorted(clean["value"].to_pylist()) == [1.0, 1.1, 1.2, 7.0]
-    groups = stats.sample_groups(table)
-    (key,) = groups
+    by_group = groups.sample_groups(table)
+    (key,) = by_group
     assert key.point == (("k", "64"), ("n", "64"), ("tokens", "512"))
-    assert sorted(groups[key]) == [1.0, 1.1, 1.2, 7.0]
-    split = stats.sample_groups(table, split_runs=True)
+    assert sorted(by_group[key]) == [1.0, 1.1, 1.2, 7.0]
+    split = groups.sample_groups(table, split_runs=True)
     assert {k.run_id for k in split} == {"run1", "r4"}
 
 
@@ -359,7 +359,7 @@ def test_heavy_tails_are_flagged_per_group(noise: float) -> None:
 
 
 def test_row_medians_are_numpys_medians_value_for_value() -> None:
-    """The bootstrap's medians by a sort (5x faster) must be np.median's, bit for bit: same intervals as before."""
+    """The bootstrap's medians by a sort (faster) must be np.median's, bit for bit, so the intervals are too."""
     rng = np.random.default_rng(3)
     for n in (1, 2, 3, 4, 5, 12, 13, 30, 101):
         draws = rng.standard_normal((500, n)) * 10.0 ** rng.integers(-6, 6, size=(500, 1)) + 1000.0

@@ -10,8 +10,9 @@ import pytest
 
 from orchestrator.run.plan import expand, job_key, points
 from orchestrator.specs.sweep import InventorySpec, SweepSpec
+from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
-from workers.contract import STATUS_FAILED, STATUS_OK, HostFingerprint, JobContext, JobSpec, RowBuilder
+from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder, Status
 
 # two device kinds need two nodes: a cluster inventory (with a head), as `orchestrate run` would require
 INV = InventorySpec.model_validate(
@@ -89,14 +90,14 @@ def _table(job_key: str, status: str, n: int = 3) -> object:
 def test_store_write_read_resume_and_broken_fragment(tmp_path: Path) -> None:
     store = ResultStore(tmp_path / "results")
     day = dt.date(2026, 11, 30)
-    p1 = store.write(_table("k1", STATUS_OK), sweep="s", date=day, device="cpu", run_id="r1", job_key="k1")  # type: ignore[arg-type]
-    store.write(_table("k2", STATUS_FAILED), sweep="s", date=day, device="cpu", run_id="r1", job_key="k2")  # type: ignore[arg-type]
+    p1 = store.write(_table("k1", Status.OK), sweep="s", date=day, device="cpu", run_id="r1", job_key="k1")  # type: ignore[arg-type]
+    store.write(_table("k2", Status.FAILED), sweep="s", date=day, device="cpu", run_id="r1", job_key="k2")  # type: ignore[arg-type]
     assert p1 == tmp_path / "results/sweep=s/date=2026-11-30/device=cpu/part-r1-k1.parquet"
     assert not list(p1.parent.glob(".*.tmp"))  # no temp file left behind
     assert store.complete_job_keys() == {"k1"}  # a failed job runs again on resume
     broken = p1.parent / "part-r9-bad.parquet"
     broken.write_bytes(b"PAR1 this is not parquet")
-    table = store.read(sweep="s")
+    table = read_rows(store, sweep="s")
     assert table.num_rows == 6
     assert [b[0] for b in store.broken] == [broken]
     # DuckDB over the files the store lists sees the same rows and the hive partitions
@@ -151,8 +152,8 @@ def test_summary_names_what_it_leaves_out() -> None:
 
     from orchestrator.report.summary import left_out, summarize
 
-    ok = _table("k1", STATUS_OK)
-    failed = _table("k2", STATUS_FAILED)
+    ok = _table("k1", Status.OK)
+    failed = _table("k2", Status.FAILED)
     rows = ok.to_pylist() + failed.to_pylist()  # type: ignore[attr-defined]
     for r in rows[3:]:
         r["status"] = "failed"

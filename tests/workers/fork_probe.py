@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from workers.proc import standby
+from workers.contract import META_JOB_STATUS
 from workers.proc.spawn import ForkServer
 
 _kept: list[Any] = []  # a "dirty" child's MLX array stays alive here until it exits
@@ -32,7 +32,6 @@ def _look() -> dict[str, Any]:
         "phases": dict(phases.current().seconds),
         "kept": len(_kept),
         "pid": os.getpid(),
-        "ahead": os.environ.get(standby.AHEAD_ENV),
     }
 
 
@@ -45,7 +44,7 @@ def start_server(env: dict[str, str], entry: str) -> ForkServer:
 
     path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
     code = (
-        "import sys; from workers import forkserver; "
+        "import sys; from workers.proc import forkserver; "
         f"forkserver.ENTRIES[{entry!r}] = 'tests.workers.fork_probe'; sys.exit(forkserver.main(sys.argv[1:]))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, path, "mlx"], cwd=REPO, env=env, stdout=subprocess.PIPE)
@@ -73,7 +72,7 @@ def main(argv: list[str]) -> int:
 
         before = set(sys.modules)
         table = run_job(JobSpec.model_validate_json(Path(argv[2]).read_text()))
-        status = (table.schema.metadata or {}).get(b"orchestrate.job_status", b"").decode()
+        status = (table.schema.metadata or {}).get(META_JOB_STATUS, b"").decode()
         report = {"status": status, "imported": sorted(set(sys.modules) - before)}
     elif what == "fingerprint":
         from workers.contract import GpuPin
@@ -86,8 +85,6 @@ def main(argv: list[str]) -> int:
         report = _look()
     with open(out, "w") as fh:
         json.dump(report, fh)
-    if what in ("look", "dirty"):
-        standby.ask()  # as a job does once it has left the GPU lock (a no-op where standbys are off)
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from workers.command.case import CommandCaseError, render, template_fields
+from workers.command.case import CommandCaseError, RefNotFoundError, plan_commits, render, template_fields
 from workers.command.job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 from workers.lock.gpu import GpuLock
@@ -168,6 +168,17 @@ def test_unknown_ref_and_failed_build_are_failed_rows(bench_repo: Path, tmp_path
     assert status == "failed"
     assert all("build exited with 1; stderr: compile error" in r["error"] for r in rows)
     assert {r["metric"] for r in rows} == {"build_seconds"}
+
+
+def test_the_head_plans_commits_and_refuses_only_a_ref_the_repo_lacks(bench_repo: Path, tmp_path: Path) -> None:
+    first = commit_speed(bench_repo, 100.0, "first")
+    options = make_job(bench_repo, tmp_path).options
+    assert plan_commits(options) == {"main": first}
+    with pytest.raises(RefNotFoundError, match=f"ref 'no-such-branch' not found in {bench_repo.resolve()}"):
+        plan_commits({**options, "ref": "no-such-branch"})
+    not_a_repo = tmp_path / "not-a-repo"  # the head cannot read it: the hosts resolve the refs
+    not_a_repo.mkdir()
+    assert plan_commits({**options, "repo": str(not_a_repo)}) == {}
 
 
 def test_template_fields() -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,10 +20,9 @@ import pytest
 
 from tests.conftest import REPO, child_env
 from tests.workers import fork_probe
-from workers.contract import META_PHASES, JobSpec, LockSettings
-from workers.host.gpus import FAKE_GPUS_ENV
+from workers.contract import META_JOB_SECONDS, META_JOB_STATUS, META_PHASES, JobSpec, LockSettings
 from workers.job.task import execute_job, job_env
-from workers.proc import forkserver, prestart
+from workers.proc import forkserver
 from workers.proc import spawn as forkclient
 from workers.proc.table import pid_alive
 
@@ -166,7 +167,7 @@ def test_device_files_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_ray_task_body_forks_the_job_and_records_its_phases(tmp_path: Path) -> None:
     table = execute_job(_job(tmp_path).model_dump_json())
     meta = table.schema.metadata or {}
-    assert meta[b"orchestrate.job_status"] == b"ok"
+    assert meta[META_JOB_STATUS] == b"ok"
     phases = json.loads(meta[META_PHASES])
     assert phases["process"].startswith("forked from a warm server")
     for name in ("worker_start", "fingerprint", "build", "reference", "warmup", "timed", "other", "task_overhead"):
@@ -177,7 +178,7 @@ def test_the_ray_task_body_forks_the_job_and_records_its_phases(tmp_path: Path) 
         for k, v in phases.items()
         if isinstance(v, float) and k not in ("worker_start", "task_overhead", "spool_read")
     )
-    assert inside == pytest.approx(float(meta[b"orchestrate.job_seconds"]), rel=0.02)
+    assert inside == pytest.approx(float(meta[META_JOB_SECONDS]), rel=0.02)
     spooled = next((tmp_path / "spool").rglob("part-*.parquet"))
     assert pq.read_table(spooled).num_rows == table.num_rows  # the host's copy, kept until the head stores it
 
@@ -293,90 +294,122 @@ def test_a_job_forked_from_the_server_imports_nothing_it_could_have_preloaded(
     assert [m for m in out["imported"] if not m.startswith("kernels.")] == []
 
 
-def test_a_server_the_head_prestarted_is_adopted_for_its_key_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The embedded head starts the first node's server beside Ray's start; the Ray worker adopts
-    it only for the same key, sends each job its own (the worker's) whole environment, and leaves
-    the server to the head, which alone removes it."""
-    from workers.job import task
+# ------------------------------------------------------------ forks from a single-threaded server only
 
-    monkeypatch.setattr(task, "_server", None)
-    monkeypatch.setattr(task, "_server_key", None)
-    job = _job(tmp_path)
-    head = task.prestart_server(job)
-    assert head is not None
+
+def _threads(pid: int) -> list[str]:
+    return sorted(Path(f"/proc/{pid}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def _start_raw(tmp_path: Path, code: str, mode: str, python: str = sys.executable, *flags: str) -> subprocess.Popen:
+    """A server process started by `code` (which ends in `forkserver.main`), its stderr in tmp_path/server.err."""
+    path = os.path.join(tempfile.mkdtemp(prefix="orchestrate-fork-test-"), "socket")  # short: AF_UNIX limit
+    with (tmp_path / "server.err").open("wb") as err:
+        return subprocess.Popen(
+            [python, *flags, "-c", code, path, mode], cwd=REPO, env=child_env(PYTHONPATH=str(REPO)),
+            stdout=subprocess.PIPE, stderr=err, text=True,
+        )  # fmt: skip
+
+
+def test_the_server_runs_one_thread_while_it_serves(server: forkclient.ForkServer, tmp_path: Path) -> None:
+    """Every preloaded module included (NumPy's BLAS pool, Arrow's allocator), the server forks jobs
+    with one thread: the thread count CPython 3.12+ checks for its fork warning, here and in /proc."""
+    job = tmp_path / "job.json"
+    job.write_text(_job(tmp_path).model_dump_json())
+    with (tmp_path / "log").open("wb") as fh:
+        code, how = forkclient.run_entry(
+            "workers", ["run", str(job), "--out", str(tmp_path / "o.parquet")], env={}, changes={},
+            stdout=fh.fileno(), stderr=fh.fileno(), timeout=120, server=server,
+        )  # fmt: skip
+    assert code == 0 and how.startswith("forked from a warm server (mlx preloaded"), (tmp_path / "log").read_text()
+    assert server.proc is not None and len(_threads(server.proc.pid)) == 1, _threads(server.proc.pid)
+
+
+def test_a_server_with_a_thread_refuses_to_start(tmp_path: Path) -> None:
+    """A thread running in the server when it forks (here one started before `main`) makes it refuse
+    to serve: `ForkServer.start` then tries the next preload mode, and at the last its callers
+    start fresh interpreters."""
+    code = (
+        "import sys, threading; from workers.proc import forkserver; "
+        "threading.Thread(target=threading.Event().wait, daemon=True).start(); "
+        "sys.exit(forkserver.main(sys.argv[1:]))"
+    )
+    proc = _start_raw(tmp_path, code, "none")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "unsafe: the fork server had 2 threads when it forked"
+    assert proc.wait(timeout=60) == 3
+
+
+def test_a_thread_that_appears_in_a_serving_server_ends_it(tmp_path: Path) -> None:
+    """A thread started in the server after its start (here: once the first child is reaped) makes
+    the next fork refuse: that child is killed, the server ends, and the client's job runs in a fresh
+    interpreter instead."""
+    code = (
+        "import sys, threading; from workers.proc import forkserver; reap = forkserver._reap\n"
+        "def _reap(clients, conns):\n"
+        "    had = len(clients)\n"
+        "    reap(clients, conns)\n"
+        "    if had and not clients and threading.active_count() == 1:\n"
+        "        threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "forkserver._reap = _reap\n"
+        "sys.exit(forkserver.main(sys.argv[1:]))"
+    )
+    proc = _start_raw(tmp_path, code, "none")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("ready"), line
+    srv = forkclient.ForkServer(proc.args[-2], proc, line.split(" ", 3)[-1].strip())
     try:
-        assert prestart.adopt(("another code version", "1", sys.executable, "")) is None
-        monkeypatch.setenv("ORCHESTRATE_SET_AFTER_THE_SERVER", "1")  # in the worker's env, not the server's
-        sent: list[dict[str, Any]] = []
-        spawn = forkclient.ForkServer.spawn
-
-        def spy(self: forkclient.ForkServer, entry: str, args: list[str], **kw: Any) -> forkclient.WarmProcess:
-            sent.append(kw["env"])
-            return spawn(self, entry, args, **kw)
-
-        monkeypatch.setattr(forkclient.ForkServer, "spawn", spy)
-        table = execute_job(job.model_dump_json())
-        phases = json.loads((table.schema.metadata or {})[META_PHASES])
-        assert (table.schema.metadata or {})[b"orchestrate.job_status"] == b"ok"
-        assert phases["process"].startswith("forked from a warm server (mlx preloaded, started beside Ray's start")
-        assert task._server is not None and task._server.adopted and task._server.path == head.path
-        assert sent and sent[0]["ORCHESTRATE_SET_AFTER_THE_SERVER"] == "1"
-        assert prestart.PRESTARTED_ENV not in sent[0]  # the job's process is not told of it
-        task._server.close()  # the worker's handle: the head's server stays
-        assert head.server is not None and head.server.proc is not None
-        assert os.path.exists(head.path) and pid_alive(head.server.proc.pid)
-    finally:
-        prestart.withdraw(head)
-    assert not os.path.exists(os.path.dirname(head.path)) and head.server.proc.poll() is not None
-
-
-def test_a_child_of_an_adopted_server_has_its_clients_whole_environment_and_no_other(tmp_path: Path) -> None:
-    """A server started with another process's environment (the head's) gives a child exactly its
-    client's: a key only the head had is gone, not inherited from the server. A server started with
-    the client's own environment applies the changes alone, so the same key stays (the contrast)."""
-    head_env = {**job_env(), FAKE_GPUS_ENV: "3"}  # the head's environment: a key the worker's lacks
-    started = forkclient.ForkServer.start(head_env)
-    try:
-        seen = {}
-        for adopted in (True, False):
-            handle = forkclient.ForkServer(started.path, note=started.note, adopted=adopted)
-            out = tmp_path / f"gpus-{adopted}.txt"
-            with out.open("wb") as fh:
-                code, how = forkclient.run_entry(
-                    "workers", ["gpus", "cpu"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
-                    timeout=60, server=handle,
+        hows = []
+        with (tmp_path / "log").open("wb") as fh:
+            for _ in range(2):
+                code_, how = forkclient.run_entry(
+                    "workers", ["--help"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
+                    timeout=60, server=srv,
                 )  # fmt: skip
-            assert code == 0 and how.startswith("forked from a warm server"), out.read_text()
-            seen[adopted] = json.loads(out.read_text().strip().splitlines()[-1])
-        assert seen[True] == []  # the CPU backend's GPUs: none; the head's fake ones did not reach the child
-        assert [g["uuid"] for g in seen[False]] == ["fake-gpu-0", "fake-gpu-1", "fake-gpu-2"]
+                assert code_ == 0
+                hows.append(how)
+        assert hows[0].startswith("forked from a warm server") and hows[1] == "fresh interpreter"
+        assert proc.wait(timeout=30) != 0
+        assert "ThreadedFork: the fork server had 2 threads when it forked" in (tmp_path / "server.err").read_text()
     finally:
-        started.close()
+        srv.close()
 
 
-def test_a_prestarted_server_that_did_not_start_is_not_waited_for() -> None:
-    """A server that ends before it is ready (here: killed as it starts) is seen as failed at once,
-    and the head's `withdraw` leaves nothing behind."""
-    key = ("v", "1", sys.executable, "")
-    started = prestart.launch(job_env(), key)
-    deadline = time.monotonic() + 30
-    while started.process is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert started.process is not None
-    started.process.kill()
+def _python_312_with_the_servers_imports() -> str | None:
+    """An interpreter of Python 3.12 or later (where CPython warns of a multi-threaded fork) that
+    can import what the server preloads: this one, or a `python3.1x` on PATH."""
+    candidates = [sys.executable] if sys.version_info >= (3, 12) else []
+    candidates += [p for v in ("3.14", "3.13", "3.12") if (p := shutil.which(f"python{v}"))]
+    check = "import numpy, pyarrow, pydantic, mlx.core; import workers.proc.forkserver"
+    for python in candidates:
+        done = subprocess.run([python, "-c", check], cwd=REPO, env=child_env(PYTHONPATH=str(REPO)),
+                              capture_output=True, timeout=120)  # fmt: skip
+        if done.returncode == 0:
+            return python
+    return None
+
+
+def test_python_312_sees_no_multi_threaded_fork(tmp_path: Path) -> None:
+    """Under Python 3.12+ the server and the job it forks raise no `DeprecationWarning: This process
+    ... is multi-threaded, use of fork() may lead to deadlocks in the child`. (CPython swallows that
+    warning under `-W error`, so `-W always` shows it on the server's stderr instead.)"""
+    python = _python_312_with_the_servers_imports()
+    if python is None:
+        pytest.skip("no Python 3.12+ here that can import numpy, pyarrow, pydantic and mlx (the venv is older)")
+    code = "import sys; from workers.proc import forkserver; sys.exit(forkserver.main(sys.argv[1:]))"
+    proc = _start_raw(tmp_path, code, "mlx", python, "-W", "always::DeprecationWarning")
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("ready"), (tmp_path / "server.err").read_text()
+    srv = forkclient.ForkServer(proc.args[-2], proc, line.split(" ", 3)[-1].strip())
     try:
-        t0 = time.monotonic()
-        assert prestart.adopt(key, timeout=60) is None
-        assert time.monotonic() - t0 < 5  # seen as failed, not waited for until the timeout
+        with (tmp_path / "log").open("wb") as fh:
+            code_, how = forkclient.run_entry(
+                "workers", ["device"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
+                timeout=120, server=srv,
+            )  # fmt: skip
+        assert code_ == 0 and how.startswith("forked from a warm server"), (tmp_path / "log").read_text()
     finally:
-        prestart.withdraw(started)
-    assert prestart.PRESTARTED_ENV not in os.environ and not os.path.exists(os.path.dirname(started.path))
-
-
-def test_a_server_still_starting_is_ended_by_withdraw() -> None:
-    started = prestart.launch(job_env(), ("v", "1", sys.executable, ""))
-    prestart.withdraw(started)  # at once: the head's Ray start failed
-    assert started.process is None or started.process.poll() is not None
-    assert not os.path.exists(os.path.dirname(started.path))
+        srv.close()
+    assert "multi-threaded" not in (tmp_path / "server.err").read_text()

@@ -13,16 +13,7 @@ import pyarrow as pa
 import pytest
 
 from kernels.model import DecoderConfig, write_checkpoint
-from workers.contract import (
-    META_JOB_STATUS,
-    STATUS_FAILED,
-    STATUS_OK,
-    STATUS_UNSUPPORTED,
-    JobContext,
-    JobSpec,
-    LockSettings,
-    RowBuilder,
-)
+from workers.contract import META_JOB_STATUS, JobContext, JobSpec, LockSettings, RowBuilder, Status
 from workers.host.fingerprint import host_fingerprint
 from workers.job.model import METRICS, greedy_digest, model_cache_root, run_model_job
 from workers.job.runner import run_job
@@ -66,11 +57,11 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
     job = _job(tmp_path, arms=["native", "affine"])
     table = run_job(job)
     assert isinstance(table, pa.Table)
-    assert (table.schema.metadata or {})[META_JOB_STATUS] == STATUS_OK.encode()
+    assert (table.schema.metadata or {})[META_JOB_STATUS] == Status.OK.encode()
     rows = table.to_pylist()
     # arms x samples x metrics, one row per sample, and one layer check per arm
     assert len(rows) == 2 * 2 * len(METRICS) + 2
-    assert {r["status"] for r in rows} == {STATUS_OK}
+    assert {r["status"] for r in rows} == {Status.OK}
     units = {r["metric"]: r["unit"] for r in rows}
     assert units == {"load_seconds": "seconds", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s"} | {
         "peak_memory_bytes": "bytes",
@@ -104,7 +95,7 @@ def test_the_custom_arm_runs_our_kernels_on_every_projection_and_checks_out(tmp_
     """Issue 20's whole-model arm: NVFP4 as stored, linears swapped for our kernels (their MLX twins
     here: the route says so), checked layer by layer, the same greedy tokens in every sample."""
     status, rows = _run(_job(tmp_path, arms=["custom"], reps=2))
-    assert status == STATUS_OK and {r["status"] for r in rows} == {STATUS_OK}
+    assert status == Status.OK and {r["status"] for r in rows} == {Status.OK}
     check = next(r for r in rows if r["metric"] == "rel_error")
     assert check["value"] < 1e-5 and "(M=" in dict(check["extra"])["layer"]  # both kernels' row counts
     routes = {r["route"] for r in rows}
@@ -118,8 +109,8 @@ def test_the_custom_arm_runs_our_kernels_on_every_projection_and_checks_out(tmp_
 
 
 def test_a_sample_process_pays_no_transformers_import(tmp_path: Path) -> None:
-    """Issue 13: mlx-lm's package start-up (transformers, and torch where installed: 18 s of each
-    fresh sample on the H200) is not in a sample; its imports are timed apart from the load."""
+    """Issue 13: mlx-lm's package start-up (transformers, and torch where installed: seconds of each
+    fresh sample, BENCHMARKS.md) is not in a sample; its imports are timed apart from the load."""
     path = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "ckpt")
     req = {"checkpoint": str(path), "arm": "native", "prompt_tokens": 8, "decode_tokens": 2, "warmup": 0,
            "seed": 0, "check": False}  # fmt: skip
@@ -142,7 +133,7 @@ def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_pat
     status_a, rows_a = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
     status_b, rows_b = _run(_job(tmp_path, arms=["native"], reps=1, seed=0))
     status_c, rows_c = _run(_job(tmp_path, arms=["native"], reps=1, seed=5))
-    assert status_a == status_b == status_c == STATUS_OK
+    assert status_a == status_b == status_c == Status.OK
 
     def digest(rows: list[dict[str, Any]]) -> str:
         (d,) = {dict(r["extra"])["greedy_digest"] for r in rows}
@@ -156,8 +147,8 @@ def test_the_digest_is_stable_for_the_same_weights_and_changes_with_them(tmp_pat
 def test_a_missing_checkpoint_is_unsupported_not_a_crash(tmp_path: Path) -> None:
     missing = tmp_path / "models" / "gemma-4-31b-it-nvfp4"
     status, rows = _run(_job(tmp_path, arms=["native", "affine"], checkpoint=str(missing)))
-    assert status == STATUS_UNSUPPORTED
-    assert {r["status"] for r in rows} == {STATUS_UNSUPPORTED}
+    assert status == Status.UNSUPPORTED
+    assert {r["status"] for r in rows} == {Status.UNSUPPORTED}
     assert {r["arm"] for r in rows} == {"native", "affine"}
     assert all(r["value"] is None and str(missing) in r["error"] for r in rows)
     assert {r["checkpoint"] for r in rows} == {str(missing)}
@@ -166,7 +157,7 @@ def test_a_missing_checkpoint_is_unsupported_not_a_crash(tmp_path: Path) -> None
 def test_a_named_checkpoint_is_used_as_it_is(tmp_path: Path) -> None:
     ckpt = write_checkpoint(DecoderConfig(architecture="llama", **TINY), 3, tmp_path / "my-model")
     status, rows = _run(_job(tmp_path, arms=["native"], reps=1, checkpoint=str(ckpt)))
-    assert status == STATUS_OK
+    assert status == Status.OK
     assert {dict(r["extra"])["checkpoint"] for r in rows} == {str(ckpt)}
     assert not model_cache_root(_job(tmp_path, arms=["native"])).exists()  # nothing generated
 
@@ -175,8 +166,8 @@ def test_a_broken_checkpoint_fails_with_the_reason(tmp_path: Path) -> None:
     ckpt = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "broken")
     (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
     status, rows = _run(_job(tmp_path, arms=["native", "affine"], reps=2, checkpoint=str(ckpt)))
-    assert status == STATUS_FAILED
-    assert {r["status"] for r in rows} == {STATUS_FAILED}
+    assert status == Status.FAILED
+    assert {r["status"] for r in rows} == {Status.FAILED}
     assert all(r["error"] and r["error"].startswith("exit 1") for r in rows)
     assert len(rows) == 2 * len(METRICS)  # a failed arm is not retried in every repetition
 
@@ -190,7 +181,7 @@ def test_greedy_digest_is_of_the_token_ids() -> None:
 @pytest.mark.parametrize("arms", [["native", "affine"]])
 def test_unknown_architecture_fails_the_job_cleanly(tmp_path: Path, arms: list[str]) -> None:
     status, rows = _run(_job(tmp_path, arms=arms, reps=1, architecture="mamba"))
-    assert status == STATUS_FAILED
+    assert status == Status.FAILED
     assert all("architecture" in r["error"] for r in rows)
 
 
@@ -204,13 +195,13 @@ def test_an_arm_over_its_layer_tolerance_fails_all_its_rows(tmp_path: Path) -> N
     good = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu")  # type: ignore[arg-type]
     bad = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu", rel_error=0.99, tolerance=0.01)  # type: ignore[arg-type]
     bad.checked = "model.layers.0.mlp.up_proj (worst of 14)"
-    assert _arm_rows(rows, "native", [(0, bad, (0.0, 1.0)), (1, good, (1.0, 2.0))], "/ckpt") == STATUS_FAILED
-    assert {r["status"] for r in rows.rows} == {STATUS_FAILED}
+    assert _arm_rows(rows, "native", [(0, bad, (0.0, 1.0)), (1, good, (1.0, 2.0))], "/ckpt") == Status.FAILED
+    assert {r["status"] for r in rows.rows} == {Status.FAILED}
     assert all("rel_error 0.99 over tolerance 0.01 at model.layers.0.mlp.up_proj" in r["error"] for r in rows.rows)
     rows.rows.clear()
     flaky = Sample(**common, greedy_digest="b" * 16, route="r", device="cpu")  # type: ignore[arg-type]
     # greedy output that differs between samples is recorded on every row, each sample keeping its own
-    assert _arm_rows(rows, "native", [(0, good, (0.0, 1.0)), (1, flaky, (1.0, 2.0))], "/ckpt") == STATUS_OK
-    assert {r["status"] for r in rows.rows} == {STATUS_OK}
+    assert _arm_rows(rows, "native", [(0, good, (0.0, 1.0)), (1, flaky, (1.0, 2.0))], "/ckpt") == Status.OK
+    assert {r["status"] for r in rows.rows} == {Status.OK}
     assert all(dict(r["extra"])["greedy_digests"] == "a" * 16 + "," + "b" * 16 for r in rows.rows)
     assert {dict(r["extra"])["greedy_digest"] for r in rows.rows if r["sample"] == 1} == {"b" * 16}

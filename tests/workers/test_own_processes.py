@@ -52,7 +52,7 @@ def test_a_process_outside_every_root_is_foreign_whatever_its_name(tmp_path: Pat
     # started through a shell that exits at once: it is reparented away from this test's tree
     pid = int(subprocess.run(["sh", "-c", f"{fake} >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout)
     try:
-        own = OwnProcesses(roots=(os.getpid(),), session=b"session_2026-12-01_00-00-00_000000_1")
+        own = OwnProcesses(roots=(os.getpid(),), session="session_2026-12-01_00-00-00_000000_1")
         assert not own.contains(pid)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
@@ -86,7 +86,7 @@ def test_daemons_of_our_ray_session_are_ours_on_any_node(tmp_path: Path) -> None
     ours = _stranger(tmp_path, "--log_dir=/var/tmp/node-b/session_2026-12-01_10-00-00_123456_42/logs")
     other = _stranger(tmp_path, "--log_dir=/tmp/ray/session_2026-12-01_11-11-11_654321_7/logs")
     try:
-        own = OwnProcesses(roots=(os.getpid(),), session=b"session_2026-12-01_10-00-00_123456_42")
+        own = OwnProcesses(roots=(os.getpid(),), session="session_2026-12-01_10-00-00_123456_42")
         assert own.contains(ours)
         assert not own.contains(other)  # another cluster's Ray on the same host is foreign
     finally:

@@ -18,18 +18,20 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from workers.contract import HostFingerprint, JobSpec, LockSettings
+from workers.contract import ErrorKind, HostFingerprint, JobSpec, LockSettings, Status, footer_error_kind, footer_status
 from workers.host.fingerprint import host_fingerprint
 from workers.job.runner import run_job
 from workers.lock.file import lock_status
 from workers.lock.gpu import GUARD_ENV, LockBusyError
 from workers.lock.probes import (
+    PROBES,
     ContentionMonitor,
     CpuQuietProbe,
     KfdProbe,
     NvidiaSmiProbe,
     ProbeSample,
     ProbeUnavailableError,
+    backend_probe,
     parse_compute_apps,
     probe_for,
     wait_idle,
@@ -212,6 +214,13 @@ def test_probe_for_each_backend(tmp_path: Path) -> None:
         probe_for("vulkan", LockSettings())
 
 
+def test_every_backend_has_one_registered_probe() -> None:
+    assert sorted(PROBES) == ["cpu", "cuda", "metal", "rocm"]
+    with pytest.raises(ValueError, match="'cuda' has a probe already"):
+        backend_probe("cuda")(lambda settings, gpu: CpuQuietProbe())
+    assert sorted(PROBES) == ["cpu", "cuda", "metal", "rocm"]  # the refused one left the registry as it was
+
+
 # The runner's lock section, on a real tiny qmm job. MLX runs on the CPU here; the fingerprint's
 # backend is set to `rocm` only so that the runner picks the KFD probe over the test's directory.
 
@@ -269,6 +278,7 @@ def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sle
     table = run_job(job, fp)
     assert set(table.column("status").to_pylist()) == {"failed"}
     assert "gave up waiting for an idle device" in table.column("error")[0].as_py()
+    assert footer_status(table) is Status.FAILED and footer_error_kind(table) is ErrorKind.LOCK_BUSY
     holder = _start_lock_holder(job.lock.path)  # now the lock itself stays busy (another process)
     try:
         table = run_job(job.model_copy(update={"lock": job.lock.model_copy(update={"idle_secs": 0.0})}), fp)
@@ -277,21 +287,7 @@ def test_runner_fails_the_job_when_the_waits_run_out(tmp_path: Path, foreign_sle
         holder.wait()
     assert set(table.column("status").to_pylist()) == {"failed"}
     assert f"gave up waiting for GPU lock {job.lock.path}" in table.column("error")[0].as_py()
-
-
-def test_the_ps_process_table_used_off_linux_agrees_with_proc() -> None:
-    # macOS has no /proc: the CPU gate and the ancestry walk read `ps`, which procps has here too.
-    from workers.lock.probes import _proc_cpu_times, _ps_cpu_times, _ps_seconds
-    from workers.proc.table import _ps_parent_pid, parent_pid
-
-    assert [_ps_seconds(t) for t in ("0:01.50", "01:02:03", "2-00:00:01")] == [1.5, 3723.0, 172801.0]
-    proc, ps = _proc_cpu_times(), _ps_cpu_times()
-    me = os.getpid()
-    assert ps[me][0] == proc[me][0] == os.getppid()
-    assert ps[me][2] == proc[me][2]  # the same name
-    assert abs(ps[me][1] - proc[me][1]) < 1.5  # `ps` shows whole seconds here
-    assert _ps_parent_pid(me) == parent_pid(me) == os.getppid()
-    assert _ps_parent_pid(2**22 + 7) is None
+    assert footer_error_kind(table) is ErrorKind.LOCK_BUSY  # what `orchestrate run` exits 3 on
 
 
 CONTENDING_BENCH = """#!/bin/sh

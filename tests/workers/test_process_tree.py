@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,8 +17,20 @@ import pytest
 from workers.command.workload import run_tree, workload_env
 from workers.lock.file import lock_status
 from workers.lock.gpu import GUARD_ENV
-from workers.proc.table import pid_alive
-from workers.proc.tree import keeper_supported
+from workers.proc.table import (
+    cpu_times,
+    descendants,
+    is_descendant,
+    listening_pids,
+    parent_pid,
+    pid_alive,
+    process_cmdline,
+    process_entry,
+    process_name,
+    process_table,
+    signal_process,
+)
+from workers.proc.tree import end_descendants, keeper_supported
 
 linux_only = pytest.mark.skipif(not keeper_supported(), reason="the subreaper keeper needs Linux")
 
@@ -186,3 +199,72 @@ def test_a_fork_server_as_subreaper_ends_a_forked_jobs_orphans_too(tmp_path: Pat
     orphan = int(pidfile.read_text())
     assert orphan in map(int, done.stdout.split())  # found, re-parented to the job, and ended
     assert not pid_alive(orphan)
+
+
+def test_ending_a_group_leader_ends_its_tree_and_what_left_the_tree_in_its_group(tmp_path: Path) -> None:
+    log, pids = tmp_path / "log", tmp_path / "pids"
+    # An orphan that left the tree (its parent, a subshell, exited) but not the group, and a child
+    # that ignores SIGTERM; the root itself exits on SIGTERM.
+    script = (
+        f"trap 'echo term >> {log}; exit 0' TERM; (sleep 61 & echo $! >> {pids}); "
+        f"(trap '' TERM; sleep 62) & echo $! >> {pids}; wait"
+    )
+    root = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    other = subprocess.Popen(["sleep", "63"], start_new_session=True)  # a second root, ended in the same call
+    try:
+        orphan, stubborn = read_pids(pids, 2)
+        assert not is_descendant(orphan, root.pid)  # only its process group ties it to the root
+        ended = end_descendants(root.pid, other.pid, grace=1.0, group=True)
+        assert {root.pid, other.pid, orphan, stubborn} <= set(ended)
+        assert log.read_text() == "term\n"  # SIGTERM first, and the grace to act on it
+        assert root.wait(5) == 0 and other.wait(5) == -signal.SIGTERM
+        assert gone([orphan, stubborn], timeout=0.5)
+    finally:
+        for proc in (root, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_process_table_knows_this_process_and_counts_a_zombie_as_gone() -> None:
+    me = os.getpid()
+    entry = process_table()[me]
+    assert entry == process_entry(me)
+    assert (entry.ppid, entry.pgid, entry.zombie) == (os.getppid(), os.getpgrp(), False)
+    assert parent_pid(me) == os.getppid() and is_descendant(me, os.getppid())
+    ppid, used, name = cpu_times()[me]
+    assert ppid == os.getppid() and name == process_name(me) != "?"
+    assert abs(used - sum(os.times()[:2])) < 0.5
+    assert process_cmdline(me) and os.path.basename(process_cmdline(me)[0]).startswith(("python", "pytest"))
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 5
+    while not (process_entry(child.pid) or entry).zombie:  # exited, not yet reaped
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not pid_alive(child.pid) and child.pid not in [e.pid for e in descendants(me)]
+    child.wait()
+    assert process_entry(child.pid) is None and parent_pid(child.pid) is None
+    assert process_name(child.pid) == "?" and process_cmdline(child.pid) == []
+
+
+def test_a_signal_never_reaches_a_process_that_reused_the_pid() -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        entry = process_entry(sleeper.pid)
+        assert entry is not None
+        assert not signal_process(entry._replace(start=entry.start - 1), signal.SIGKILL)  # another start time
+        assert sleeper.poll() is None
+        assert signal_process(entry, signal.SIGKILL)
+        assert sleeper.wait(5) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_listening_pids_names_this_process_for_its_listening_socket() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        assert listening_pids(port) is None  # bound, not listening
+        listener.listen()
+        assert listening_pids(port) == [os.getpid()]
+    assert listening_pids(port) is None

@@ -67,6 +67,10 @@ class CommandCaseError(Exception):
     """A step of a command case that failed: the message is what the failed rows say."""
 
 
+class RefNotFoundError(CommandCaseError):
+    """The repo was reached, and it has no such ref."""
+
+
 @dataclass(frozen=True)
 class CommandCase:
     """A command case's settings, as the head put them into `JobSpec.options`."""
@@ -226,9 +230,15 @@ def git(*args: str, cwd: Path | None = None, timeout: float = 600.0) -> str:
     env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
     try:
         proc = subprocess.run(
-            ["git", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            timeout=timeout, check=False,
-        )  # fmt: skip
+            ["git", *args],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         raise CommandCaseError(f"git {args[0]} did not finish within {timeout:g} s") from None
     if proc.returncode != 0:
@@ -300,7 +310,7 @@ def resolve_commit(case: CommandCase, run_id: str | None = None) -> tuple[Path, 
         try:
             commit = git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet", f"{case.ref}^{{commit}}")
         except CommandCaseError:
-            raise CommandCaseError(f"ref {case.ref!r} not found in {location}") from None
+            raise RefNotFoundError(f"ref {case.ref!r} not found in {location}") from None
         if pin is not None:
             pin.parent.mkdir(parents=True, exist_ok=True)
             pin.write_text(commit + "\n")
@@ -324,9 +334,9 @@ def plan_commits(options: dict[str, Any], base_dir: str | None = None) -> dict[s
     for ref in case.refs:
         try:
             commits[ref] = resolve_commit(case.for_ref(ref))[1]
-        except CommandCaseError as exc:
-            if "not found in" in exc.args[0]:
-                raise
+        except RefNotFoundError:
+            raise
+        except CommandCaseError:
             return {}  # unreachable from here: the hosts resolve the refs
     return commits
 
@@ -358,9 +368,15 @@ def run_shell(command: str, cwd: Path, env: dict[str, str], timeout: float) -> R
         out = Path(tmp) / "stdout"
         try:
             result = run_tree(
-                ["bash", "-c", command], cwd=cwd, env=workload_env(env), timeout=timeout, stdout=out,
-                pass_fds=held_lock_fds(), max_output=limit, tail_bytes=TAIL_CHARS * 4,
-            )  # fmt: skip
+                ["bash", "-c", command],
+                cwd=cwd,
+                env=workload_env(env),
+                timeout=timeout,
+                stdout=out,
+                pass_fds=held_lock_fds(),
+                max_output=limit,
+                tail_bytes=TAIL_CHARS * 4,
+            )
         except OSError as exc:
             raise CommandCaseError(f"cannot start bash: {exc.strerror or exc}") from None
         stdout = result.stdout_tail if result.overflow else out.read_text(encoding="utf-8", errors="replace")

@@ -31,7 +31,7 @@ from typing import Any
 from workers.command.build import BuildResult, build_commit, run_gate
 from workers.command.case import CommandCase, CommandCaseError, render, resolve_commit, run_shell, with_stderr
 from workers.command.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
-from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder
+from workers.contract import JobContext, JobSpec, RowBuilder, Status
 from workers.job import phases
 from workers.lock.gpu import GUARD_ENV
 
@@ -107,7 +107,7 @@ class _Job:
         self.job = job
         self.rows = rows
 
-    def fail(self, error: str, metric: str, sides: list[Side] | None = None, status: str = STATUS_FAILED) -> str:
+    def fail(self, error: str, metric: str, sides: list[Side] | None = None, status: Status = Status.FAILED) -> Status:
         """One row per arm (per side, where there are sides) with the error; returns the status."""
         targets: list[Side | None] = list(sides) if sides else [None]
         for side in targets:
@@ -130,7 +130,7 @@ def _resolve_sides(case: CommandCase, job: JobSpec, values: dict[str, Any]) -> l
     return sides
 
 
-def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status:
     """Build the case's repo at each ref, gate it, and run its command per arm and commit.
 
     Args:
@@ -152,7 +152,7 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
         return out.fail(str(exc), "build_seconds")
     missing = missing_checkpoint(params, [])
     if missing:
-        return out.fail(missing, "build_seconds", status=STATUS_UNSUPPORTED)
+        return out.fail(missing, "build_seconds", status=Status.UNSUPPORTED)
     try:
         with phases.span("build"):
             sides = _resolve_sides(case, job, base)
@@ -161,7 +161,7 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
     context.commit = sides[-1].commit
     missing = missing_checkpoint(params, [s.build.path for s in sides])
     if missing:
-        return out.fail(missing, "build_seconds", sides, status=STATUS_UNSUPPORTED)
+        return out.fail(missing, "build_seconds", sides, status=Status.UNSUPPORTED)
     for side in sides:
         for arm in job.arms:
             rows.add(arm, "build_seconds", side.build.seconds, "seconds", extra=side.extra, commit=side.commit)
@@ -176,10 +176,17 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
             extra = side.extra | {"gate_cache": "hit" if gate.cache_hit else "miss"}
             if gate.failure is not None:  # nothing is timed on a commit whose own tests fail
                 for arm in job.arms:
-                    rows.add(arm, "gate_seconds", gate.seconds, "seconds", status=STATUS_FAILED,
-                             error=f"{gate.failure} (at {side.ref} {side.commit[:12]})", extra=extra,
-                             commit=side.commit)  # fmt: skip
-                return STATUS_FAILED
+                    rows.add(
+                        arm,
+                        "gate_seconds",
+                        gate.seconds,
+                        "seconds",
+                        status=Status.FAILED,
+                        error=f"{gate.failure} (at {side.ref} {side.commit[:12]})",
+                        extra=extra,
+                        commit=side.commit,
+                    )
+                return Status.FAILED
             for arm in job.arms:
                 rows.add(arm, "gate_seconds", gate.seconds, "seconds", extra=extra, commit=side.commit)
     return _measure(job, case, parse, sides, {**params, **base}, env, rows)
@@ -193,7 +200,7 @@ def _measure(
     values: dict[str, Any],
     env: dict[str, str],
     rows: RowBuilder,
-) -> str:
+) -> Status:
     """The timed rounds: (arm, commit) pairs interleaved ABBA; one row per parsed value."""
     units = [(side.index, arm) for arm in job.arms for side in sides]
     failed: set[tuple[int, str]] = set()
@@ -208,8 +215,16 @@ def _measure(
         try:
             command = render(case.run, {**values, "arm": arm, "commit": side.commit}, "run")
         except CommandCaseError as exc:
-            rows.add(arm, "wall_seconds", None, "seconds", status=STATUS_FAILED, error=str(exc), extra=side.extra,
-                     commit=side.commit)  # fmt: skip
+            rows.add(
+                arm,
+                "wall_seconds",
+                None,
+                "seconds",
+                status=Status.FAILED,
+                error=str(exc),
+                extra=side.extra,
+                commit=side.commit,
+            )
             failed.add((index, arm))
             continue
         with phases.span("warmup" if warm else "timed"):
@@ -220,15 +235,31 @@ def _measure(
             try:
                 parsed = parse(outcome.stdout)
             except OutputSkipped as exc:
-                rows.add(arm, "wall_seconds", outcome.seconds, "seconds", status=STATUS_UNSUPPORTED,
-                         error=f"{phase} {round_}: {exc}", extra=side.extra, commit=side.commit)  # fmt: skip
+                rows.add(
+                    arm,
+                    "wall_seconds",
+                    outcome.seconds,
+                    "seconds",
+                    status=Status.UNSUPPORTED,
+                    error=f"{phase} {round_}: {exc}",
+                    extra=side.extra,
+                    commit=side.commit,
+                )
                 skipped.add((index, arm))
                 continue
             except OutputParseError as exc:
                 error = with_stderr(f"output did not parse ({exc})", outcome.stderr)
         if error is not None or parsed is None:
-            rows.add(arm, "wall_seconds", outcome.seconds, "seconds", status=STATUS_FAILED,
-                     error=f"{phase} {round_}: {error}", extra=side.extra, commit=side.commit)  # fmt: skip
+            rows.add(
+                arm,
+                "wall_seconds",
+                outcome.seconds,
+                "seconds",
+                status=Status.FAILED,
+                error=f"{phase} {round_}: {error}",
+                extra=side.extra,
+                commit=side.commit,
+            )
             failed.add((index, arm))
             continue
         if warm:
@@ -245,5 +276,5 @@ def _measure(
             rows.add(arm, metric, value, unit, sample=samples[key], route=route, extra=extra, commit=side.commit)
             samples[key] += 1
     if failed:
-        return STATUS_FAILED
-    return STATUS_UNSUPPORTED if skipped == set(units) else STATUS_OK
+        return Status.FAILED
+    return Status.UNSUPPORTED if skipped == set(units) else Status.OK

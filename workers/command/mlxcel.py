@@ -130,9 +130,22 @@ def parse_generate(output: str) -> ParsedOutput:
 
 
 CSV_COLUMNS = (
-    "model", "model_path", "prompt_tokens", "generated_tokens", "prefill_ms", "prefill_tok_s", "decode_ms",
-    "decode_tok_s", "date", "hardware", "mlx_version", "build_type", "max_tokens", "prompt", "prompt_target_len",
-)  # fmt: skip
+    "model",
+    "model_path",
+    "prompt_tokens",
+    "generated_tokens",
+    "prefill_ms",
+    "prefill_tok_s",
+    "decode_ms",
+    "decode_tok_s",
+    "date",
+    "hardware",
+    "mlx_version",
+    "build_type",
+    "max_tokens",
+    "prompt",
+    "prompt_target_len",
+)
 _CLASS_RE = re.compile(r"^(SKIP|FAIL):[\w.-]+$")
 _CSV_METRICS = (
     ("prompt_tokens", "prompt_tokens", "tokens", 1.0),

@@ -181,8 +181,11 @@ def _json_options(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
     kind = spec.get("kind")
-    fixed = {"bench-decode": parse_bench_decode, "bench-decode-csv": parse_bench_decode_csv,
-             "mlxcel-generate": parse_generate}  # fmt: skip
+    fixed = {
+        "bench-decode": parse_bench_decode,
+        "bench-decode-csv": parse_bench_decode_csv,
+        "mlxcel-generate": parse_generate,
+    }
     if kind in fixed:
         return fixed[kind]
     if kind == "json-lines":
@@ -217,8 +220,10 @@ def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
 
 
 KINDS = ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines", "prefixed-json", "regex")
-NAMED = {name: {"kind": name} for name in ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench",
-                                           "json-lines")}  # fmt: skip
+NAMED = {
+    name: {"kind": name}
+    for name in ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines")
+}
 
 
 def parser_for(spec: str | dict[str, Any] | None) -> Callable[[str], ParsedOutput]:

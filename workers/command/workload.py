@@ -11,7 +11,6 @@ host's, without Ray's variables.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -162,8 +161,15 @@ def run_tree(
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         timed_out = False
-        tree = ProcessTree(argv, cwd=cwd, env=env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
-                           stdout=out.write_fd, stderr=err.write_fd)  # fmt: skip
+        tree = ProcessTree(
+            argv,
+            cwd=cwd,
+            env=env,
+            pass_fds=pass_fds,
+            stdin=subprocess.DEVNULL,
+            stdout=out.write_fd,
+            stderr=err.write_fd,
+        )
         with tree:
             for stream in streams:
                 stream.close_writer()
@@ -198,15 +204,6 @@ def run_tree(
 def _step(deadline: float | None) -> float:
     step = POLL_S * 4
     return step if deadline is None else max(0.0, min(step, deadline - time.monotonic()))
-
-
-def read_tail(path: Path, size: int = DEFAULT_TAIL_BYTES) -> str:
-    """The last `size` bytes of a file, decoded (invalid UTF-8 replaced); '' when unreadable."""
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - size))
-        return f.read().decode("utf-8", errors="replace")
-    return ""
 
 
 def workload_env(base: Mapping[str, str] | None = None, overrides: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from workers.contract import GpuPin, HostFingerprint
@@ -84,7 +85,7 @@ def device_memory_bytes(backend: str) -> int | None:
 def _blas() -> str | None:
     """The BLAS MLX's CPU backend links (the Linux wheel bundles netlib's reference BLAS)."""
     try:
-        import mlx
+        import mlx  # optional heavy dependency: only its installed files are read here
 
         for base in mlx.__path__:
             libs = Path(base).parent / "mlx_cpu.libs"
@@ -113,7 +114,7 @@ def _os_release() -> str:
 
 def detect_backend() -> str:
     """The backend MLX really runs on here: cuda, metal or cpu."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head fingerprints no device
 
     if mx.default_device() == mx.gpu:
         if mx.cuda.is_available():
@@ -126,8 +127,6 @@ def detect_backend() -> str:
 
 def _mlx_version() -> str:
     """MLX's version from its installed metadata, without importing it."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("mlx")
     except PackageNotFoundError:
@@ -196,7 +195,7 @@ def static_fingerprint(
 def host_fingerprint(pin: GpuPin | None = None) -> HostFingerprint:
     """Fingerprint this host as MLX sees it now (opens MLX's device: worker processes only); `pin`:
     the job's GPU on a host with several (its process sees only that one)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head fingerprints no device
 
     backend = detect_backend()
     fp = static_fingerprint(

@@ -64,6 +64,10 @@ class GpuListError(Exception):
     """The backend's GPUs cannot be listed here, or the inventory names GPUs the host lacks."""
 
 
+class GpuNotFoundError(GpuListError):
+    """The inventory names GPUs the host lacks (`select_gpus`)."""
+
+
 def list_gpus(backend: str, *, kfd_topology: str = KFD_TOPOLOGY) -> list[GpuInfo]:
     """Every GPU of `backend` on this host, by index (empty on the CPU backend).
 
@@ -158,7 +162,7 @@ def select_gpus(requested: list[int] | str, found: list[GpuInfo], *, backend: st
     """The GPUs an inventory's `gpus` names, from what the host has (`"all"`: every one).
 
     Raises:
-        GpuListError: an index the host does not have, or `gpus = [...]` on a host with none.
+        GpuNotFoundError: an index the host does not have, or `gpus = [...]` on a host with none.
     """
     if isinstance(requested, str):  # "all", as the inventory checked
         return list(found)
@@ -168,7 +172,7 @@ def select_gpus(requested: list[int] | str, found: list[GpuInfo], *, backend: st
         have = ", ".join(str(g.index) for g in found) or "none"
         what = "GPU" if len(missing) == 1 else "GPUs"
         why = " (the cpu backend has no GPUs: remove `gpus`)" if backend == "cpu" and not found else ""
-        raise GpuListError(
+        raise GpuNotFoundError(
             f"gpus = {list(requested)}: {what} {', '.join(map(str, missing))} not found (this host has: {have}){why}"
         )
     return [by_index[i] for i in requested]

@@ -1,6 +1,6 @@
 """Each host's own measured limits: a copy-bandwidth probe and a matrix-throughput probe (MLX).
 
-Results from an M1 Ultra, a gfx1151 and an H200 only compare fairly as fractions of what each
+Results from an M1 Ultra, a gfx1151 and an NVIDIA GPU only compare fairly as fractions of what each
 device can do. The probes run under the job's GPU lock, on the device the job runs on, are kept
 as a small JSON file per host fingerprint on the worker host (`$ORCHESTRATE_PEAKS_DIR`, default
 `~/.orchestrate/peaks/`), and are stamped onto every row of every job (`peak_copy_gb_s`,
@@ -8,8 +8,8 @@ as a small JSON file per host fingerprint on the worker host (`$ORCHESTRATE_PEAK
 
 * Copy: the best copy the host offers, bytes read plus written: MLX's elementwise `x + 1` and
   its copy kernel (`mx.array(x)`) always; the driver's device-to-device `cuMemcpyDtoD` with MLX's
-  CUDA backend (MLX's `x + 1` reached 3560 GB/s on the H200 where a device copy reaches 4265,
-  so shares of a peak taken from it read 1.2x too high); NumPy's `copyto` (memcpy) where MLX runs
+  CUDA backend (on a Hopper card MLX's `x + 1` stays well below a device copy, so shares of a
+  peak taken from it would read too high; BENCHMARKS.md); NumPy's `copyto` (memcpy) where MLX runs
   on the CPU. The fastest wins and its name is kept (`copy_method`, each candidate's rate beside).
 * Matrix: a dense square product in the backend's usual compute type (bfloat16 on GPUs, float32
   on MLX's CPU backend, which is slow in 16-bit types); TFLOP/s = 2 n^3 / seconds, best of several.
@@ -32,16 +32,17 @@ import ctypes
 import datetime as dt
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.contract import HostFingerprint
+from workers.contract import HostFingerprint, Status
+from workers.files import write_atomic
 from workers.job import phases
 
 ENV_DIR = "ORCHESTRATE_PEAKS_DIR"
@@ -53,8 +54,9 @@ MAX_PROBES = 3  # a host that stays busy keeps the best of this many disturbed p
 # to take seconds, not minutes, on MLX's CPU backend.
 SIZES: dict[str, dict[str, Any]] = {
     "cpu": {"copy_mib": 64, "matmul_n": 512, "dtype": "float32"},
-    # H200 (MLX 0.32.4, CUDA): 1 GiB copy 3.3 TB/s, 4 GiB 3.7 TB/s (PyTorch's copy: 4.2 TB/s);
-    # bf16 n=8192 703 TFLOP/s, n=16384 753 TFLOP/s (PyTorch: about 790).
+    # Large enough to come close to what the driver and PyTorch reach on a Hopper GPU: there a
+    # 1 GiB copy read 3.3 TB/s and 4 GiB 3.7 (PyTorch's copy: 4.2); bfloat16 n=8192 703 TFLOP/s
+    # and n=16384 753 (PyTorch: about 790).
     "gpu": {"copy_mib": 2048, "matmul_n": 16384, "dtype": "bfloat16"},
 }
 
@@ -111,7 +113,7 @@ def _timings(fn: Callable[[], Any], repeats: int, wait: Callable[[], None]) -> l
 
 
 def _mlx_timings(make: Callable[[], Any], repeats: int) -> list[float]:
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     return _timings(lambda: mx.eval(make()), repeats, mx.synchronize)
 
@@ -130,8 +132,6 @@ class CopyProbe(BaseModel):
 
 
 def _numpy_copy(nbytes: int, repeats: int) -> list[float]:
-    import numpy as np
-
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     return _timings(lambda: np.copyto(dst, src), repeats, lambda: None)
@@ -174,7 +174,7 @@ def _cuda_memcpy(nbytes: int, repeats: int) -> list[float] | None:
 
 def measure_copy(copy_mib: int, repeats: int = 5) -> CopyProbe:
     """Best copy bandwidth in GB/s (read + write) over every copy this host offers (module docstring)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     nbytes = copy_mib * 2**20
     x = mx.zeros((nbytes // 4,), dtype=mx.float32)
@@ -193,14 +193,9 @@ def measure_copy(copy_mib: int, repeats: int = 5) -> CopyProbe:
     return CopyProbe(gb_s=rates[best], method=best, candidates=rates, spread=max(winner) / min(winner))
 
 
-def measure_copy_gb_s(copy_mib: int, repeats: int = 5) -> float:
-    """Best copy bandwidth in GB/s (`measure_copy`'s winner)."""
-    return measure_copy(copy_mib, repeats).gb_s
-
-
 def measure_tflop_s(matmul_n: int, dtype: str, repeats: int = 5) -> float:
     """Best dense matrix-product rate in TFLOP/s for an n x n x n product in `dtype`."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     dt_ = getattr(mx, dtype)
     key = mx.random.key(0)
@@ -222,7 +217,7 @@ def measure_peaks(
     run_id: str = "",
 ) -> HostPeaks:
     """Run both probes on MLX's default device (sizes default per device kind, see `SIZES`)."""
-    import mlx.core as mx
+    import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     # The device MLX really runs on decides the sizes, not the fingerprint's label.
     sizes = SIZES["gpu" if mx.default_device() == mx.gpu else "cpu"]
@@ -283,18 +278,8 @@ def load_peaks(fingerprint_id: str, directory: Path | None = None, *, run_id: st
 
 
 def save_peaks(peaks: HostPeaks, directory: Path | None = None) -> Path:
-    """Store peaks atomically (temp file + rename) beside the others."""
-    path = peaks_path(peaks.fingerprint_id, directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(peaks.model_dump_json(indent=1))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Store peaks atomically (`workers.files.write_atomic`) beside the others."""
+    return write_atomic(peaks_path(peaks.fingerprint_id, directory), peaks.model_dump_json(indent=1))
 
 
 def host_peaks(
@@ -325,7 +310,7 @@ def with_peaks(table: pa.Table, peaks: HostPeaks | None) -> pa.Table:
     return table
 
 
-Dispatch = Callable[[Any, Any, Any], str]
+Dispatch = Callable[[Any, Any, Any], Status]
 
 
 class PeakStamp:
@@ -347,7 +332,7 @@ class PeakStamp:
     def wrap(self, dispatch: Dispatch) -> Dispatch:
         """`dispatch`, preceded by the peak probes the first time it runs."""
 
-        def run(job: Any, rows: Any, context: Any) -> str:
+        def run(job: Any, rows: Any, context: Any) -> Status:
             if self.peaks is None and self.error is None:
                 try:
                     started = dt.datetime.now(dt.UTC)

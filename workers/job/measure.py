@@ -5,10 +5,8 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 * every input set and every arm's weights are materialised first (MLX builds lazily; a lazy
   input would otherwise be computed inside the first timed sample);
 * warm-up first, of every arm and every `auto` candidate: a time-based warm-up of all of them
-  together (a cold first call, JIT load and allocations, is warm-up by definition; it used to fall
-  into the check, which ran first), while the host computes the float64 references of the first
-  input set on a background thread (`workers.job.reference_ahead`, where the case offers the
-  ahead-of-time form: qmm), so the device is not idle while NumPy works;
+  together (a cold first call, JIT load and allocations, is warm-up by definition, so it must not
+  fall into the check);
 * then correctness: every arm's output on fresh random inputs, one warm call, is compared with the
   case's NumPy reference; the relative error is a recorded metric, and an arm over its tolerance
   is failed, however fast it is (its timing rows carry status `failed`, so no comparison ever uses
@@ -46,9 +44,8 @@ from kernels.checking import describe as describe_reference
 from kernels.checking import relative_error
 from kernels.registry import ArmPath, AutoSpec, Workload
 from kernels.timing import abba_order
-from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobSpec, RowBuilder
+from workers.contract import JobSpec, RowBuilder, Status
 from workers.job import phases
-from workers.job.reference_ahead import ReferenceAhead
 
 INPUT_POOL = 3  # input sets rotated across samples
 HOST_COST_TOKENS = 8  # decode sizes: record the Python graph cost per call (`host_seconds`)
@@ -73,20 +70,17 @@ def _materialise(pool: list[tuple[Any, ...]], paths: dict[str, ArmPath]) -> None
     mx.eval(*arrays)
 
 
-def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np.random.Generator) -> str:
+def measure_workload(job: JobSpec, workload: Workload, rows: RowBuilder, rng: np.random.Generator) -> Status:
     """Check and time every arm of `workload`, adding rows; returns the job status."""
     for arm in job.arms:
         if arm in workload.unsupported:
-            rows.add(arm, "unsupported", None, "", status=STATUS_UNSUPPORTED, error=workload.unsupported[arm])
+            rows.add(arm, "unsupported", None, "", status=Status.UNSUPPORTED, error=workload.unsupported[arm])
     arms = [a for a in job.arms if a in workload.arms]
     paths = {a: workload.arms[a] for a in arms}
     with phases.span("build"):
         pool = [workload.make_inputs(rng) for _ in range(INPUT_POOL)]
         _materialise(pool, paths)
-    with phases.span("reference"):  # x's checked rows read back here; the products on a thread
-        ahead = ReferenceAhead(workload, arms, pool[0])
-    with ahead:
-        return _measure(job, workload, rows, arms, paths, pool, ahead)
+    return _measure(job, workload, rows, arms, paths, pool)
 
 
 def _measure(
@@ -96,11 +90,10 @@ def _measure(
     arms: list[str],
     paths: dict[str, ArmPath],
     pool: list[tuple[Any, ...]],
-    ahead: ReferenceAhead,
-) -> str:
+) -> Status:
     method = method_for(job)
     specs = {a: spec for a in arms if (spec := paths[a].auto) is not None}
-    with phases.span("warmup"):  # every arm and candidate, cold first calls included, beside the reference
+    with phases.span("warmup"):  # every arm and candidate, cold first calls included
         timers = {a: timing.ArmTimer(paths[a], method) for a in arms if a not in specs}
         for arm, spec in specs.items():
             timers.update({f"{arm}/{name}": timing.ArmTimer(path, method) for name, path in spec.candidates.items()})
@@ -108,7 +101,6 @@ def _measure(
     failed: dict[str, str] = {}
     autos: dict[str, tuple[dict[str, ArmPath], dict[str, str]]] = {}  # arm -> (correct, why each other is not)
     with phases.span("reference"):
-        ahead.join()
         for arm in arms:
             spec = specs.get(arm)
             if spec is not None:
@@ -116,11 +108,11 @@ def _measure(
                 if not autos[arm][0]:
                     why = "; ".join(f"{k}: {v}" for k, v in autos[arm][1].items())
                     failed[arm] = f"auto: no correct candidate ({why})"
-                    rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=failed[arm])
+                    rows.add(arm, "rel_error", None, "ratio", status=Status.FAILED, error=failed[arm])
                 continue
             if arm in errors:  # its first call raised: recorded as the check records a path that raises
                 failed[arm] = msg = errors[arm]
-                rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=msg, route=paths[arm].route)
+                rows.add(arm, "rel_error", None, "ratio", status=Status.FAILED, error=msg, route=paths[arm].route)
                 continue
             err = _check_arm(arm, paths[arm], workload, pool[0], rows)
             if err:
@@ -144,7 +136,7 @@ def _measure(
             err = _check_arm(arm, paths[arm], workload, pool[0], rows)
             if err:
                 failed[arm] = err
-    status = STATUS_FAILED if any(a in failed for a in arms) else STATUS_OK
+    status = Status.FAILED if any(a in failed for a in arms) else Status.OK
     timed = {a: timers[a] for a in arms if a in timers and (a not in failed or _timeable(failed[a]))}
     with phases.span("timed"):
         for rep, arm, sample in timing.interleaved(timed, pool, calls, job.repetitions):
@@ -182,15 +174,15 @@ def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, .
         mx.synchronize()
         own = sum(int(w.nbytes) for w in path.weights) + sum(int(x.nbytes) for x in inputs)
         peak = own + max(0, mx.get_peak_memory() - live)
-        ref = workload.reference(arm, *inputs)  # computed ahead (`workers.job.reference_ahead`) or now
+        ref = workload.reference(arm, *inputs)
     except Exception as exc:  # the path, or its reference, raised: this arm fails, the others go on
         msg = f"{type(exc).__name__}: {exc}"
-        rows.add(arm, "rel_error", None, "ratio", status=STATUS_FAILED, error=msg, route=path.route)
+        rows.add(arm, "rel_error", None, "ratio", status=Status.FAILED, error=msg, route=path.route)
         return msg
     rel = relative_error(out, ref)  # an MLX output is compared at the reference's subset on the device
     ok = rel <= path.tolerance
     err = None if ok else f"rel_error {rel:.3g} over tolerance {path.tolerance:.3g}"
-    st = STATUS_OK if ok else STATUS_FAILED
+    st = Status.OK if ok else Status.FAILED
     rows.add(
         arm,
         "rel_error",
@@ -217,7 +209,7 @@ def _sample_rows(
     error: str | None,
     extra: dict[str, str],
 ) -> None:
-    st = STATUS_FAILED if error else STATUS_OK
+    st = Status.FAILED if error else Status.OK
     common: dict[str, Any] = {
         "sample": rep,
         "status": st,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import registry
-from workers.contract import STATUS_FAILED, STATUS_OK, STATUS_UNSUPPORTED, JobContext, JobSpec, RowBuilder, Window
+from workers.contract import JobContext, JobSpec, RowBuilder, Status, Window
 from workers.job import phases
 from workers.job.measure import abba_order
 from workers.job.task import DEFAULT_SPOOL
@@ -217,9 +217,15 @@ def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
     server = None if env else forkclient.ForkServer.from_env()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         code, how = forkclient.run_entry(
-            "model_runner", args, env=base, changes=env, stdout=out.fileno(), stderr=err.fileno(),
-            timeout=timeout, server=server,
-        )  # fmt: skip
+            "model_runner",
+            args,
+            env=base,
+            changes=env,
+            stdout=out.fileno(),
+            stderr=err.fileno(),
+            timeout=timeout,
+            server=server,
+        )
         out.seek(0)
         err.seek(0)
         return ChildResult(code, out.read().decode(errors="replace"), _tail(err.read()), how)
@@ -300,18 +306,18 @@ def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | Sample
     return SampleError(_child_error(proc))
 
 
-def _outcome_rows(rows: RowBuilder, arm: str, sample: int, error: str, status: str) -> None:
+def _outcome_rows(rows: RowBuilder, arm: str, sample: int, error: str, status: Status) -> None:
     for metric, unit in METRICS:
         rows.add(arm, metric, None, unit, sample=sample, status=status, error=error)
 
 
-def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status:
     """Measure every arm of a `model` job, one row per metric per sample; returns the job status."""
     params = {**registry.CASES["model"].defaults, **job.params}
     timeout = float(job.options.get("timeout", DEFAULT_TIMEOUT_S))
     path = _checkpoint(job, params, timeout)
     if isinstance(path, SampleError):
-        status = STATUS_UNSUPPORTED if path.unsupported else STATUS_FAILED
+        status = Status.UNSUPPORTED if path.unsupported else Status.FAILED
         for arm in job.arms:
             _outcome_rows(rows, arm, -1, path.message, status)
         return status
@@ -335,9 +341,9 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
                 if isinstance(outcome, SampleError):
                     skip.add(arm)  # an arm that failed or is unsupported once is not retried
     statuses = [_arm_rows(rows, arm, results[arm], str(path)) for arm in job.arms]
-    if STATUS_FAILED in statuses:
-        return STATUS_FAILED
-    return STATUS_OK if STATUS_OK in statuses else STATUS_UNSUPPORTED
+    if Status.FAILED in statuses:
+        return Status.FAILED
+    return Status.OK if Status.OK in statuses else Status.UNSUPPORTED
 
 
 def _extra(sample: Sample, checkpoint: str) -> dict[str, str]:
@@ -359,12 +365,12 @@ def _check_error(sample: Sample) -> str | None:
 
 def _arm_rows(
     rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError, Window]], checkpoint: str
-) -> str:
+) -> Status:
     samples = [(rep, s, w) for rep, s, w in outcomes if isinstance(s, Sample)]
     errors = [(rep, s) for rep, s, _ in outcomes if isinstance(s, SampleError)]
     if errors and errors[0][1].unsupported and not samples:
-        _outcome_rows(rows, arm, -1, errors[0][1].message, STATUS_UNSUPPORTED)
-        return STATUS_UNSUPPORTED
+        _outcome_rows(rows, arm, -1, errors[0][1].message, Status.UNSUPPORTED)
+        return Status.UNSUPPORTED
     digests = sorted({s.greedy_digest for _, s, _ in samples})
     error = errors[0][1].message if errors else None
     checked = next((s for _, s, _ in samples if s.rel_error is not None), None)
@@ -372,11 +378,11 @@ def _arm_rows(
     # Greedy output that differs between samples of one arm is recorded, not failed: each sample
     # row keeps its own digest, and every row of the arm lists them all (`greedy_digests`), so the
     # same-output criterion calls the point AMBIGUOUS (an unstable reference) and a reader sees it.
-    # The layer check above is what says the arm computes the right thing; on the H200 every arm,
-    # MLX's affine included, gave two digests over four fresh sample processes (bfloat16 GEMMs
-    # are not bitwise reproducible across processes there, and random weights make near-ties).
+    # The layer check above is what says the arm computes the right thing; on a CUDA GPU every
+    # arm, MLX's affine included, can give different digests in fresh sample processes (bfloat16
+    # GEMMs are not bitwise reproducible across processes there, and random weights make near-ties).
     unstable = {"greedy_digests": ",".join(digests)} if len(digests) > 1 else {}
-    status = STATUS_FAILED if error else STATUS_OK
+    status = Status.FAILED if error else Status.OK
     if checked is not None:
         extra = _extra(checked, checkpoint) | {"tolerance": repr(checked.tolerance), "layer": checked.checked}
         extra |= unstable
@@ -387,11 +393,19 @@ def _arm_rows(
         for metric, unit in METRICS:
             value = getattr(s, metric)
             rows.add(
-                arm, metric, value, unit, sample=rep, status=status, error=error, route=s.route, extra=extra,
+                arm,
+                metric,
+                value,
+                unit,
+                sample=rep,
+                status=status,
+                error=error,
+                route=s.route,
+                extra=extra,
                 window=window,
-            )  # fmt: skip
+            )
     if errors:
-        _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, STATUS_FAILED)
+        _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, Status.FAILED)
     return status
 
 

@@ -12,7 +12,7 @@ by `workers.job.task`. Phase names:
 * `lock_wait`, `idle_gate`: waiting for the GPU lock and for foreign GPU users to leave;
 * `build`: the case's inputs, weights, kernels or checkpoint (a command case: fetch and build);
 * `reference`: the correctness check of every arm and auto candidate against the reference (one
-  warm call each, after the warm-up), with the wait for references computed beside the warm-up;
+  warm call each, after the warm-up);
 * `warmup`: warm-up calls (every arm's and candidate's cold first call included), calibration and
   the auto arms' choice;
 * `timed`: the timed samples themselves;

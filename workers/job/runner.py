@@ -7,7 +7,6 @@ exception inside a kernel becomes rows with status `failed` and the error, so th
 from __future__ import annotations
 
 import datetime as dt
-import importlib
 import json
 import os
 import time
@@ -19,28 +18,30 @@ import numpy as np
 import pyarrow as pa
 
 from kernels import registry
+from kernels.registry import CaseKind
+from workers.command.job import run_command_job
 from workers.contract import (
     META_JOB_SECONDS,
     META_PHASES,
-    STATUS_CONTENDED,
-    STATUS_FAILED,
-    STATUS_OK,
+    ErrorKind,
     HostFingerprint,
     JobContext,
     JobSpec,
     RowBuilder,
+    Status,
 )
 from workers.host.fingerprint import host_fingerprint
 from workers.host.peaks import PeakStamp
 from workers.job import phases
 from workers.job.measure import measure_workload
-from workers.proc import standby
+from workers.job.model import run_model_job
+from workers.lock.gpu import LockBusyError
 
 if TYPE_CHECKING:
     from workers.lock.gpu import GpuLock
     from workers.lock.slot import SlotLock
 
-Dispatch = Callable[[JobSpec, RowBuilder, JobContext], str]
+Dispatch = Callable[[JobSpec, RowBuilder, JobContext], Status]
 
 
 def job_rng(job: JobSpec) -> np.random.Generator:
@@ -58,20 +59,24 @@ def kernel_workload(job: JobSpec, rng: np.random.Generator) -> registry.Workload
     return workload
 
 
-def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> str:
+def _run_kernel_case(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status:
     rng = job_rng(job)
     return measure_workload(job, kernel_workload(job, rng), rows, rng)
+
+
+# The runner of each case kind (`CaseSpec.kind`): one entry per kind.
+RUNNERS: dict[CaseKind, Dispatch] = {
+    CaseKind.KERNEL: _run_kernel_case,
+    CaseKind.COMMAND: run_command_job,
+    CaseKind.MODEL: run_model_job,
+}
 
 
 def _dispatcher(job: JobSpec) -> Dispatch:
     spec = registry.get_case(job.case)
     if spec is None:
         raise ValueError(f"unknown case {job.case!r}")
-    if spec.kind == "kernel":
-        return _run_kernel_case
-    module = importlib.import_module(spec.module)
-    fn: Dispatch = getattr(module, f"run_{spec.kind}_job")
-    return fn
+    return RUNNERS[spec.kind]
 
 
 def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Table:
@@ -81,24 +86,22 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     spawned = os.environ.pop("ORCHESTRATE_SPAWNED_AT", "")
     if spawned:  # set by workers.job.task: when the Ray task asked for this process
         spent.add("worker_start", time.time() - float(spawned))
-    ahead = os.environ.pop(standby.AHEAD_ENV, "")  # a standby's: its device opened before this job
     with spent.span("fingerprint"):
         fp = fingerprint or host_fingerprint(job.gpu)
     context = JobContext(started_at=dt.datetime.now(dt.UTC))
     rows = RowBuilder(job, fp, context)
-    status = STATUS_FAILED
+    status = Status.FAILED
     peaks = PeakStamp(fp)  # the host's measured copy/matrix peaks, probed under the lock once per fingerprint
     try:
         dispatch = peaks.wrap(_dispatcher(job))
         status = _run_guarded(job, fp.backend, dispatch, rows, context)
     except Exception as exc:
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-        rows.fail_all(last)
-        status = STATUS_FAILED
-    standby.ask()  # out of the lock: the next job's process opens its device while this one winds down
+        rows.fail_all(last, ErrorKind.LOCK_BUSY if isinstance(exc, LockBusyError) else None)
+        status = Status.FAILED
     if not rows.rows:
         rows.fail_all("the case produced no rows")
-        status = STATUS_FAILED
+        status = Status.FAILED
     table = peaks.stamp(rows.table(status))
     job_seconds = time.perf_counter() - t0
     inside = {k: v for k, v in spent.seconds.items() if k != "worker_start"}
@@ -106,10 +109,7 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
     meta = {
         **(table.schema.metadata or {}),
         META_JOB_SECONDS: f"{job_seconds:.6f}".encode(),
-        META_PHASES: json.dumps(
-            {k: round(v, 6) for k, v in spent.seconds.items()}
-            | ({"device_opened_ahead": {"seconds": round(float(ahead), 6)}} if ahead else {})
-        ).encode(),
+        META_PHASES: json.dumps({k: round(v, 6) for k, v in spent.seconds.items()}).encode(),
     }
     return table.replace_schema_metadata(meta)
 
@@ -128,14 +128,13 @@ def job_lock(job: JobSpec, *, max_wait: float, cmd: str) -> GpuLock | SlotLock:
 # before and the contention monitor during it; a contended measurement is repeated. A job pinned
 # to one GPU of a host with several takes that GPU's lock (`workers.lock.slot`) and watches that
 # GPU only.
-def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> str:
+def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> Status:
     if not job.lock.enabled:
         return dispatch(job, rows, context)
-    from workers.lock.gpu import LockBusyError
     from workers.lock.probes import ContentionMonitor, probe_for, wait_idle
 
     settings = job.lock
-    status = STATUS_OK
+    status = Status.OK
     lock = job_lock(job, max_wait=settings.max_wait, cmd=f"{job.sweep}/{job.case_name}/{job.job_key}")
     with lock:
         phases.current().add("lock_wait", lock.wait_s)
@@ -164,6 +163,6 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
             context.foreign_pids = list(report.foreign_pids)
             if not context.contended:
                 break
-    if context.contended and status == STATUS_OK:
-        return STATUS_CONTENDED  # measured, but not clean: not complete, a plain rerun measures it again
+    if context.contended and status == Status.OK:
+        return Status.CONTENDED  # measured, but not clean: not complete, a plain rerun measures it again
     return status

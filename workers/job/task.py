@@ -37,7 +37,7 @@ from workers.host.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.job.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.job.model uses it
 from workers.job.spool import fragment_name, spool_root
 from workers.lock.own_processes import HEAD_AT_ENV
-from workers.proc import forkserver, prestart
+from workers.proc import forkserver
 from workers.proc import spawn as forkclient
 
 FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
@@ -98,7 +98,6 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     cores = os.cpu_count() or 1
     env["OMP_NUM_THREADS"] = str(cores)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.pop(prestart.PRESTARTED_ENV, None)  # for this worker alone, not the job's process
     if job is not None and job.gpu is not None:
         slots = os.environ.get(GPU_SLOTS_ENV, "")
         if slots.isdigit() and int(slots) > 1:  # the host's cores shared among its GPUs' jobs
@@ -125,10 +124,6 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkclient.ForkServer | No
         return _server
     if _server is not None:
         _server.close()
-    _server = prestart.adopt(key)
-    if _server is not None:
-        _server_key = key
-        return _server
     try:
         _server, _server_key = forkclient.ForkServer.start(env), key
     except OSError:
@@ -147,19 +142,6 @@ def server_key(job: JobSpec, env: dict[str, str]) -> tuple[str, ...]:
     return (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
 
 
-def prestart_server(job: JobSpec) -> prestart.Prestarted | None:
-    """In the embedded head, before `ray.init`: start the fork server the first node's Ray worker
-    would start for `job` (localised to that node), so that its imports run beside Ray's start;
-    the Ray worker, which inherits `PRESTARTED_ENV`, adopts it (`workers.proc.prestart`). None where
-    jobs are not forked; one that does not start leaves the worker to start its own, as ever. The
-    caller withdraws it after Ray (`prestart.withdraw`).
-    """
-    if not warm_servers():
-        return None
-    env = job_env(job)
-    return prestart.launch(env, server_key(job, env))
-
-
 def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None) -> tuple[int | None, str]:
     """Run the job's process (forked from the warm server, or a fresh interpreter); (exit code, how).
 
@@ -168,11 +150,17 @@ def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None
     env = job_env(job)
     server = warm_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
-    with log.open("wb") as out:  # (a server the head started: the job gets this worker's whole environment)
+    with log.open("wb") as out:
         return forkclient.run_entry(
-            "workers", argv, env=env, changes=changes, stdout=out.fileno(), stderr=out.fileno(),
-            timeout=timeout, server=server,
-        )  # fmt: skip
+            "workers",
+            argv,
+            env=env,
+            changes=changes,
+            stdout=out.fileno(),
+            stderr=out.fileno(),
+            timeout=timeout,
+            server=server,
+        )
 
 
 def log_tail(path: Path, limit: int = TAIL_BYTES) -> str:

@@ -2,20 +2,28 @@
 
 `workers.lock.gpu` takes and holds the lock; this module is what it and `orchestrate lock status`
 share: `open_lock_file` (read-only, no links followed, regular files only), `try_flock`,
-`names_file` (whether a path still names an open file), the `<lock>.holder` file (`Holder`,
-`read_holder`), and `lock_status` (free, held, shared or stale; never takes the lock).
+`names_file` (whether a path still names an open file), `holds_flock` (whether a process holds
+it), the `<lock>.holder` file (`write_holder`, `Holder`, `read_holder`), and `lock_status` (free,
+held, shared or stale; never takes the lock).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import errno
 import fcntl
+import logging
 import os
 import stat
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from workers.proc.table import pid_alive, process_name
+from workers.files import write_atomic
+from workers.proc.table import open_files, pid_alive, process_name
+
+log = logging.getLogger(__name__)
 
 
 class GpuLockError(Exception):
@@ -182,6 +190,53 @@ def read_holder(path: str) -> Holder | None:
         mode=fields.get("mode", ""),
         cmd=fields.get("cmd", ""),
     )
+
+
+def write_holder(path: str, mode: str, cmd: str) -> bool:
+    """Say in `<lock>.holder` that this process holds the lock (`pid=`, `start=`, `mode=`, `cmd=`
+    lines), atomically; False (with a warning) when it cannot be written: the file only informs
+    `status`, the flock is what counts."""
+    start = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    text = f"pid={os.getpid()}\nstart={start}\nmode={mode}\ncmd={' '.join(cmd.split())}\n"
+    try:  # not fsynced: after a reboot no lock is held anyway
+        write_atomic(Path(holder_path(path)), text, mode=0o644, durable=False)
+    except OSError as exc:
+        log.warning("could not write GPU lock holder file %s: %s", holder_path(path), exc)
+        return False
+    return True
+
+
+def holds_flock(pid: int, dev: int, ino: int) -> bool:
+    """Whether process `pid` holds an flock on the file (`dev`, `ino`).
+
+    Linux: one of its descriptors is open on that file and `/proc/<pid>/fdinfo` lists an FLOCK
+    on it (flock belongs to the open file, so this is exact). Elsewhere (macOS, no fdinfo): the
+    process has the file open (the lock itself is checked by the caller's failed flock).
+    """
+    if not sys.platform.startswith("linux"):
+        return any(_names(name, dev, ino) for name in open_files(pid))
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in fds:
+        if not _names(f"/proc/{pid}/fd/{name}", dev, ino):
+            continue
+        try:
+            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
+                if any(line.startswith("lock:") and " FLOCK " in line for line in f):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _names(path: str, dev: int, ino: int) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) == (dev, ino)
 
 
 def kernel_lockers(fd: int, kind: str | None = None) -> list[int]:

@@ -25,9 +25,9 @@ Nesting: the holder exports `ROCM_GPU_GUARD_LOCK_HELD=<its pid>` to its children
 guard does (the value stays a bare pid, so the guard's own check of it keeps working); a lock
 request in a process whose ancestor (or itself) is that pid succeeds at once instead of
 deadlocking. The variable is honoured only for the lock it stands for: the named process, or one
-between it and the requester, must hold an flock on this very file (same device and inode; Linux
-reads `/proc/<pid>/fdinfo`, macOS asks `lsof` whether the process has the file open). A stale
-export, a reused pid, or an export made for another lock file is ignored.
+between it and the requester, must hold an flock on this very file (same device and inode;
+`workers.lock.file.holds_flock`: Linux reads `/proc/<pid>/fdinfo`, macOS asks whether the process
+has the file open). A stale export, a reused pid, or an export made for another lock file is ignored.
 
 A host with several GPUs (`SlotLock`): a job on GPU i takes the host's lock *shared*, then
 `<lock>.gpu<i>` exclusively. Jobs on different GPUs run side by side; two on one GPU exclude each
@@ -42,12 +42,9 @@ on every GPU can make it wait for long: give such a guard a `--max-wait`.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import fcntl
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,11 +56,13 @@ from workers.lock.file import (
     LockPathError,
     LockStatus,
     holder_path,
+    holds_flock,
     lock_status,
     names_file,
     open_lock_file,
     read_holder,
     try_flock,
+    write_holder,
 )
 from workers.proc.table import is_descendant, parent_pid
 
@@ -114,50 +113,6 @@ def nesting_pid(fd: int | None = None) -> int | None:
             return None
         current = parent_pid(current)
     return None
-
-
-def holds_flock(pid: int, dev: int, ino: int) -> bool:
-    """Whether process `pid` holds an flock on the file (`dev`, `ino`).
-
-    Linux: one of its descriptors is open on that file and `/proc/<pid>/fdinfo` lists an FLOCK
-    on it (flock belongs to the open file, so this is exact). macOS (no fdinfo): `lsof` shows the
-    process has the file open (the lock itself is checked by the caller's failed flock).
-    """
-    if not sys.platform.startswith("linux"):
-        return _lsof_has_open(pid, dev, ino)
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in fds:
-        try:
-            info = os.stat(f"/proc/{pid}/fd/{name}")
-            if (info.st_dev, info.st_ino) != (dev, ino):
-                continue
-            with open(f"/proc/{pid}/fdinfo/{name}", encoding="ascii", errors="replace") as f:
-                if any(line.startswith("lock:") and " FLOCK " in line for line in f):
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def _lsof_has_open(pid: int, dev: int, ino: int) -> bool:
-    try:
-        out = subprocess.run(
-            ["lsof", "-n", "-a", "-p", str(pid), "-F", "n"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    for line in out.splitlines():
-        if line.startswith("n"):
-            try:
-                info = os.stat(line[1:])
-            except OSError:
-                continue
-            if (info.st_dev, info.st_ino) == (dev, ino):
-                return True
-    return False
 
 
 _HELD: dict[int, GpuLock] = {}  # descriptor -> the lock holding it, in this process
@@ -352,25 +307,8 @@ class GpuLock:
         return () if self._fd is None else (self._fd,)
 
     def _write_holder(self) -> None:
-        if self.shared:  # many hold it at once: the GPU locks' holder files say who
-            return
-        target = holder_path(self.path)
-        start = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        text = f"pid={os.getpid()}\nstart={start}\nmode={self.mode}\ncmd={self.cmd}\n"
-        tmp = f"{target}.{os.getpid()}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            try:
-                os.fchmod(fd, 0o644)
-                os.write(fd, text.encode())
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-            self._wrote_holder = True
-        except OSError as exc:  # the holder file only informs `status`; the flock is what counts
-            log.warning("could not write GPU lock holder file %s: %s", target, exc)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        if not self.shared:  # many hold it at once: the GPU locks' holder files say who
+            self._wrote_holder = write_holder(self.path, self.mode, self.cmd) or self._wrote_holder
 
     def release(self) -> None:
         """Give the lock back (a no-op when not held); removes the holder file if it is ours.

@@ -27,18 +27,17 @@ from __future__ import annotations
 import os
 import re
 import socket
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workers.proc.table import is_descendant, parent_pid
+from workers.proc.table import is_descendant, parent_pid, process_cmdline
 
 RAYLET_ENV = "RAY_RAYLET_PID"
 HEAD_ENV = "ORCHESTRATE_HEAD_PID"  # an embedded run's head (an ancestor of its raylet)
 HEAD_AT_ENV = "ORCHESTRATE_HEAD"  # `hostname:pid` of the head, for its tasks on any host
-_SESSION_RE = re.compile(rb"/(session_\d{4}-\d{2}-\d{2}_[0-9_-]+)")
+_SESSION_RE = re.compile(r"/(session_\d{4}-\d{2}-\d{2}_[0-9_-]+)")
 
-# pid -> (parent pid, CPU seconds, name): a process-table snapshot (`workers.lock.probes.cpu_times`)
+# pid -> (parent pid, CPU seconds, name): a process-table snapshot (`workers.proc.table.cpu_times`)
 ProcessTable = Mapping[int, tuple[int, float, str]]
 
 
@@ -47,19 +46,9 @@ def _env_pid(name: str) -> int | None:
     return int(raw) if raw.isdigit() and int(raw) > 1 else None
 
 
-def _cmdline(pid: int) -> bytes:
-    if not sys.platform.startswith("linux"):
-        return b""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-def _session(pid: int) -> bytes | None:
+def _session(pid: int) -> str | None:
     """The Ray session name (`session_2026-12-01_09-13-42_606965_29842`) a process was started with."""
-    match = _SESSION_RE.search(_cmdline(pid))
+    match = _SESSION_RE.search("\0".join(process_cmdline(pid)))
     return match.group(1) if match else None
 
 
@@ -73,7 +62,7 @@ class OwnProcesses:
     """
 
     roots: tuple[int, ...]
-    session: bytes | None = None
+    session: str | None = None
 
     def contains(self, pid: int, table: ProcessTable | None = None) -> bool:
         """Whether `pid` is one of ours (a root, a descendant of a root, or a daemon of our Ray session)."""
@@ -103,7 +92,7 @@ def _descends(pid: int, root: int, table: ProcessTable | None) -> bool:
 def own_processes(job_root: int) -> OwnProcesses:
     """Our process trees on this host for a job whose tree starts at `job_root` (module docstring)."""
     roots = [job_root, os.getpid()]
-    session: bytes | None = None
+    session: str | None = None
     raylet = _env_pid(RAYLET_ENV)
     if raylet is not None and is_descendant(os.getpid(), raylet):
         session = _session(raylet)
@@ -123,5 +112,5 @@ def _is_init(pid: int) -> bool:
     """pid 1, or a process that adopts orphans as init does (systemd --user, tini, a container's init)."""
     if pid == 1:
         return True
-    name = _cmdline(pid).split(b"\x00", 1)[0].rsplit(b"/", 1)[-1]
-    return name in (b"systemd", b"init", b"tini", b"dumb-init", b"launchd")
+    argv = process_cmdline(pid)
+    return bool(argv) and os.path.basename(argv[0]) in ("systemd", "init", "tini", "dumb-init", "launchd")

@@ -48,9 +48,13 @@ class SlotLock:
         # holder of the GPU from the GPU's lock).
         self.host = GpuLock(path, max_wait=max_wait, mode=mode, cmd=cmd, on_wait=on_wait, export_env=False, shared=True)
         self.gpu = GpuLock(
-            gpu_lock_path(path, gpu_index), max_wait=max_wait, mode=mode, cmd=cmd, on_wait=on_wait,
+            gpu_lock_path(path, gpu_index),
+            max_wait=max_wait,
+            mode=mode,
+            cmd=cmd,
+            on_wait=on_wait,
             export_env=export_env,
-        )  # fmt: skip
+        )
         self.path = self.gpu.path
         self.wait_s = 0.0
 

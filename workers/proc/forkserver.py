@@ -1,27 +1,30 @@
 """A warm process that jobs and model samples are forked from: imports done, no device, no weights.
 
 A fresh `python -m workers run` pays Python's start-up and the imports of NumPy, pyarrow,
-pydantic, MLX and mlx-lm's model classes before any work (about 0.7 s on the 2-core CPU machine;
-mlx-lm's package start-up, which imports transformers and torch, is skipped everywhere:
-`kernels.mlx_lm_classes`). The method asks for a fresh process per job and per cold
-model sample, not for those imports: so each host's Ray worker keeps one server that has done the
-imports once and forks a child per job or sample. Each child is still a process of its own with
-no MLX state: the server never touches the device (no context, no arrays, no compiled kernels in
-memory; MLX's on-disk JIT cache is shared as before), and it refuses to preload MLX where the
-import alone opened a GPU device (a forked child could not use it). There (MLX's CUDA backend:
-its import opens /dev/nvidia*) it loads only MLX's native library and the CUDA libraries it links
-(cuBLAS, cuDNN, NVRTC: no device opened), which cut a job's own `import mlx.core` on the H200 from
-0.31-0.32 s to 0.21 s; what is left is the driver's start, which every fresh process pays.
+pydantic, MLX and mlx-lm's model classes before any work (mlx-lm's package start-up, which imports
+transformers and torch, is skipped everywhere: `kernels.mlx_lm_classes`). The method asks for a
+fresh process per job and per cold model sample, not for those imports: so each host's Ray worker
+keeps one server that has done the imports once and forks a child per job or sample. Each child is
+still a process of its own with no MLX state: the server never touches the device (no context, no
+arrays, no compiled kernels in memory; MLX's on-disk JIT cache is shared), and it refuses to
+preload MLX where the import alone opened a GPU device (a forked child could not use it). There
+(MLX's CUDA backend: its import opens /dev/nvidia*) it loads only MLX's native library and the
+CUDA libraries it links (cuBLAS, cuDNN, NVRTC: no device opened).
+
+The server forks from one thread only: a lock that another thread holds at the fork (an
+allocator's, the import lock) stays held forever in the child, which may deadlock (Python 3.12
+warns of such a fork). It starts no thread (one `select` loop, woken by SIGCHLD), keeps Arrow's
+jemalloc from starting its background thread, and counts its threads at every fork (`fork`): a
+server that finds another refuses to start, or ends, and its callers start fresh interpreters.
 
 Protocol, over a Unix socket (mode 0600, in a 0700 directory): a client sends one JSON line
-`{"entry", "args", "env", "replace_env", "cwd"}` with its stdout and stderr descriptors
-(SCM_RIGHTS); the server forks, applies `env` to the child's environment (or makes it the whole
-environment: `replace_env`), answers `{"pid": N}`, and `{"exit": CODE}` when the child ends
-(negative: the signal). A
-client that goes away first has its child's process group killed. The server ends with its
-parent (`PR_SET_PDEATHSIG`), and its children with it. Linux only: elsewhere (macOS, where
-forking after Apple's frameworks load is unsafe) callers start fresh interpreters. This module is
-the server's process; `workers.proc.spawn` is what a client uses to start, reach and use one.
+`{"entry", "args", "env", "cwd"}` with its stdout and stderr descriptors (SCM_RIGHTS); the server
+forks, applies `env` to the child's environment (None removes a key), answers `{"pid": N}`, and
+`{"exit": CODE}` when the child ends (negative: the signal). A client that goes away first has its
+child's process group killed. The server ends with its parent (`PR_SET_PDEATHSIG`), and its
+children with it. Linux only: elsewhere (macOS, where forking after Apple's frameworks load is
+unsafe) callers start fresh interpreters. This module is the server's process;
+`workers.proc.spawn` is what a client uses to start, reach and use one.
 """
 
 from __future__ import annotations
@@ -37,10 +40,9 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from workers.proc import standby
 from workers.proc.tree import become_subreaper, end_descendants
 
 SOCKET_ENV = "ORCHESTRATE_FORK_SERVER"  # the socket of the server a job's own children may use
@@ -50,32 +52,86 @@ PARENT_ENV = "ORCHESTRATE_PARENT_PID"  # a fresh interpreter ends with this proc
 # Entry points a child may run: name -> module whose `main(argv) -> int` it calls.
 ENTRIES = {"workers": "workers.__main__", "model_runner": "workers.job.model"}
 # Everything a job's process imports on its way (a module first imported in the child costs every
-# job its import: pandas alone, which pyarrow imports on a job's first `Table.from_pylist`, was
-# 0.45 s of each trivial job on the 2-core CPU machine).
+# job its import: pandas, which pyarrow imports on a job's first `Table.from_pylist`, most of all).
 BASE_PRELOAD = (
-    "numpy", "pyarrow", "pyarrow.parquet", "pyarrow.compute", "pydantic", "workers.__main__", "workers.job.runner",
-    "workers.job.model", "workers.lock.gpu", "workers.lock.slot", "workers.lock.probes", "workers.host.peaks",
-)  # fmt: skip
+    "numpy",
+    "pyarrow",
+    "pyarrow.parquet",
+    "pyarrow.compute",
+    "pydantic",
+    "workers.__main__",
+    "workers.job.runner",
+    "workers.job.model",
+    "workers.lock.gpu",
+    "workers.lock.slot",
+    "workers.lock.probes",
+    "workers.host.peaks",
+)
 OPTIONAL_PRELOAD = ("pandas", "pyarrow.pandas_compat", "pyarrow.vendored.version")  # pyarrow with pandas
 MLX_PRELOAD = (
-    "mlx.core", "mlx.nn", "kernels.qmm", "kernels.moe", "kernels.mlp", "kernels.model", "kernels.dispatch",
-    "mlx_lm.models.cache", "mlx_lm.models.llama", "mlx_lm.models.gemma3_text",
-)  # fmt: skip
+    "mlx.core",
+    "mlx.nn",
+    "kernels.qmm",
+    "kernels.moe",
+    "kernels.mlp",
+    "kernels.model",
+    "kernels.dispatch",
+    "mlx_lm.models.cache",
+    "mlx_lm.models.llama",
+    "mlx_lm.models.gemma3_text",
+)
 # What a server preloads of MLX, tried in this order until a forked child can use what it loaded:
 # everything (MLX_PRELOAD); only MLX's native library and what it links (`libmlx.so` opened by
 # the dynamic loader, no Python module: MLX's module start opens the GPU); nothing.
 PRELOAD_MODES = ("mlx", "mlx-library", "none")
-PRELOAD_NOTES = {
-    "mlx": "mlx preloaded",
-    "mlx-library": "mlx's native library preloaded",
-    "none": "mlx not preloaded",
-}
+PRELOAD_NOTES = {"mlx": "mlx preloaded", "mlx-library": "mlx's native library preloaded", "none": "mlx not preloaded"}
 # Not preloaded: modules that make MLX arrays when imported (`kernels.gemv_nvfp4`'s lookup tables,
 # and what imports it), which every child would inherit (tests/workers/test_forkserver.py checks).
 DEVICE_FILES = ("/dev/nvidia", "/dev/kfd", "/dev/dri")
 PR_SET_PDEATHSIG = 1
-NOTE_SUFFIX = ".note"  # beside the socket: what the server preloaded, for a client that did not start it
 WAKE_POLL_S = 1.0  # the server's loop also looks for ended children this often (a missed wakeup)
+# Arrow's bundled jemalloc starts a background purging thread when pyarrow loads; the server sets
+# this while it preloads (and then removes it: a child does not inherit the setting).
+ARROW_JEMALLOC_ENV = "JE_ARROW_MALLOC_CONF"
+NO_BACKGROUND_THREAD = "background_thread:false"
+
+
+class ThreadedFork(RuntimeError):
+    """The server had another thread when it forked: the child was killed, and the server stops."""
+
+
+def os_threads() -> int:
+    """This process's threads as the kernel counts them (what CPython 3.12+ counts for its fork
+    warning: every thread, native ones included); 0 where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[17])  # field 20: num_threads
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def fork() -> int:
+    """`os.fork()` that refuses a multi-threaded server: 0 in the child, its pid in the parent.
+
+    The threads are counted in the parent right after the fork, as CPython counts them for its
+    warning: after the fork handlers ran (OpenBLAS, which NumPy loads, stops its thread pool in
+    its own `pthread_atfork` handler, so a count before the fork would see that pool).
+
+    Raises:
+        ThreadedFork: The server had another thread; the child was killed and reaped.
+    """
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        return 0
+    threads = os_threads()
+    if threads > 1:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise ThreadedFork(f"the fork server had {threads} threads when it forked")
+    return pid
 
 
 def supported() -> bool:
@@ -129,7 +185,6 @@ def _preload(modules: tuple[str, ...], *, optional: tuple[str, ...] = ()) -> Non
 def _load_mlx_library() -> bool:
     """Open MLX's native library (and, through the dynamic loader, the CUDA libraries it links)
     without importing MLX's Python module; False where this MLX has no such library."""
-    import ctypes
     import importlib.util
 
     spec = importlib.util.find_spec("mlx")
@@ -144,23 +199,29 @@ def _load_mlx_library() -> bool:
 # ------------------------------------------------------------------------------------ the server
 
 
-def _forked_mlx_works(timeout: float = 120.0) -> bool:
-    """Fork a child that runs one small MLX op on the default device; True when it succeeded in time.
+def _forked_child_works(mlx: bool, timeout: float = 120.0) -> bool:
+    """Fork a child (that runs one small MLX op on the default device, with `mlx`); True when it
+    succeeded in time.
 
     A backend whose import left state a forked child cannot use (a thread, a driver handle) shows
     here once, at the server's start, instead of as a hung or crashed job.
+
+    Raises:
+        ThreadedFork: The server had another thread when it forked.
     """
-    sys.stdout.flush()
-    pid = os.fork()
+    pid = fork()
     if pid == 0:
         code = 1
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            import mlx.core as mx
+            if mlx:
+                import mlx.core as mx
 
-            code = 0 if mx.sum(mx.ones((64, 64)) @ mx.ones((64, 64))).item() == 64.0**3 else 1
+                code = 0 if mx.sum(mx.ones((64, 64)) @ mx.ones((64, 64))).item() == 64.0**3 else 1
+            else:
+                code = 0
         finally:
             os._exit(code)
     deadline = time.monotonic() + timeout
@@ -174,7 +235,7 @@ def _forked_mlx_works(timeout: float = 120.0) -> bool:
     return False
 
 
-def detach(closing: list[socket.socket]) -> None:
+def _detach(closing: list[socket.socket]) -> None:
     """In a child just forked from the server: drop the server's sockets (`closing`), wakeup fd and
     signal handlers; a process group of its own, ended with the server, a subreaper."""
     signal.set_wakeup_fd(-1)  # the server's: not the child's
@@ -188,32 +249,22 @@ def detach(closing: list[socket.socket]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def request_env(request: dict[str, Any], base: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment a request's child gets: the request's `env` applied to `base` (the
-    server's; None removes a key), or, with `replace_env`, that `env` alone (the client's whole one)."""
-    env = {} if request.get("replace_env") else dict(base)
-    for key, value in (request.get("env") or {}).items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
-
-
 def _child(request: dict[str, Any], fds: list[int], closing: list[socket.socket]) -> None:
     """In the forked child: become the requested process, run its entry, exit. Never returns."""
     code = 1
     try:
-        detach(closing)
+        _detach(closing)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
-        env = request_env(request, os.environ)
-        os.environ.clear()
-        os.environ.update(env)
+        for key, value in (request.get("env") or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         os.environ[FORKED_ENV] = "1"
         if request.get("cwd"):
             os.chdir(request["cwd"])
@@ -248,10 +299,21 @@ def _end_leftovers() -> None:
 
 def serve(path: str, preload: str) -> int:
     """Run the server at socket `path` until its parent dies or it is told to stop (SIGTERM);
-    `preload`: one of PRELOAD_MODES."""
+    `preload`: one of PRELOAD_MODES.
+
+    Raises:
+        ThreadedFork: A thread appeared in the server after its start (it ends; its clients' next
+            requests fail, and they start fresh interpreters).
+    """
     _die_with_parent()
     t0 = time.perf_counter()
+    given = os.environ.get(ARROW_JEMALLOC_ENV)
+    os.environ[ARROW_JEMALLOC_ENV] = f"{given},{NO_BACKGROUND_THREAD}" if given else NO_BACKGROUND_THREAD
     _preload(BASE_PRELOAD, optional=OPTIONAL_PRELOAD)
+    if given is None:
+        del os.environ[ARROW_JEMALLOC_ENV]
+    else:
+        os.environ[ARROW_JEMALLOC_ENV] = given
     # The host facts that cannot change within a run (CPU model, memory, GPU name and driver),
     # read once here and inherited by every child; what can change per job stays per job.
     from workers.host.fingerprint import warm_static_facts
@@ -262,52 +324,38 @@ def serve(path: str, preload: str) -> int:
     elif preload == "mlx-library" and not _load_mlx_library():
         print("unsafe: this MLX has no native library to preload", flush=True)
         return 3
-    if preload != "none":
-        opened = device_files_open()
-        if opened:  # a forked child could not use a device its parent's import opened
-            print(f"unsafe {' '.join(opened)}", flush=True)
-            return 3
-        if not _forked_mlx_works():
-            print("unsafe: MLX failed or hung in a forked child", flush=True)
-            return 3
-    mlx_note = PRELOAD_NOTES[preload]
-    with open(path + NOTE_SUFFIX, "w") as note:  # before the socket: a client that sees it finds the note
-        note.write(mlx_note)
+    opened = device_files_open() if preload != "none" else []
+    if opened:  # a forked child could not use a device its parent's import opened
+        print(f"unsafe {' '.join(opened)}", flush=True)
+        return 3
+    try:
+        works = _forked_child_works(mlx=preload != "none")
+    except ThreadedFork as exc:  # a preloaded module started a thread: no fork is safe here
+        print(f"unsafe: {exc}", flush=True)
+        return 3
+    if not works:
+        print("unsafe: MLX failed or hung in a forked child", flush=True)
+        return 3
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     os.chmod(path, 0o600)
     listener.listen(16)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"ready {os.getpid()} {time.perf_counter() - t0:.3f} {mlx_note}", flush=True)
+    print(f"ready {os.getpid()} {time.perf_counter() - t0:.3f} {PRELOAD_NOTES[preload]}", flush=True)
     clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
     conns: set[socket.socket] = set()  # open client connections
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # nobody reads the pipe the ready line went to
     os.close(devnull)
     # A child's exit wakes the loop (SIGCHLD through Python's wakeup fd), so its client hears of it
-    # at once rather than at the next poll (a 20 ms poll was a fifth of a trivial job's overhead).
+    # at once rather than at the next poll.
     wake, waker = socket.socketpair()
     for end in (wake, waker):
         end.setblocking(False)
     signal.set_wakeup_fd(waker.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    server_env = dict(os.environ)
-    keep_standbys = standby.enabled()
-    job_env = server_env  # the whole environment of the latest job: a standby's (`workers.proc.standby`)
-    ready: standby.Standby | None = None
-
-    def new_standby() -> standby.Standby | None:
-        if not keep_standbys:
-            return None
-        sys.stdout.flush()
-        return standby.fork(job_env, [listener, wake, waker, *conns], _child)
-
-    ready = new_standby()  # for the first job, where its environment agrees with the server's
     while True:
         readable, _, _ = select.select([listener, wake, *conns], [], [], WAKE_POLL_S)
-        if ready is not None and ready.expired():  # no job came for it: its context is not left open
-            ready.drop()
-            ready = None
         for sock in readable:
             if sock is wake:
                 with contextlib.suppress(BlockingIOError):
@@ -329,14 +377,6 @@ def serve(path: str, preload: str) -> int:
                         end_tree(pid)
                 sock.close()
                 continue
-            if data == standby.REQUEST:  # a job left the GPU lock: ready a process for the next one
-                for fd in fds:
-                    os.close(fd)
-                if ready is None:
-                    ready = new_standby()
-                with contextlib.suppress(OSError):
-                    sock.sendall(json.dumps({"standby": ready.pid if ready else None}).encode() + b"\n")
-                continue
             if not data.endswith(b"\n") or len(fds) != 2:  # one request per message, with two fds
                 for fd in fds:
                     os.close(fd)
@@ -344,42 +384,25 @@ def serve(path: str, preload: str) -> int:
                 sock.close()
                 continue
             request = json.loads(data)
-            answer: dict[str, Any] = {}
-            pid = 0
-            if request.get("entry") == "workers":  # a job: its process may be the standby
-                job_env = request_env(request, server_env)
-                if ready is not None and ready.serves(job_env):
-                    whole = {**request, "env": job_env, "replace_env": True}
-                    if ready.hand_over(json.dumps(whole).encode() + b"\n", fds):
-                        pid, answer["ahead"] = ready.pid, True
-                if ready is not None and not pid:
-                    ready.drop()  # another environment: it exits, the job is forked as ever
-                ready = None
-            if not pid:
-                sys.stdout.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child(request, fds, [listener, wake, waker, *conns, *([ready.ctl] if ready else [])])
+            pid = fork()
+            if pid == 0:
+                _child(request, fds, [listener, wake, waker, *conns])
             for fd in fds:
                 os.close(fd)
             clients[pid] = sock
-            sock.sendall(json.dumps({"pid": pid, **answer}).encode() + b"\n")
-        reaped = _reap(clients, conns)
-        if ready is not None and ready.pid in reaped:
-            ready = None  # it died (its device failed to open): the next request forks a new one
+            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _reap(clients, conns)
 
 
-def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> set[int]:
-    """Reap every ended child, telling each one's client its exit code; the pids reaped."""
-    reaped: set[int] = set()
+def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> None:
+    """Reap every ended child, telling each one's client its exit code."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return reaped
+            return
         if pid == 0:
-            return reaped
-        reaped.add(pid)
+            return
         conn = clients.pop(pid, None)
         if conn is not None and conn in conns:
             code = os.waitstatus_to_exitcode(status)
@@ -390,10 +413,7 @@ def _reap(clients: dict[int, socket.socket], conns: set[socket.socket]) -> set[i
 def end_tree(pid: int) -> None:
     """End process `pid` and every descendant (`workers.proc.tree`: the root is stopped first, so
     nothing is orphaned past it), then whatever is left of its process group."""
-    with contextlib.suppress(OSError):
-        end_descendants(pid, kill_wait=10.0)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    end_descendants(pid, group=True, kill_wait=10.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The keeper of one workload's process tree (Linux), run as a script by `workers.proc.tree`.
 
-    python -S -I tree_keeper.py FD -- COMMAND [ARG ...]
+    python -S -I keeper.py FD -- COMMAND [ARG ...]
 
 The keeper makes itself a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`), so every descendant
 of the workload whose parent exits is re-parented to it instead of to init: the keeper's
@@ -17,7 +17,10 @@ process closed it to end the tree, or died), the keeper SIGKILLs its descendants
 left, then exits; it also exits by itself once the command and every descendant are gone. It
 ignores the terminal's and the session's signals (its caller forwards what the tree should get).
 It starts before every workload, so it imports only cheap modules: `_signal` rather than
-`signal`, a raw descriptor rather than `socket`, and `workers.proc.table` (stdlib-only, light).
+`signal`, a raw descriptor rather than `socket`, and no process table (psutil's import would
+cost more than the keeper's whole start): its children are listed by the kernel
+(`/proc/<pid>/task/<pid>/children`), and a subreaper's descendants all become its children as
+their parents die.
 """
 
 from __future__ import annotations
@@ -28,10 +31,6 @@ import os
 import select
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from workers.proc.table import descendants, signal_process
 
 PR_SET_CHILD_SUBREAPER = 36
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP, signal.SIGPIPE)
@@ -52,14 +51,26 @@ def _reap(root: int, report: int, started: float) -> bool:
 
 
 def _kill_all() -> None:
+    """SIGKILL the keeper's children until it has none. The children of a killed child are
+    re-parented to the keeper (a subreaper), so they come next; and a child's pid cannot name
+    another process before the keeper reaps it, so no other process is ever signalled."""
+    children = f"/proc/{os.getpid()}/task/{os.getpid()}/children"  # one thread: every child is its
     while True:
         try:
             while os.waitpid(-1, os.WNOHANG)[0] != 0:
                 pass
         except ChildProcessError:
             return
-        for entry in descendants(os.getpid()):
-            signal_process(entry, signal.SIGKILL)
+        try:
+            with open(children) as f:
+                pids = f.read().split()
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:  # noqa: SIM105 (contextlib costs 10 ms at every workload's start)
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
         time.sleep(0.01)
 
 

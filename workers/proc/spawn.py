@@ -3,9 +3,7 @@ process from it, wait for it, end it; or a fresh interpreter where there is no s
 
 `ForkServer.start` launches `python -m workers.proc.forkserver` (trying its preload modes in turn);
 `ForkServer.from_env` reaches the server a job's own process was forked from; `run_entry` runs an
-entry point in a process of its own either way. A server started with another process's environment
-(the embedded head's, `workers.proc.prestart`) is `adopted`: its children get their client's whole
-environment rather than changes to the server's.
+entry point in a process of its own either way.
 """
 
 from __future__ import annotations
@@ -20,19 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 
-from workers.proc import standby
-from workers.proc.forkserver import ENTRIES, NOTE_ENV, NOTE_SUFFIX, PARENT_ENV, PRELOAD_MODES, SOCKET_ENV, end_tree
+from workers.proc.forkserver import ENTRIES, NOTE_ENV, PARENT_ENV, PRELOAD_MODES, SOCKET_ENV, end_tree
 
 
 class WarmProcess:
     """A child forked by the server, seen from the client: its pid, its exit code, killing it."""
 
-    def __init__(self, conn: socket.socket, pid: int, *, ahead: bool = False) -> None:
+    def __init__(self, conn: socket.socket, pid: int) -> None:
         self._conn = conn
         self.pid = pid
-        self.ahead = ahead  # a standby, its device opened before the request (`workers.proc.standby`)
         self.returncode: int | None = None
         self._pending = b""
 
@@ -68,13 +63,10 @@ class WarmProcess:
 class ForkServer:
     """The client's handle on a running server (started here, or inherited through `SOCKET_ENV`)."""
 
-    def __init__(
-        self, path: str, proc: subprocess.Popen[bytes] | None = None, note: str = "", *, adopted: bool = False
-    ) -> None:
+    def __init__(self, path: str, proc: subprocess.Popen[bytes] | None = None, note: str = "") -> None:
         self.path = path
         self.proc = proc
         self.note = note  # what the server preloaded, for the rows
-        self.adopted = adopted  # started with another process's environment: a child gets its client's whole one
 
     @classmethod
     def start(
@@ -83,23 +75,19 @@ class ForkServer:
         *,
         preload: str = "mlx",
         timeout: float = 300.0,
-        path: str | None = None,
-        on_process: Callable[[subprocess.Popen[bytes]], None] | None = None,
     ) -> ForkServer:
-        """Start a server with `env` (at socket `path`, which its caller then removes, else a new
-        one); where what `preload` loads of MLX left the server unsafe to fork from (it opened the
-        device), start one with the next of PRELOAD_MODES. `on_process` hears of each process started.
+        """Start a server with `env`; where what `preload` loads of MLX left the server unsafe to
+        fork from (it opened the device, or a thread runs in it), start one with the next of
+        PRELOAD_MODES.
 
         Raises:
             OSError: The server could not start (the caller falls back to fresh interpreters).
         """
-        given, path = path is not None, path or new_socket_path()
+        path = new_socket_path()
         argv = [sys.executable, "-m", "workers.proc.forkserver", path]
         modes = PRELOAD_MODES[PRELOAD_MODES.index(preload) :]
         for mode in modes:
             proc = subprocess.Popen([*argv, mode], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
-            if on_process is not None:
-                on_process(proc)
             assert proc.stdout is not None
             ready, _, _ = select.select([proc.stdout], [], [], timeout)
             line = proc.stdout.readline().decode().strip() if ready else ""
@@ -110,9 +98,8 @@ class ForkServer:
             proc.wait()  # it exits by itself: try the next mode
         proc.kill()
         proc.wait()
-        if not given:
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(path))
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
         raise OSError(f"fork server did not start ({line or 'no answer'})")
 
     @classmethod
@@ -136,10 +123,9 @@ class ForkServer:
         stdout: int,
         stderr: int,
         cwd: str = "",
-        replace_env: bool = False,
     ) -> WarmProcess:
         """Fork a child running `entry`'s `main(args)` with `env` applied (None removes a key) to the
-        server's environment, or, with `replace_env`, with `env` as its whole environment.
+        server's environment.
 
         Raises:
             OSError: The server is gone.
@@ -151,7 +137,6 @@ class ForkServer:
                 "entry": entry,
                 "args": args,
                 "env": {**env, SOCKET_ENV: self.path, NOTE_ENV: self.note},
-                "replace_env": replace_env,
                 "cwd": cwd,
             }
             socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [stdout, stderr])
@@ -166,7 +151,7 @@ class ForkServer:
             raise
         first, _, rest = line.partition(b"\n")
         answer = json.loads(first)
-        proc = WarmProcess(conn, int(answer["pid"]), ahead=bool(answer.get("ahead")))
+        proc = WarmProcess(conn, int(answer["pid"]))
         proc._pending = rest
         return proc
 
@@ -181,9 +166,8 @@ class ForkServer:
                 self.proc.wait()
         if self.proc is None:
             return  # not ours to remove: the process that started it does
-        for name in (self.path, self.path + NOTE_SUFFIX):
-            with contextlib.suppress(OSError):
-                os.unlink(name)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(self.path))
 
@@ -202,20 +186,15 @@ def run_entry(
     """Run `entry`'s `main(args)` in a process of its own; (exit code, how it was started).
 
     Forked from `server` when one is given and answers (only `changes` applied to the server's
-    environment, which is `env`; a server `adopted` from another process, started with that one's,
-    gives the child `env` + `changes` as its whole environment, so no key of the other process's
-    stays), else a fresh interpreter with `env` (+ `changes`). A timeout kills the process's group
-    and gives exit code None.
+    environment, which is `env`), else a fresh interpreter with `env` (+ `changes`). A timeout kills
+    the process's group and gives exit code None.
     """
     proc: WarmProcess | subprocess.Popen[bytes] | None = None
     how = "fresh interpreter"
     if server is not None:
-        sent: dict[str, str | None] = {**env, **changes} if server.adopted else dict(changes)
         try:
-            proc = server.spawn(entry, args, env=sent, stdout=stdout, stderr=stderr, replace_env=server.adopted)
+            proc = server.spawn(entry, args, env=dict(changes), stdout=stdout, stderr=stderr)
             how = f"forked from a warm server ({server.note}; no device state, no weights)"
-            if proc.ahead:
-                how = f"forked from a warm server ({server.note}; {standby.NOTE}; no other device state, no weights)"
         except OSError:
             proc = None
     if proc is None:

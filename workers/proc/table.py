@@ -1,73 +1,59 @@
 """The process table, as the GPU lock, the GPU-user probes and the process trees need it.
 
-Linux reads `/proc`; elsewhere (macOS) `ps` answers. A zombie (exited, not yet reaped) counts
-as gone. `workers.proc.tree` builds the workloads' process trees on `process_table`, and its
-keeper imports this module at every workload's start, so it imports only what is cheap (no
-dataclasses, typing or subprocess at import time).
+Everything here asks psutil, which reads `/proc` on Linux and the kernel's process list on macOS,
+so one code answers on both. A zombie (exited, not yet reaped) counts as gone: it runs nothing and
+holds no files. A process this user may not inspect answers what psutil lets it see: it is alive,
+and its name or command line is unknown (`?`, `[]`).
+
+A pid alone may name another process by the time it is used; `ProcessEntry` carries the start
+time too, and `signal_process` signals only the process that entry saw.
 """
 
 from __future__ import annotations
 
 import os
-import sys
+import signal
+from typing import NamedTuple
+
+import psutil
+
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (in this pid namespace)."""
+    """Whether a process with this pid exists (in this pid namespace) and has not exited."""
     if pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() not in _GONE
+    except psutil.NoSuchProcess:  # a zombie psutil cannot read counts as gone too
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    if sys.platform.startswith("linux"):  # an exited process its parent has not reaped yet is gone too
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-            return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] != b"Z"
-        except (OSError, ValueError):
-            return False
-    return True
 
 
 def process_name(pid: int) -> str:
-    """The short name of a process (`/proc/<pid>/comm`, elsewhere `ps`), or `?`."""
+    """The short name of a process, or `?`."""
     try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip() or "?"
-    except OSError:
-        pass
-    return "?" if sys.platform.startswith("linux") else os.path.basename(_ps_field(pid, "comm")) or "?"
+        return psutil.Process(pid).name() or "?"
+    except psutil.Error:
+        return "?"
 
 
-def _ps_field(pid: int, name: str) -> str:
-    """One `ps -o NAME=` value of a process, '' when it is gone (the process table off Linux)."""
-    import subprocess
-
-    argv = ["ps", "-o", f"{name}=", "-p", str(pid)]
+def process_cmdline(pid: int) -> list[str]:
+    """A process's command line as its argv; [] when it is gone or not ours to read."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
 
 
 def parent_pid(pid: int) -> int | None:
-    """The parent of `pid`, or None when it is gone (Linux `/proc`, elsewhere `ps`)."""
-    if not sys.platform.startswith("linux"):
-        return _ps_parent_pid(pid)
+    """The parent of `pid`, or None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
-    return int(data[data.rindex(b")") + 2 :].split()[1])
-
-
-def _ps_parent_pid(pid: int) -> int | None:
-    out = _ps_field(pid, "ppid")
-    return int(out) if out.isdigit() else None
 
 
 def is_descendant(pid: int, ancestor: int) -> bool:
@@ -84,81 +70,94 @@ def is_descendant(pid: int, ancestor: int) -> bool:
     return False
 
 
-# ------------------------------------------------------------------------ the whole process table
+def open_files(pid: int) -> list[str]:
+    """The paths of the regular files a process has open; [] when it is gone or not ours to read."""
+    try:
+        return [f.path for f in psutil.Process(pid).open_files()]
+    except psutil.Error:
+        return []
 
 
-class ProcessEntry:
-    """One process as the table shows it.
-
-    Attributes:
-        start: When it started (Linux: clock ticks since boot; elsewhere `ps`'s start time), so
-            that a pid reused by another process is never taken for the one seen before.
-        sid: Its session id (Linux only; 0 elsewhere).
-        zombie: It has exited and waits for its parent to reap it (it holds no files any more).
-    """
-
-    __slots__ = ("pgid", "pid", "ppid", "sid", "start", "zombie")
-
-    def __init__(self, pid: int, ppid: int, pgid: int, sid: int, start: str, zombie: bool) -> None:
-        self.pid, self.ppid, self.pgid, self.sid, self.start, self.zombie = pid, ppid, pgid, sid, start, zombie
-
-    def __repr__(self) -> str:
-        return f"ProcessEntry(pid={self.pid}, ppid={self.ppid}, start={self.start}, zombie={self.zombie})"
-
-
-def process_table() -> dict[int, ProcessEntry]:
-    """Every process of this pid namespace, by pid (Linux `/proc`, elsewhere one `ps` call)."""
-    if not sys.platform.startswith("linux"):
-        return _ps_table()
-    out: dict[int, ProcessEntry] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            entry = _proc_entry(int(name))
-            if entry is not None:
-                out[entry.pid] = entry
+def cpu_times() -> dict[int, tuple[int, float, str]]:
+    """Every process: pid -> (parent pid, CPU seconds used so far (user and system), name)."""
+    out: dict[int, tuple[int, float, str]] = {}
+    for proc in psutil.process_iter(["ppid", "cpu_times", "name"]):
+        info = proc.info
+        if info["ppid"] is not None and info["cpu_times"] is not None:
+            out[proc.pid] = (info["ppid"], info["cpu_times"].user + info["cpu_times"].system, info["name"] or "?")
     return out
 
 
-def _proc_entry(pid: int) -> ProcessEntry | None:
+def listening_pids(port: int) -> list[int] | None:
+    """Pids of the processes of this machine listening on TCP `port` (any address).
+
+    Only processes this user may inspect are named: a listener of another user shows as an
+    empty list (macOS lists only this user's sockets unless run as root).
+
+    Returns:
+        The pids (empty: a listener no visible process owns), or None when nothing listens.
+    """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    # fields[0] is the state, then ppid, pgrp, session, ...; the start time is field 22 of stat
-    return ProcessEntry(
-        pid=pid,
-        ppid=int(fields[1]),
-        pgid=int(fields[2]),
-        sid=int(fields[3]),
-        start=fields[19].decode(),
-        zombie=fields[0] in (b"Z", b"X"),
-    )
+        sockets = [(c.pid, c) for c in psutil.net_connections(kind="tcp")]
+    except psutil.AccessDenied:  # macOS: the whole socket table is root's; each process's is its owner's
+        sockets = []
+        for proc in psutil.process_iter():
+            try:
+                sockets += [(proc.pid, c) for c in proc.net_connections(kind="tcp")]
+            except psutil.Error:
+                continue
+    found = [pid for pid, c in sockets if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    return sorted({pid for pid in found if pid is not None}) if found else None
 
 
-def _ps_table() -> dict[int, ProcessEntry]:
-    import subprocess
+# ------------------------------------------------------------------------ the whole process table
 
-    argv = ["ps", "-A", "-o", "pid=,ppid=,pgid=,stat=,lstart="]
-    try:
-        text = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
+
+class ProcessEntry(NamedTuple):
+    """One process as the table shows it.
+
+    Attributes:
+        pid, ppid, pgid: It, its parent, its process group.
+        start: When it started (seconds since the epoch, as psutil gives it), so that a pid reused
+            by another process is never taken for the one seen before.
+        zombie: It has exited and waits for its parent to reap it (it holds no files any more).
+    """
+
+    pid: int
+    ppid: int
+    pgid: int
+    start: float
+    zombie: bool
+
+
+def process_table() -> dict[int, ProcessEntry]:
+    """Every process of this pid namespace, by pid."""
     out: dict[int, ProcessEntry] = {}
-    for line in text.splitlines():
-        parts = line.split(None, 4)
-        if len(parts) == 5 and parts[0].isdigit() and parts[1].isdigit() and parts[2].isdigit():
-            pid = int(parts[0])
-            out[pid] = ProcessEntry(pid, int(parts[1]), int(parts[2]), 0, parts[4].strip(), parts[3].startswith("Z"))
+    for proc in psutil.process_iter(["ppid", "create_time", "status"]):
+        entry = _entry(proc.pid, proc.info["ppid"], proc.info["create_time"], proc.info["status"])
+        if entry is not None:
+            out[entry.pid] = entry
     return out
 
 
 def process_entry(pid: int) -> ProcessEntry | None:
     """One process's table entry, or None when it is gone."""
-    if sys.platform.startswith("linux"):
-        return _proc_entry(pid)
-    return _ps_table().get(pid)
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return _entry(pid, proc.ppid(), proc.create_time(), proc.status())
+    except psutil.Error:
+        return None
+
+
+def _entry(pid: int, ppid: int | None, start: float | None, status: str | None) -> ProcessEntry | None:
+    if start is None:
+        return None
+    try:
+        pgid = os.getpgid(pid)
+    except OSError:  # gone meanwhile
+        return None
+    return ProcessEntry(pid, ppid or 0, pgid, start, status in _GONE)
 
 
 def signal_process(entry: ProcessEntry, signum: int) -> bool:
@@ -170,8 +169,6 @@ def signal_process(entry: ProcessEntry, signum: int) -> bool:
     Returns:
         True when the signal was delivered.
     """
-    import signal
-
     if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal"):
         try:
             fd = os.pidfd_open(entry.pid)
@@ -195,75 +192,6 @@ def signal_process(entry: ProcessEntry, signum: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def process_cmdline(pid: int) -> list[str]:
-    """A process's command line as its argv (`/proc/<pid>/cmdline`, elsewhere `ps`); [] when unknown."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-        return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-    except OSError:
-        pass
-    if sys.platform.startswith("linux"):
-        return []
-    text = _ps_field(pid, "command")
-    return text.split() if text else []
-
-
-def listening_pids(port: int) -> list[int] | None:
-    """Pids of the processes of this machine listening on TCP `port` (any address).
-
-    Linux: `/proc/net/tcp{,6}` and each process's descriptors (only processes this user may
-    inspect are found: a listener of another user shows as an empty list); elsewhere `lsof`.
-
-    Returns:
-        The pids (empty: a listener no visible process owns), or None when nothing listens.
-    """
-    if not sys.platform.startswith("linux"):
-        return _lsof_listeners(port)
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])  # 0A: LISTEN
-    if not inodes:
-        return None
-    wanted = {f"socket:[{inode}]" for inode in inodes}
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{name}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{name}/fd/{fd}") in wanted:
-                    pids.append(int(name))
-                    break
-            except OSError:
-                continue
-    return sorted(pids)
-
-
-def _lsof_listeners(port: int) -> list[int] | None:
-    import subprocess
-
-    argv = ["lsof", "-nP", f"-iTCP:{port}", "-sTCP:LISTEN", "-t"]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    pids = sorted({int(p) for p in out.split() if p.isdigit()})
-    return pids or None
 
 
 def descendants(root: int, table: dict[int, ProcessEntry] | None = None) -> list[ProcessEntry]:

@@ -43,7 +43,7 @@ from typing import IO
 
 from workers.proc.table import ProcessEntry, descendants, process_table, signal_process
 
-KEEPER = Path(__file__).with_name("tree_keeper.py")
+KEEPER = Path(__file__).with_name("keeper.py")
 KILL_WAIT_S = 30.0  # how long `end` waits for SIGKILLed members to go (a D-state process may linger)
 POLL_S = 0.05
 
@@ -95,7 +95,7 @@ class ProcessTree:
         self._buffer = b""
         self._root = -1
         self._code: int | None = None
-        self._seen: dict[int, str] = {}  # polled trees: pid -> start time of every member seen
+        self._seen: dict[int, float] = {}  # polled trees: pid -> start time of every member seen
         self._started = 0.0
         self.seconds: float | None = None
 
@@ -304,37 +304,46 @@ def become_subreaper() -> bool:
     return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
 
 
-def end_descendants(pid: int, grace: float = 0.0, *, kill_wait: float = KILL_WAIT_S) -> list[int]:
-    """End process `pid` and every descendant it has, as `ProcessTree.end` does: SIGTERM and `grace`
-    seconds when `grace` > 0; then `pid` is stopped (it can fork no more), its descendants are
-    SIGKILLed until none is left, and `pid` last.
+def end_descendants(*roots: int, grace: float = 0.0, group: bool = False, kill_wait: float = KILL_WAIT_S) -> list[int]:
+    """End processes `roots` and every descendant they have, as `ProcessTree.end` does: SIGTERM
+    (and SIGCONT) to all of them and `grace` seconds to exit when `grace` > 0; then the roots are
+    stopped (they can fork no more), what is below them is SIGKILLed until none is left, and the
+    roots last. With `group`, every process still in a root's process group (a root is its
+    group's leader) is ended with them.
 
-    Descendants are found through parent links: when `pid` is a subreaper (`become_subreaper`),
+    Descendants are found through parent links: when a root is a subreaper (`become_subreaper`),
     that is all of them, also what left its session; otherwise an orphan re-parented to init is
-    missed. `pid` itself is not reaped (its parent's `wait` gets its status).
+    missed, unless `group` finds it in its root's group. A root itself is not reaped (its parent's
+    `wait` gets its status), and this process is never ended, also when it is a root.
 
     Returns:
         The pids that were ended.
     """
-    me = os.getpid()
+    me, wanted = os.getpid(), set(roots)
 
-    def below() -> list[ProcessEntry]:
-        return descendants(pid, process_table())
+    def members(with_roots: bool) -> Callable[[], list[ProcessEntry]]:
+        def live() -> list[ProcessEntry]:
+            table = process_table()
+            found = {d.pid: d for root in roots for d in descendants(root, table)}
+            found.update(
+                (e.pid, e)
+                for e in table.values()
+                if e.pid != me and not e.zombie and (e.pid in wanted or (group and e.pgid in wanted))
+            )
+            return [e for e in found.values() if with_roots or e.pid not in wanted]
 
-    def alive() -> list[ProcessEntry]:
-        table = process_table()
-        root = [table[pid]] if pid in table and not table[pid].zombie and pid != me else []
-        return root + descendants(pid, table)
+        return live
 
+    alive, below = members(True), members(False)
     first = alive()
     _terminate(alive, first, grace)
-    root = next((e for e in first if e.pid == pid), None)
-    if root is not None:
-        signal_process(root, signal.SIGSTOP)  # still the reaper of its tree, but forking no more
+    heads = [e for e in first if e.pid in wanted]
+    for entry in heads:
+        signal_process(entry, signal.SIGSTOP)  # still the reaper of its tree, but forking no more
     deadline = time.monotonic() + kill_wait
     _kill(below, deadline)
-    if root is not None:
-        signal_process(root, signal.SIGKILL)
+    for entry in heads:
+        signal_process(entry, signal.SIGKILL)
     _kill(alive, deadline)
     return [e.pid for e in first]
 

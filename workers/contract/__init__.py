@@ -1,0 +1,83 @@
+"""The job/record contract between the head and the workers.
+
+A `JobSpec` goes to a worker as JSON (`workers.contract.jobs`); the worker answers with tidy rows
+(one measured value per row, `workers.contract.rows`) in one versioned Arrow schema, `SCHEMA`,
+whose version and the job's status are written into every Parquet file's footer
+(`workers.contract.schema`). This package is the import point: its modules' public names are here.
+"""
+
+from workers.contract.jobs import ErrorKind, GpuPin, HostFingerprint, JobSpec, LockSettings, ParamValue, Status
+from workers.contract.rows import (
+    JobContext,
+    RowBuilder,
+    Window,
+    failed_job_table,
+    footer_error_kind,
+    footer_status,
+    rows_to_table,
+)
+from workers.contract.schema import (
+    META_DATE,
+    META_DEVICE,
+    META_ERROR_KIND,
+    META_JOB_KEY,
+    META_JOB_SECONDS,
+    META_JOB_STATUS,
+    META_JOBS,
+    META_PHASES,
+    META_PREFIX,
+    META_RUN_ID,
+    META_SCHEMA_VERSION,
+    META_SWEEP,
+    OLDEST_READABLE_VERSION,
+    PARTITION_COLUMNS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STORED_SCHEMA,
+    TYPED_PARAMS,
+    SchemaVersionError,
+    check_readable,
+    fragment_version,
+    restored_table,
+    stored_table,
+)
+
+__all__ = [
+    "META_DATE",
+    "META_DEVICE",
+    "META_ERROR_KIND",
+    "META_JOBS",
+    "META_JOB_KEY",
+    "META_JOB_SECONDS",
+    "META_JOB_STATUS",
+    "META_PHASES",
+    "META_PREFIX",
+    "META_RUN_ID",
+    "META_SCHEMA_VERSION",
+    "META_SWEEP",
+    "OLDEST_READABLE_VERSION",
+    "PARTITION_COLUMNS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "STORED_SCHEMA",
+    "TYPED_PARAMS",
+    "ErrorKind",
+    "GpuPin",
+    "HostFingerprint",
+    "JobContext",
+    "JobSpec",
+    "LockSettings",
+    "ParamValue",
+    "RowBuilder",
+    "SchemaVersionError",
+    "Status",
+    "Window",
+    "check_readable",
+    "failed_job_table",
+    "footer_error_kind",
+    "footer_status",
+    "fragment_version",
+    "restored_table",
+    "rows_to_table",
+    "stored_table",
+]
