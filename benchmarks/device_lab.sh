@@ -13,7 +13,7 @@
 #    ($jobs/old-JOB-r.parquet, $jobs/new-JOB-r.parquet); the medians' table of all of them, each
 #    side's files pooled and its intervals from a bootstrap of processes, then samples (issue 13).
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
-# GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is warm).
+# GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is filled).
 # ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);
 # LAB_ROUNDS=R times every path of an M R times, every other round in the reverse order (--rounds);
 # TWIN=1 first runs benchmarks.gemm_twin_check (every r variant against its twin at tails, NaN-poisoned;

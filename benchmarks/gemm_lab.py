@@ -166,7 +166,7 @@ def run_m(
     """Every path at one M: check, peak memory, time; then the ratios. `flush` is handed the block
     so far after every path (a kernel that hangs leaves the paths before it on disk). `rounds` > 1
     times every path again in rounds - 1 more passes, reversed every other time (`round_orders`), so
-    that a clock that drifts through the call (the card warming up) falls on every path alike; a
+    that a clock that drifts through the call (the card heating up) falls on every path alike; a
     path's seconds are then the median of its rounds' medians, each round's kept in `rounds_s`."""
     x = mx.random.normal((m, prob.k), key=mx.random.key(m)).astype(mx.bfloat16)
     mx.eval(x)

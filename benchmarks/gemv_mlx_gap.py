@@ -63,7 +63,7 @@ def mlx_pointer(a: mx.array) -> int:
 
 
 def pointer_kind(ptr: int) -> str:
-    import cupy as cp
+    import cupy as cp  # CuPy: optional, only for the CuPy measurements
 
     kinds = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
     return kinds.get(int(cp.cuda.runtime.pointerGetAttributes(ptr).type), "?")
@@ -99,7 +99,7 @@ class Driver:
 
 def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
     """The stream kernel for M rows, built by nvcc as `gemv_lab` builds it; (function, blocks, threads, smem)."""
-    import cupy as cp
+    import cupy as cp  # CuPy: optional, only for the CuPy measurements
 
     device = cuda_device()
     assert device is not None
@@ -120,7 +120,7 @@ def build_module(m: int, workdir: Path) -> tuple[Any, int, int, int]:
 
 def time_cupy(fn: Any, grid: tuple[int, int, int], args: list[tuple[Any, ...]]) -> dict[str, float]:
     """Median of REPS batches of LAUNCHES plain launches on one stream, rotating over the arg sets."""
-    import cupy as cp
+    import cupy as cp  # CuPy: optional, only for the CuPy measurements
 
     blocks, threads, smem = grid
     stream = cp.cuda.Stream(non_blocking=True)
@@ -183,6 +183,7 @@ def trace_mlx(call: Callable[[int], mx.array], name_part: str, calls: int = 200)
     overlap (MLX's graphs run independent calls concurrently), the span from the first start to
     the last end, and the busy time (covered by at least one of them; idle gaps left while the host
     assembles the next graph excluded), each per call."""
+    # PyTorch: optional, only for its profiler
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cupy_ways(m: int, x: mx.array, weights: list[tuple[mx.array, mx.array]]) -> dict[str, Any]:
     """The kernel launched by CuPy on MLX's buffers and on its own; before and after advising."""
-    import cupy as cp
+    import cupy as cp  # CuPy: optional, only for the CuPy measurements
 
     drv = Driver()
     out: dict[str, Any] = {}

@@ -18,6 +18,7 @@ from benchmarks.gpu_method import L1, L2, L2_BYTES, dequant_rows, log, per_call_
 from kernels import gemv_nvfp4, nvfp4
 from kernels.gemv_nvfp4 import GemvConfig, gemv_nvfp4_cuda, gemv_nvfp4_twin
 from kernels.moe_nvfp4 import MoeConfig, moe_gather_nvfp4_cuda, moe_gather_nvfp4_twin
+from kernels.nvfp4_linear import nvfp4_matmul
 
 GEMV_N, GEMV_K = 21504, 5376
 MOE = {"experts": 128, "top_k": 6, "tokens": 512, "hidden": 2688, "expert_width": 1856}
@@ -288,8 +289,6 @@ def prefill_paths(
     """The qmm prefill candidates on one input (weights: packed, scales, and both as one expert):
     `custom` is what the qmm arm runs (the prefill GEMM of issue 20), `moe-one-expert` the MoE
     kernel it replaced there."""
-    from kernels.nvfp4_linear import nvfp4_matmul
-
     wq, sc, w3, s3 = weights
     return {
         "native": lambda i: mx.quantized_matmul(x, wq, sc, transpose=True, mode="nvfp4"),

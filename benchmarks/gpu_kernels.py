@@ -31,10 +31,13 @@ slope between L1 and L2 launches (which removes the fixed cost of an eval), the 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import hashlib
 import json
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,7 @@ from benchmarks.gpu_method import L1, L2, copy_ceiling_gb_s, device_facts, log
 from kernels import moe_nvfp4
 from kernels.gemv_nvfp4 import GemvConfig, gemv_nvfp4_cuda
 from kernels.moe_nvfp4 import MoeConfig, moe_gather_nvfp4_cuda
+from workers.contract import JobSpec, LockSettings
 
 # --------------------------------------------------------------------- ncu probe and worker jobs
 
@@ -65,8 +69,6 @@ def ncu_probe(calls: int = 3) -> None:
     """Each path a few times, one eval each, between cuProfilerStart/Stop: run under
     `ncu --profile-from-start off --metrics gpu__time_duration.sum` it gives the kernels' own
     durations (ncu flushes the caches before each, so weights come from HBM), free of host cost."""
-    import ctypes
-
     cuda = ctypes.CDLL("libcuda.so.1")
     n, k = GEMV_N, GEMV_K
     wq, sc = mx.quantize(mx.random.normal((n, k)).astype(mx.bfloat16), mode="nvfp4")[:2]
@@ -103,10 +105,6 @@ def ncu_probe(calls: int = 3) -> None:
 def write_jobs(folder: Path, code_version: str) -> list[Path]:
     """JobSpec files for `python -m workers run` on the GPU: the built-in sweeps' points with the
     issue-7 arms (qmm decode, M=8 and a 512-token prefill; the moe-gather seed shape)."""
-    import hashlib
-
-    from workers.contract import JobSpec, LockSettings
-
     folder.mkdir(parents=True, exist_ok=True)
     qmm_arms = ["native", "dequant-gemm", "custom", "custom-ksplit", "auto"]
     specs: list[tuple[str, str, dict[str, int | float | str | bool], list[str]]] = [
@@ -200,8 +198,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results["qmm_prefill"] = qmm_prefill_section([512, 2048])
         except Exception as exc:
-            import traceback
-
             results[f"{section}_error"] = traceback.format_exc()
             log(f"{section} FAILED: {exc}")
         results[f"{section}_wall_s"] = time.perf_counter() - t0

@@ -52,7 +52,7 @@ def device_facts() -> dict[str, Any]:
 def copy_ceiling_gb_s(nbytes: int = 4 << 30) -> dict[str, Any]:
     """Device-to-device copy bandwidth, bytes read + written, through PyTorch (else CuPy, else MLX)."""
     try:
-        import torch
+        import torch  # optional: PyTorch where installed, else the next way
 
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
         dst = torch.empty_like(src)

@@ -13,9 +13,11 @@ its first kernel: the CUDA driver's start, the context and MLX's first op.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import pstats
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,8 +29,6 @@ def driver_child(alloc_gib: float, hard_exit: bool) -> None:
     """One fresh process's steps to its first MLX result on the GPU, printed as JSON lines
     (`[name, seconds since start]`), then `alloc_gib` GiB kept live and its exit (the wall clock
     just before it, for the parent to time the teardown)."""
-    import ctypes
-
     t0 = time.perf_counter()
 
     def mark(name: str) -> None:
@@ -46,7 +46,7 @@ def driver_child(alloc_gib: float, hard_exit: bool) -> None:
         mark(f"primary context (rc {rc})")
     except OSError as exc:
         mark(f"no libcuda ({exc})")
-    import mlx.core as mx
+    import mlx.core as mx  # MLX: its import is one of the steps timed here
 
     mark("import mlx.core")
     device = mx.default_device()
@@ -65,8 +65,6 @@ def driver_child(alloc_gib: float, hard_exit: bool) -> None:
 def driver(alloc_gib: float) -> None:
     """Run `driver_child` in fresh processes (a normal exit, then `os._exit`, as forked jobs end)
     and print each step's seconds, with the exit's teardown as this parent sees it."""
-    import subprocess
-
     for hard in (False, True):
         argv = [sys.executable, "-m", "benchmarks.job_profile", "driver-child", "--alloc-gib", str(alloc_gib)]
         proc = subprocess.Popen([*argv, *(["--hard-exit"] if hard else [])], stdout=subprocess.PIPE, text=True)
@@ -86,7 +84,7 @@ def driver(alloc_gib: float) -> None:
 def show(prof: Path, parquet: Path | None, top: int) -> None:
     """Print the job's phases (its fragment's footer) and the top functions by cumulative and own time."""
     if parquet is not None and parquet.exists():
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # Parquet's reader: only when a fragment is shown
 
         meta = pq.read_schema(parquet).metadata or {}
         spent = json.loads(meta.get(META_PHASES, b"{}"))

@@ -4,7 +4,7 @@
         [--samples 3] [--profile] [--sweep nvfp4-prefill]
 
 Takes the `model` case of a built-in sweep (its decoder, decode tokens and warm-up), generates or
-reuses its checkpoint in the host's model cache, starts the warm fork server a Ray worker would
+reuses its checkpoint in the host's model cache, starts the fork server a Ray worker would
 start, and runs `--samples` samples per arm through `workers.job.model._sample` (the job's own
 path: forked from the server where it can be, else a fresh interpreter). The first sample of each
 arm does the layer check, as in a job. For every sample it prints the wall time from the request
@@ -30,11 +30,12 @@ from typing import Any
 from orchestrator.specs.sweep import load_sweep
 from workers.contract import JobSpec
 from workers.job import phases
-from workers.job.model import Sample, SampleRequest, _checkpoint, _sample, sample_phases
-from workers.proc import forkserver
+from workers.job.model import _checkpoint, _sample, sample_phases
+from workers.job.model_sample import Sample, SampleRequest
+from workers.proc import fork, forkserver
 from workers.proc import spawn as forkclient
 
-# the job's phases of a sample (`model_runner.sample_phases`), as this table heads them
+# the job's phases of a sample (`workers.job.model.sample_phases`), as this table heads them
 PARTS = {"sample_start": "start", "load": "load", "warmup": "warmup", "timed": "timed", "reference": "check",
          "sample_other": "rest"}  # fmt: skip
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     job, params = _job(args.sweep, args.prompt_tokens)
     arms = [a for a in args.arms.split(",") if a] or job.arms
     server = None
-    if forkserver.supported():
+    if fork.supported():
         try:
             server = forkclient.ForkServer.start(dict(os.environ))
             os.environ[forkserver.SOCKET_ENV], os.environ[forkserver.NOTE_ENV] = server.path, server.note
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 req = request(arm, True)
                 code = (
                     "import cProfile, json, pstats, sys\n"
-                    "from workers.job.model import SampleRequest, measure_sample\n"
+                    "from workers.job.model_sample import SampleRequest, measure_sample\n"
                     f"req = SampleRequest(**json.loads({json.dumps(asdict(req))!r}))\n"
                     "cProfile.run('measure_sample(req)', '/tmp/model_sample.prof')\n"
                     "pstats.Stats('/tmp/model_sample.prof').sort_stats('cumulative').print_stats(25)\n"

@@ -5,7 +5,7 @@ A case builds its `auto` arm with `auto_path(key, candidates, make_inputs, refer
 second kernel, custom-ksplit; moe-gather: native-sorted, custom-sorted). The job resolves it
 before anything is timed (`workers.job.measure`), by the measurement's own method
 (`kernels.timing`): each candidate is warmed up with the job's arms (its cold first call counts
-there), checked once, warm, against the case's float64 reference (a path over its own tolerance,
+there), checked once after it, against the case's float64 reference (a path over its own tolerance,
 or one that raises, is never chosen), then the correct ones are timed with the job's one call
 count, the job's cache state (weights rotated or not), the job's rotated input sets and the
 candidates interleaved in ABBA order; the median of `AUTO_SAMPLES` samples per candidate decides.

@@ -142,7 +142,7 @@ def main() -> None:
         print("orchestrate: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # click's usage errors
-        import click
+        import click  # click: only to classify an error (typer vendors its own)
 
         if isinstance(exc, click.exceptions.Abort | typer.Abort):
             print("orchestrate: aborted", file=sys.stderr)

@@ -24,6 +24,10 @@ from pydantic import ValidationError
 
 from workers.contract import META_JOB_STATUS, JobSpec
 from workers.files import write_parquet_atomic
+from workers.host.fingerprint import local_device
+from workers.host.gpus import GpuListError, list_gpus
+from workers.job.runner import run_job
+from workers.proc.fork import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     gpus.add_argument("backend", choices=["cpu", "cuda", "metal", "rocm"])
     args = parser.parse_args(argv)
     if args.verb == "gpus":
-        from workers.host.gpus import GpuListError, list_gpus
-
         try:
             found = list_gpus(args.backend)
         except GpuListError as exc:
@@ -48,13 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([g.model_dump(exclude_none=True) for g in found]))
         return 0
     if args.verb == "device":
-        from workers.host.fingerprint import local_device
-
         kind, backend = local_device()
         print(json.dumps({"device": kind, "backend": backend}))
         return 0
-    from workers.proc.forkserver import die_with_parent
-
     die_with_parent()
     job = _read_job(args.job)
     if job is None:
@@ -62,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out.parent.is_dir():
         print(f"workers: error: {args.out}: the output directory does not exist", file=sys.stderr)
         return 2
-
-    from workers.job.runner import run_job
 
     table = run_job(job)
     write_parquet_atomic(table, args.out)

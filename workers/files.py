@@ -21,6 +21,6 @@ __all__ = ["atomic_file", "write_atomic", "write_parquet_atomic"]
 
 def write_parquet_atomic(table: pa.Table, path: Path) -> Path:
     """Write `table` to `path` atomically (see `kernels.files.atomic_file`), zstd-compressed."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # Parquet's writer: loaded by the first write (module docstring)
 
     return write_atomic(path, lambda fh: pq.write_table(table, fh, compression="zstd"))

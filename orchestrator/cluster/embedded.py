@@ -123,7 +123,7 @@ class GpuNodes:
         self._wait_joined(JOIN_TIMEOUT_S)
 
     def _wait_joined(self, timeout: float) -> None:
-        import ray
+        import ray  # Ray: only when extra nodes are started
 
         deadline = time.monotonic() + timeout
         waiting = set(self.procs)

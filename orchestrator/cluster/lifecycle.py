@@ -150,7 +150,7 @@ def check_hosts(inventory: InventorySpec, *, install_from: Path | None = None, l
 
 
 def _ray_version() -> str:
-    import ray
+    import ray  # Ray: only when a host's versions are compared
 
     return str(ray.__version__)
 

@@ -219,7 +219,7 @@ class NodeTable:
     """
 
     def __init__(self, inventory: InventorySpec) -> None:
-        from ray._raylet import GcsClient  # type: ignore[attr-defined]
+        from ray._raylet import GcsClient  # type: ignore[attr-defined]  # Ray: only when nodes are watched
 
         connect_env(inventory)  # the token, and TLS where the head uses it
         self.address = head_address(inventory)
@@ -230,7 +230,7 @@ class NodeTable:
         self.nodes: list[dict[str, Any]] = []
 
     def refresh(self) -> None:
-        from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo  # type: ignore[attr-defined]  # Ray, as above
 
         try:
             infos = self._client.get_all_node_info(timeout=10)

@@ -48,6 +48,7 @@ def _ca_usage(x509: Any) -> Any:
 
 def _ca(inventory: InventorySpec) -> tuple[object, object]:
     """The cluster's CA (certificate, private key), made on first use."""
+    # cryptography: only when certificates are made
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -91,6 +92,7 @@ def issue(inventory: InventorySpec, name: str, addresses: list[str]) -> tuple[by
     Returns:
         The CA certificate, the node's certificate and its private key, all PEM.
     """
+    # cryptography: only when certificates are made
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

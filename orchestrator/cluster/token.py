@@ -98,7 +98,7 @@ def use_token(path: Path) -> None:
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
     os.environ.pop("RAY_AUTH_TOKEN", None)  # a literal token would win over the file we checked
     try:  # Ray caches the token per process; a test or a second inventory may point elsewhere.
-        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # Ray: only here
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()

@@ -57,7 +57,7 @@ def hosts_table(states: list[HostState], title: str) -> Table:
 
 def load_cluster_inventory(path: Path) -> InventorySpec:
     """The inventory, refused (exit 2, naming the file) without a head or an SSH address per host."""
-    from orchestrator.cluster.lifecycle import require_ssh_hosts
+    from orchestrator.cluster.lifecycle import require_ssh_hosts  # SSH (paramiko): only when a cluster verb runs
 
     inv = load_inventory(path)
     try:
@@ -87,7 +87,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Check every host, start the Ray head here if needed and a worker node on each host."""
-        from orchestrator.cluster.lifecycle import ClusterCheckError, cluster_up
+        from orchestrator.cluster.lifecycle import ClusterCheckError, cluster_up  # SSH: as above
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("down")
     def down(inventory: Path = INVENTORY) -> None:
         """Stop the Ray nodes (and head) that `cluster up` started, nothing else; remove the hosts' token."""
-        from orchestrator.cluster.lifecycle import cluster_down
+        from orchestrator.cluster.lifecycle import cluster_down  # SSH: as above
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
     @cluster.command("status")
     def status(inventory: Path = INVENTORY) -> None:
         """Per host: reachable, versions, Ray node alive, lock holder, last job."""
-        from orchestrator.cluster.lifecycle import cluster_status
+        from orchestrator.cluster.lifecycle import cluster_status  # SSH: as above
 
         inv = load_cluster_inventory(inventory)
         out = console()
@@ -126,7 +126,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("cluster-logs"), "--out", "-o", help="directory to copy the logs into"),
     ) -> None:
         """Copy each host's Ray node logs (and the head's) into OUT/<host>/."""
-        from orchestrator.cluster.lifecycle import cluster_logs
+        from orchestrator.cluster.lifecycle import cluster_logs  # SSH: as above
 
         inv = load_cluster_inventory(inventory)
         states = cluster_logs(inv, out)

@@ -103,7 +103,7 @@ def split_list(values: Sequence[str] | None) -> list[str] | None:
 
 def compact_after_option() -> int:
     """`--compact-after DAYS` of `run` and `schedule add`."""
-    from orchestrator.store.compact import COMPACT_AFTER_DAYS
+    from orchestrator.store.compact import COMPACT_AFTER_DAYS  # its store index: kept out of the query verb's start
 
     return typer.Option(
         COMPACT_AFTER_DAYS,

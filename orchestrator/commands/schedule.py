@@ -12,7 +12,8 @@ from orchestrator.analysis.history import THRESHOLD, WINDOW
 from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
 from orchestrator.commands.run import results_root
 from orchestrator.report.console import console
-from orchestrator.run.nightly import (
+from orchestrator.run.nightly import run_now
+from orchestrator.run.schedules import (
     Schedule,
     add_schedule,
     check_name,
@@ -20,7 +21,6 @@ from orchestrator.run.nightly import (
     cron_expression,
     list_schedules,
     remove_schedule,
-    run_now,
 )
 from orchestrator.specs.checks import check_sweep_against_inventory
 from orchestrator.specs.sweep import load_inventory, load_sweep, resolve_sweep_path

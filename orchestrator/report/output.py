@@ -8,6 +8,7 @@ A file named with `--output` is written whole or not at all (`workers.files.atom
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import tempfile
@@ -72,7 +73,7 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Seq
 
 def finite_or_null(table: pa.Table) -> pa.Table:
     """NaN and infinities as nulls (JSON has no NaN; a CSV reader would read `nan` as text)."""
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # kept out of the query verb's start (tests/orchestrator/test_cli.py)
 
     for i, f in enumerate(table.schema):
         if pa.types.is_floating(f.type):
@@ -83,7 +84,7 @@ def finite_or_null(table: pa.Table) -> pa.Table:
 
 def write_records(table: pa.Table, fmt: Format, stream: IO[str]) -> None:
     """An Arrow table as CSV (header, empty cells for nulls) or a JSON array of records, by DuckDB."""
-    import duckdb
+    import duckdb  # DuckDB: only for the CSV and JSON formats
 
     options = "FORMAT csv, HEADER true" if fmt is Format.csv else "FORMAT json, ARRAY true"
     con = duckdb.connect()
@@ -99,8 +100,6 @@ def write_records(table: pa.Table, fmt: Format, stream: IO[str]) -> None:
 
 def plain_cell(value: Any) -> str:
     """A generic cell for tables of arbitrary query results: numbers compact, maps and lists as JSON."""
-    import json
-
     if value is None:
         return ""
     if isinstance(value, float):

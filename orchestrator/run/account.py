@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from orchestrator.store.fragments import ResultStore
+from orchestrator.store.scan import StoreScan
 from workers.contract import META_JOB_SECONDS, META_PHASES
 
 MEASURED = ("timed", "load")  # what the jobs were run for: timed samples and measured cold loads
@@ -100,8 +101,6 @@ def job_labels(store: ResultStore, sweep: str | None = None, run: str | None = N
     """(run id, job key) -> the job for people: its case name and the parameters that tell it apart
     from the other listed jobs of the same case (`qmm tokens=512`), read from the rows (a compacted
     job's footer facts do not carry its point)."""
-    from orchestrator.store.scan import StoreScan
-
     where, params = ("WHERE run_id = $run", {"run": run}) if run else ("", None)
     sql = f"SELECT DISTINCT run_id, job_key, case_name, map_keys(params), map_values(params) FROM results_files {where}"
     found = StoreScan(store, sweep=sweep).rows(sql, params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 
@@ -15,7 +16,7 @@ def code_version(root: Path | None = None) -> str:
 
     Uncommitted changes to the measured code (orchestrator/, workers/, kernels/) add `-dirty.`
     and a hash of their diff: two different edits of one commit are two versions (in the rows, in
-    a job's key, and for a worker's warm fork server, which is restarted for a new version rather
+    a job's key, and for a worker's fork server, which is restarted for a new version rather
     than forking jobs from the old code).
     """
     root = root or Path(__file__).resolve().parents[2]
@@ -41,8 +42,6 @@ def code_version(root: Path | None = None) -> str:
             return head
         return f"{head}-dirty.{digest.hexdigest()[:8]}"
     except (OSError, subprocess.CalledProcessError):
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             return version("orchestrate")
         except PackageNotFoundError:

@@ -29,10 +29,13 @@ from typing import Any
 import pyarrow as pa
 
 from orchestrator.cluster.embedded import NODE_CPUS, GpuNodes, local_gpus, node_labels
+from orchestrator.cluster.head import connect_env, require_head
+from orchestrator.cluster.token import ensure_token, use_token
 from orchestrator.errors import InfrastructureError
 from orchestrator.specs.sweep import InventorySpec
 from workers.contract import HostFingerprint, JobSpec, failed_job_table
 from workers.host.gpus import GPU_SLOTS_ENV, GpuInfo
+from workers.job.task import execute_job
 
 OnDone = Callable[[JobSpec, pa.Table], None]
 LIVENESS_POLL_S = 1.0  # how often a waiting sweep checks for a signal and that each pending job's kind has a node
@@ -120,14 +123,13 @@ class RayExecutor:
             gpus = local_gpus(self.inventory) if self._gpus is None else self._gpus
             if gpus:  # the node Ray starts here inherits it: its jobs share the cores with the others'
                 os.environ[GPU_SLOTS_ENV] = str(len(gpus))
+        # Ray: imported when a sweep's jobs start, not by the commands that only plan or read
         import ray
         from ray.exceptions import RayError
 
         common: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "configure_logging": True}
         try:
             if self.inventory.embedded:
-                from orchestrator.cluster.token import ensure_token, use_token
-
                 # Ray's node processes inherit this: the probes on this host know them as ours
                 os.environ["ORCHESTRATE_HEAD_PID"] = str(os.getpid())
                 use_token(ensure_token())  # ours (0600) before Ray makes one; token auth whatever RAY_AUTH_MODE says
@@ -143,8 +145,6 @@ class RayExecutor:
                 if len(gpus) > 1:
                     self._nodes.start(host, gpus[1:], context.address_info)  # type: ignore[attr-defined]
             else:
-                from orchestrator.cluster.head import connect_env, require_head
-
                 head = self.inventory.head
                 require_head(self.inventory)  # and, when it runs here, that it is our head
                 connect_env(self.inventory)  # the head's token (`orchestrate cluster up` made it), TLS
@@ -186,7 +186,7 @@ class RayExecutor:
             self._stopping = None
 
     def _stop(self) -> None:
-        import ray
+        import ray  # Ray: as in start
 
         try:
             self._nodes.stop()  # before the instance they joined: they stop in about a second then
@@ -197,7 +197,7 @@ class RayExecutor:
 
     def live_kinds(self) -> set[str]:
         """Device kinds with at least one live node offering a GPU slot."""
-        import ray
+        import ray  # Ray: as in start
 
         kinds: set[str] = set()
         for node in ray.nodes():
@@ -220,10 +220,9 @@ class RayExecutor:
 
     def run(self, jobs: list[JobSpec], on_done: OnDone) -> None:
         """Submit every job, call `on_done(job, rows)` as each finishes (in completion order)."""
+        # Ray: as in start
         import ray
         from ray.exceptions import RayError
-
-        from workers.job.task import execute_job
 
         remote = ray.remote(execute_job)
         head = f"{socket.gethostname()}:{os.getpid()}"  # the jobs' probes know this process as ours
@@ -255,7 +254,7 @@ class RayExecutor:
 
     def _fail_stranded(self, pending: dict[Any, JobSpec], on_done: OnDone) -> None:
         """Fail the jobs whose device kind has no live node left: Ray would keep them pending forever."""
-        import ray
+        import ray  # Ray: as in start
 
         live = self.live_kinds()
         for ref, job in list(pending.items()):

@@ -44,6 +44,7 @@ from workers.contract import (
     fragment_version,
     stored_table,
 )
+from workers.files import write_parquet_atomic
 from workers.job.spool import fragment_name, parse_fragment_name
 
 if TYPE_CHECKING:
@@ -215,8 +216,6 @@ class ResultStore:
 
     def write(self, table: pa.Table, *, sweep: str, date: dt.date, device: str, run_id: str, job_key: str) -> Path:
         """Store one job's rows (in `SCHEMA`) atomically as a fragment; return its path."""
-        from workers.files import write_parquet_atomic  # pyarrow.parquet: not for a reader that only lists
-
         path = self.fragment_path(sweep=sweep, date=date, device=device, run_id=run_id, job_key=job_key)
         body = stored_table(table, sweep=sweep, device=device, date=date.isoformat(), run_id=run_id)
         body = body.replace_schema_metadata({**(body.schema.metadata or {}), META_POINTS: points_footer(body)})

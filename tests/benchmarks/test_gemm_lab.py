@@ -126,7 +126,7 @@ def test_the_rounds_give_every_path_the_same_mean_place() -> None:
 
 
 def test_interleaved_rounds_take_a_drifting_clock_off_the_ratios(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two identical paths on a card that slows by 1 % per timed path (it warms up): one pass in the
+    # Two identical paths on a card that slows by 1 % per timed path (it heats up): one pass in the
     # checked order makes the second 1 % slower than the first; four interleaved rounds nearly even it.
     clock = {"calls": 0}
 

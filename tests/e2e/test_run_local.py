@@ -190,9 +190,9 @@ def test_a_gpu_lock_that_stays_busy_ends_the_run_with_its_exit_code(tmp_path: Pa
     assert f"gave up waiting for GPU lock {lock}" in table.column("error")[0].as_py()
 
 
-def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestrate_bin: str) -> None:
+def test_embedded_jobs_are_forked_from_the_fork_server_with_every_core(tmp_path: Path, orchestrate_bin: str) -> None:
     """The embedded node offers Ray one CPU (one worker started ahead, the one its slot needs);
-    the jobs still run with the host's cores, each forked from the warm server. (The quiet gate is
+    the jobs still run with the host's cores, each forked from the fork server. (The quiet gate is
     set out of reach: this test is about the process, not the contention, so it cannot be skipped.)"""
     inv = tmp_path / "here.toml"
     inv.write_text(
@@ -226,8 +226,8 @@ def test_embedded_jobs_are_forked_warm_with_every_core(tmp_path: Path, orchestra
     assert set(table.column("threads").to_pylist()) == {os.cpu_count()}
     assert set(table.column("status").to_pylist()) == {"ok"}
     processes = [json.loads(pq.read_metadata(f).metadata[META_PHASES])["process"] for f in store.fragment_files()]
-    # each from the node's warm server (which refuses to fork with a thread running: it would end,
+    # each from the node's fork server (which refuses to fork with a thread running: it would end,
     # and the jobs would start in fresh interpreters)
-    assert len(processes) == 2 and all(p.startswith("forked from a warm server (mlx preloaded;") for p in processes), (
+    assert len(processes) == 2 and all(p.startswith("forked from a fork server (mlx preloaded;") for p in processes), (
         processes
     )

@@ -12,17 +12,16 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from kernels import nvfp4
+from kernels.checkpoint import DecoderConfig, write_checkpoint
 from kernels.cuda import cuda_backend_available
 from kernels.model import (
     AFFINE_GROUP_SIZE,
     AFFINE_TOLERANCE,
     PREFILL_CHECK_ROWS,
     ArmUnsupported,
-    DecoderConfig,
     TensorScaledLinear,
     check_layers,
     load_decoder,
-    write_checkpoint,
 )
 from kernels.nvfp4_linear import Nvfp4Linear
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.run.nightly import load_schedule
+from orchestrator.run.schedules import load_schedule
 from orchestrator.store import compact as compaction
 from orchestrator.store import merge as compact_merge
 from orchestrator.store.compact import compact_after_run, compact_old, compaction_lock

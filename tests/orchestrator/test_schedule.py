@@ -15,18 +15,16 @@ import pyarrow.compute as pc
 import pytest
 
 from orchestrator.errors import InputError
-from orchestrator.run.nightly import (
+from orchestrator.run.nightly import ScheduleBusyError, overlap_guard, run_now
+from orchestrator.run.schedules import (
     Crontab,
     Schedule,
-    ScheduleBusyError,
     SystemdTimers,
     add_schedule,
     cron_expression,
     list_schedules,
     on_calendar,
-    overlap_guard,
     remove_schedule,
-    run_now,
 )
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore

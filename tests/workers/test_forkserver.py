@@ -1,4 +1,4 @@
-"""The warm fork server: jobs forked with imports done, killed on timeout or when their client goes,
+"""The fork server: jobs forked with imports done, killed on timeout or when their client goes,
 ended with the server's parent; and the Ray task body uses it (phases and rows say so)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.conftest import REPO, child_env
 from tests.workers import fork_probe
 from workers.contract import META_JOB_SECONDS, META_JOB_STATUS, META_PHASES, JobSpec, LockSettings
 from workers.job.task import execute_job, job_env
-from workers.proc import forkserver
+from workers.proc import forkserver, preload
 from workers.proc import spawn as forkclient
 from workers.proc.table import pid_alive
 
@@ -62,7 +62,7 @@ def test_a_forked_child_runs_an_entry_with_its_env(server: forkclient.ForkServer
             "workers", ["device"], env={}, changes={"MLX_SOMETHING": "1"}, stdout=fh.fileno(), stderr=fh.fileno(),
             timeout=60, server=server,
         )  # fmt: skip
-    assert code == 0 and how.startswith("forked from a warm server (mlx preloaded")
+    assert code == 0 and how.startswith("forked from a fork server (mlx preloaded")
     assert json.loads(out.read_text().strip().splitlines()[-1]) == {"device": "cpu", "backend": "cpu"}
 
 
@@ -156,10 +156,10 @@ def test_an_mlx_without_a_native_library_falls_back_to_preloading_nothing(tmp_pa
 
 
 def test_device_files_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(forkserver, "DEVICE_FILES", ("/dev/null",))
+    monkeypatch.setattr(preload, "DEVICE_FILES", ("/dev/null",))
     fd = os.open("/dev/null", os.O_RDONLY)
     try:
-        assert "/dev/null" in forkserver.device_files_open()
+        assert "/dev/null" in preload.device_files_open()
     finally:
         os.close(fd)
 
@@ -169,7 +169,7 @@ def test_the_ray_task_body_forks_the_job_and_records_its_phases(tmp_path: Path) 
     meta = table.schema.metadata or {}
     assert meta[META_JOB_STATUS] == b"ok"
     phases = json.loads(meta[META_PHASES])
-    assert phases["process"].startswith("forked from a warm server")
+    assert phases["process"].startswith("forked from a fork server")
     for name in ("worker_start", "fingerprint", "build", "reference", "warmup", "timed", "other", "task_overhead"):
         assert phases[name] >= 0, name
     assert phases["worker_start"] < 5.0  # a fork, not an interpreter's start-up and imports
@@ -238,7 +238,7 @@ def _probe(
 
 
 def test_a_job_forked_after_another_sees_none_of_its_state(probe_server: Callable, tmp_path: Path) -> None:
-    """The warm server keeps imports, never state: a second child of the same server sees no MLX
+    """The fork server keeps imports, never state: a second child of the same server sees no MLX
     array, memory, environment variable, phase or module global that the first one left."""
     srv = probe_server(child_env())
     assert srv.note == "mlx preloaded"
@@ -321,7 +321,7 @@ def test_the_server_runs_one_thread_while_it_serves(server: forkclient.ForkServe
             "workers", ["run", str(job), "--out", str(tmp_path / "o.parquet")], env={}, changes={},
             stdout=fh.fileno(), stderr=fh.fileno(), timeout=120, server=server,
         )  # fmt: skip
-    assert code == 0 and how.startswith("forked from a warm server (mlx preloaded"), (tmp_path / "log").read_text()
+    assert code == 0 and how.startswith("forked from a fork server (mlx preloaded"), (tmp_path / "log").read_text()
     assert server.proc is not None and len(_threads(server.proc.pid)) == 1, _threads(server.proc.pid)
 
 
@@ -369,7 +369,7 @@ def test_a_thread_that_appears_in_a_serving_server_ends_it(tmp_path: Path) -> No
                 )  # fmt: skip
                 assert code_ == 0
                 hows.append(how)
-        assert hows[0].startswith("forked from a warm server") and hows[1] == "fresh interpreter"
+        assert hows[0].startswith("forked from a fork server") and hows[1] == "fresh interpreter"
         assert proc.wait(timeout=30) != 0
         assert "ThreadedFork: the fork server had 2 threads when it forked" in (tmp_path / "server.err").read_text()
     finally:
@@ -409,7 +409,7 @@ def test_python_312_sees_no_multi_threaded_fork(tmp_path: Path) -> None:
                 "workers", ["device"], env=job_env(), changes={}, stdout=fh.fileno(), stderr=fh.fileno(),
                 timeout=120, server=srv,
             )  # fmt: skip
-        assert code_ == 0 and how.startswith("forked from a warm server"), (tmp_path / "log").read_text()
+        assert code_ == 0 and how.startswith("forked from a fork server"), (tmp_path / "log").read_text()
     finally:
         srv.close()
     assert "multi-threaded" not in (tmp_path / "server.err").read_text()

@@ -100,7 +100,7 @@ def test_a_pinned_job_sees_only_its_gpu() -> None:
     assert pin_from_labels({"host": "x"}) is None
 
 
-def test_job_env_pins_the_process_and_the_warm_server_is_kept_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_job_env_pins_the_process_and_the_fork_server_is_kept_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from workers.job import task
 
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0")
@@ -139,7 +139,7 @@ def test_job_env_pins_the_process_and_the_warm_server_is_kept_per_gpu(monkeypatc
     monkeypatch.delenv(task.FRESH_ENV, raising=False)
     other = job.model_copy(update={"gpu": GpuPin(index=4, uuid="GPU-00000000000000aa")})
     for j in (job, job, other):
-        task.warm_server(j, task.job_env(j))
+        task.fork_server(j, task.job_env(j))
     # one start per pin: a job is never forked from a server whose environment named another GPU
     assert [e["ROCR_VISIBLE_DEVICES"] for e in started] == ["GPU-00000000000000ff", "GPU-00000000000000aa"]
 

@@ -12,10 +12,11 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from kernels.model import DecoderConfig, write_checkpoint
+from kernels.checkpoint import DecoderConfig, write_checkpoint
 from workers.contract import META_JOB_STATUS, JobContext, JobSpec, LockSettings, RowBuilder, Status
 from workers.host.fingerprint import host_fingerprint
-from workers.job.model import METRICS, greedy_digest, model_cache_root, run_model_job
+from workers.job.model import METRICS, model_cache_root, run_model_job
+from workers.job.model_sample import greedy_digest
 from workers.job.runner import run_job
 
 TINY: dict[str, Any] = {"hidden": 128, "intermediate": 256, "layers": 2, "heads": 2, "vocab": 256}
@@ -116,7 +117,7 @@ def test_a_sample_process_pays_no_transformers_import(tmp_path: Path) -> None:
            "seed": 0, "check": False}  # fmt: skip
     code = (
         "import json, sys\n"
-        "from workers.job.model import SampleRequest, measure_sample\n"
+        "from workers.job.model_sample import SampleRequest, measure_sample\n"
         f"s = measure_sample(SampleRequest(**json.loads({json.dumps(req)!r})))\n"
         "heavy = [m for m in ('transformers', 'torch') if m in sys.modules]\n"
         "print(json.dumps([s.imports_seconds, s.load_seconds, heavy]))"
@@ -187,7 +188,8 @@ def test_unknown_architecture_fails_the_job_cleanly(tmp_path: Path, arms: list[s
 
 def test_an_arm_over_its_layer_tolerance_fails_all_its_rows(tmp_path: Path) -> None:
     """A check over tolerance fails the arm's timing rows too: a wrong model is not a fast one."""
-    from workers.job.model import Sample, _arm_rows
+    from workers.job.model import _arm_rows
+    from workers.job.model_sample import Sample
 
     job = _job(tmp_path, arms=["native"])
     rows = RowBuilder(job, host_fingerprint(), JobContext(started_at=dt.datetime.now(dt.UTC)))

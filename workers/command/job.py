@@ -210,8 +210,8 @@ def _measure(
         if (index, arm) in failed | skipped:
             continue
         side = sides[index]
-        warm = round_ < job.warmup
-        phase = "warm-up" if warm else "run"
+        warming_up = round_ < job.warmup
+        phase = "warm-up" if warming_up else "run"
         try:
             command = render(case.run, {**values, "arm": arm, "commit": side.commit}, "run")
         except CommandCaseError as exc:
@@ -227,7 +227,7 @@ def _measure(
             )
             failed.add((index, arm))
             continue
-        with phases.span("warmup" if warm else "timed"):
+        with phases.span("warmup" if warming_up else "timed"):
             outcome = run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
         error = outcome.failure
         parsed: ParsedOutput | None = None
@@ -262,7 +262,7 @@ def _measure(
             )
             failed.add((index, arm))
             continue
-        if warm:
+        if warming_up:
             continue
         extra = dict(side.extra)
         if parsed.text is not None:

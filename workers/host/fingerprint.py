@@ -136,12 +136,12 @@ def _mlx_version() -> str:
 @functools.lru_cache(maxsize=1)
 def _static_facts() -> tuple[str, int, str | None, str | None]:
     """(CPU model, memory, NVIDIA GPU name, driver): read once per process (a fork server's
-    children inherit them: `warm_static_facts`)."""
+    children inherit them: `read_static_facts`)."""
     gpu, driver = _nvidia_gpu()
     return _cpu_model(), _memory_bytes(), gpu, driver
 
 
-def warm_static_facts() -> None:
+def read_static_facts() -> None:
     """Read the host facts that cannot change within a run (CPU model, memory, GPU name, driver)
     now, in a fork server, so that each job forked from it inherits them instead of reading them
     again (`nvidia-smi` is tens of milliseconds). Nothing that can change per job is cached: the

@@ -7,7 +7,7 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 * warm-up first, of every arm and every `auto` candidate: a time-based warm-up of all of them
   together (a cold first call, JIT load and allocations, is warm-up by definition, so it must not
   fall into the check);
-* then correctness: every arm's output on fresh random inputs, one warm call, is compared with the
+* then correctness: every arm's output on fresh random inputs, one call after the warm-up, is compared with the
   case's NumPy reference; the relative error is a recorded metric, and an arm over its tolerance
   is failed, however fast it is (its timing rows carry status `failed`, so no comparison ever uses
   them); an arm that raised (in the warm-up, or its reference) fails and is not timed;
@@ -60,7 +60,7 @@ def method_for(job: JobSpec) -> timing.Method:
 
 
 def _materialise(pool: list[tuple[Any, ...]], paths: dict[str, ArmPath]) -> None:
-    import mlx.core as mx
+    import mlx.core as mx  # MLX: in the job's process only (the fork server preloads this module)
 
     arrays = [a for inputs in pool for a in inputs]
     for path in paths.values():
@@ -163,7 +163,7 @@ def _timeable(error: str | None) -> bool:
 
 def _check_arm(arm: str, path: ArmPath, workload: Workload, inputs: tuple[Any, ...], rows: RowBuilder) -> str | None:
     """Run one arm once against the reference; record rel_error and peak memory; error or None."""
-    import mlx.core as mx
+    import mlx.core as mx  # MLX: as in _materialise
 
     try:
         mx.synchronize()

@@ -1,7 +1,7 @@
 """The `model` case: whole-decoder load time, prefill and decode tok/s, peak memory, greedy digest.
 
 `run_model_job` (called by `workers.job.runner` for cases of kind "model") measures every sample in a
-fresh Python process (`python -m workers.job.model sample ...`), so `load_seconds` is a cold
+fresh Python process (`workers.job.model_sample`), so `load_seconds` is a cold
 load from disk into a process with no MLX state (the OS page cache is not dropped: a first sample
 may read from disk, the later ones from memory; the sample index is in every row). In the process:
 load the checkpoint for the arm (`kernels.model.load_decoder`), `warmup` untimed passes, then one
@@ -25,11 +25,8 @@ generated once per (config, seed) into a cache directory shared by all runs on t
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -40,11 +37,10 @@ from kernels import registry
 from workers.contract import JobContext, JobSpec, RowBuilder, Status, Window
 from workers.job import phases
 from workers.job.measure import abba_order
+from workers.job.model_sample import RESULT_MARK, Sample, SampleRequest
 from workers.job.task import DEFAULT_SPOOL
 from workers.proc import spawn as forkclient
 
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
-RESULT_MARK = "ORCHESTRATE-MODEL-SAMPLE "
 DEFAULT_TIMEOUT_S = 3600.0
 METRICS = (
     ("load_seconds", "seconds"),
@@ -61,129 +57,6 @@ class SampleError:
 
     message: str
     unsupported: bool = False
-
-
-@dataclass(frozen=True)
-class SampleRequest:
-    """What the fresh process is asked to measure (sent to it as JSON)."""
-
-    checkpoint: str
-    arm: str
-    prompt_tokens: int
-    decode_tokens: int
-    warmup: int
-    seed: int
-    check: bool  # also check the loaded layers against the NVFP4 reference (once per arm)
-
-
-@dataclass
-class Sample:
-    """What one fresh process measured for one arm."""
-
-    load_seconds: float
-    prefill_tok_s: float
-    decode_tok_s: float
-    peak_memory_bytes: float
-    greedy_digest: str
-    route: str
-    device: str
-    rel_error: float | None = None  # the worst checked layer against the reference
-    tolerance: float | None = None
-    checked: str = ""  # which layer was worst, of how many
-    started_at: float = 0.0  # wall-clock time the process began measuring (after its start-up)
-    imports_seconds: float = 0.0  # MLX, mlx-lm's model classes and ours, before the load
-    warmup_seconds: float = 0.0
-    timed_seconds: float = 0.0  # the timed prefill and decode
-    check_seconds: float = 0.0  # the layer check against the reference
-    process: str = ""  # how the sample's process was started (set by the parent)
-
-
-def greedy_digest(token_ids: list[int]) -> str:
-    """A short, stable digest of a greedy token sequence."""
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
-
-
-def measure_sample(req: SampleRequest) -> Sample:
-    """Load, warm up, prefill and decode once in this process (meant to be a fresh one).
-
-    With `req.check`, after everything is measured (peak memory included), the loaded layers are
-    checked against the NVFP4 reference (`kernels.model.check_layers`).
-    """
-    started_at, t_imports = time.time(), time.perf_counter()
-    import mlx.core as mx
-    import numpy as np
-
-    from kernels import mlx_lm_classes
-    from kernels.model import check_layers, load_decoder
-
-    make_prompt_cache = mlx_lm_classes.import_models("cache").make_prompt_cache
-
-    imports_seconds = time.perf_counter() - t_imports
-    prompt_tokens, decode_tokens = req.prompt_tokens, req.decode_tokens
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    loaded = load_decoder(Path(req.checkpoint), req.arm)
-    mx.synchronize()
-    load_seconds = time.perf_counter() - t0
-    model = loaded.model
-    prompt = mx.array(np.random.default_rng(req.seed).integers(0, loaded.vocab, prompt_tokens), dtype=mx.int32)
-
-    def prefill(cache: list[Any]) -> mx.array:
-        for start in range(0, prompt_tokens, PREFILL_STEP):
-            logits = model(prompt[None, start : start + PREFILL_STEP], cache=cache)
-            if start + PREFILL_STEP < prompt_tokens:
-                mx.eval([c.state for c in cache])
-        token = mx.argmax(logits[0, -1])
-        mx.eval(token)
-        return token
-
-    def decode(token: mx.array, cache: list[Any], steps: int) -> list[int]:
-        tokens = [token]
-        for _ in range(steps):
-            token = mx.argmax(model(token.reshape(1, 1), cache=cache)[0, -1])
-            mx.eval(token)  # one token at a time, as a chat user waits for it
-            tokens.append(token)
-        return np.array(mx.stack(tokens)).astype(np.int64).tolist()
-
-    t_warm = time.perf_counter()
-    for _ in range(req.warmup):
-        cache = make_prompt_cache(model)
-        decode(prefill(cache), cache, min(decode_tokens, 4))
-    warmup_seconds = time.perf_counter() - t_warm
-    cache = make_prompt_cache(model)
-    mx.synchronize()
-    t0 = time.perf_counter()
-    first = prefill(cache)
-    mx.synchronize()
-    prefill_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ids = decode(first, cache, decode_tokens)
-    mx.synchronize()
-    decode_seconds = time.perf_counter() - t0
-    sample = Sample(
-        load_seconds=load_seconds,
-        prefill_tok_s=prompt_tokens / prefill_seconds,
-        decode_tok_s=decode_tokens / decode_seconds if decode_tokens else 0.0,
-        peak_memory_bytes=float(mx.get_peak_memory()),
-        greedy_digest=greedy_digest(ids),
-        route=loaded.route,
-        device=str(mx.default_device()),
-        started_at=started_at,
-        imports_seconds=imports_seconds,
-        warmup_seconds=warmup_seconds,
-        timed_seconds=prefill_seconds + decode_seconds,
-    )
-    if req.check:
-        t_check = time.perf_counter()
-        check = check_layers(model, Path(req.checkpoint), req.arm, np.random.default_rng(req.seed))
-        if check.layers:
-            sample.rel_error, sample.tolerance = check.rel_error, check.tolerance
-            sample.checked = f"{check.layer} (worst of {check.layers})"
-        sample.check_seconds = time.perf_counter() - t_check
-    return sample
-
-
-# ------------------------------------------------------------------------------ the parent side
 
 
 def model_cache_root(job: JobSpec) -> Path:
@@ -206,9 +79,9 @@ class ChildResult:
 
 
 def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
-    """`python -m workers.job.model ARGS` in a process of its own.
+    """`python -m workers.job.model_sample ARGS` in a process of its own.
 
-    Forked from the job's warm server (`workers.proc.forkserver`) when there is one and the arm sets
+    Forked from the job's fork server (`workers.proc.forkserver`) when there is one and the arm sets
     no environment (a variable MLX or mlx-lm reads at import must reach a fresh interpreter),
     else a fresh interpreter. Output goes through temporary files, never pipes held in memory.
     """
@@ -217,7 +90,7 @@ def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
     server = None if env else forkclient.ForkServer.from_env()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         code, how = forkclient.run_entry(
-            "model_runner",
+            "model_sample",
             args,
             env=base,
             changes=env,
@@ -251,7 +124,8 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
             msg = f"checkpoint {named!r} not found on this host (no {path}/config.json)"
             return SampleError(msg, unsupported=True)
         return path
-    from kernels.model import DecoderConfig
+    # MLX comes with it: imported by a job that generates a checkpoint, never at this module's import
+    from kernels.checkpoint import DecoderConfig
 
     try:
         config = DecoderConfig(**{k: params[k] for k in CONFIG_FIELDS if k in params})
@@ -407,33 +281,3 @@ def _arm_rows(
     if errors:
         _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, Status.FAILED)
     return status
-
-
-# --------------------------------------------------------------------------- the child process
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.job.model write|sample SPEC_JSON`: the fresh-process side."""
-    parser = argparse.ArgumentParser(prog="python -m workers.job.model")
-    parser.add_argument("verb", choices=("write", "sample"))
-    parser.add_argument("spec", help="the request, as JSON")
-    args = parser.parse_args(argv)
-    spec = json.loads(args.spec)
-    if args.verb == "write":
-        from kernels.model import DecoderConfig, write_checkpoint
-
-        write_checkpoint(DecoderConfig(**spec["config"]), int(spec["seed"]), Path(spec["dest"]))
-        return 0
-    from kernels.model import ArmUnsupported
-
-    try:
-        sample = measure_sample(SampleRequest(**spec))
-    except ArmUnsupported as exc:
-        print(RESULT_MARK + json.dumps({"unsupported": str(exc)}), flush=True)
-        return 0
-    print(RESULT_MARK + json.dumps(asdict(sample)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ footer as JSON (`orchestrate.phases`, see docs/results.md), with the Ray task's 
 by `workers.job.task`. Phase names:
 
 * `worker_start`: from the Ray task asking for the job's process to the job starting in it
-  (fork from the warm server, or a fresh interpreter's start-up and imports);
+  (fork from the fork server, or a fresh interpreter's start-up and imports);
 * `imports`: importing the case's modules (MLX and the kernels, where not preloaded);
 * `fingerprint`, `peaks`: describing the host, probing its copy and matrix peaks (once per host);
 * `lock_wait`, `idle_gate`: waiting for the GPU lock and for foreign GPU users to leave;

@@ -12,7 +12,6 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -35,11 +34,9 @@ from workers.host.peaks import PeakStamp
 from workers.job import phases
 from workers.job.measure import measure_workload
 from workers.job.model import run_model_job
-from workers.lock.gpu import LockBusyError
-
-if TYPE_CHECKING:
-    from workers.lock.gpu import GpuLock
-    from workers.lock.slot import SlotLock
+from workers.lock.gpu import GpuLock, LockBusyError
+from workers.lock.probes import ContentionMonitor, probe_for, wait_idle
+from workers.lock.slot import SlotLock
 
 Dispatch = Callable[[JobSpec, RowBuilder, JobContext], Status]
 
@@ -116,9 +113,6 @@ def run_job(job: JobSpec, fingerprint: HostFingerprint | None = None) -> pa.Tabl
 
 def job_lock(job: JobSpec, *, max_wait: float, cmd: str) -> GpuLock | SlotLock:
     """The lock `job` measures under: the host's GPU lock, or its GPU's slot on a host with several."""
-    from workers.lock.gpu import GpuLock
-    from workers.lock.slot import SlotLock
-
     if job.gpu is None:
         return GpuLock(job.lock.path, max_wait=max_wait, mode="job", cmd=cmd)
     return SlotLock(job.lock.path, job.gpu.index, max_wait=max_wait, mode="job", cmd=cmd)
@@ -131,8 +125,6 @@ def job_lock(job: JobSpec, *, max_wait: float, cmd: str) -> GpuLock | SlotLock:
 def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilder, context: JobContext) -> Status:
     if not job.lock.enabled:
         return dispatch(job, rows, context)
-    from workers.lock.probes import ContentionMonitor, probe_for, wait_idle
-
     settings = job.lock
     status = Status.OK
     lock = job_lock(job, max_wait=settings.max_wait, cmd=f"{job.sweep}/{job.case_name}/{job.job_key}")

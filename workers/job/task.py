@@ -3,7 +3,7 @@
 The job runs in a process of its own (`python -m workers run JOB.json --out FILE.parquet`), so
 that a crash inside a kernel cannot take the Ray worker down, each job starts with no MLX state,
 and the thread count is set explicitly (Ray would pin OMP_NUM_THREADS to the task's `num_cpus`).
-On Linux that process is forked from this Ray worker's warm server (`workers.proc.forkserver`: the
+On Linux that process is forked from this Ray worker's fork server (`workers.proc.forkserver`: the
 imports done, no device touched), which saves Python's start-up and the imports per job; set
 `ORCHESTRATE_FRESH_INTERPRETERS=1` on a host to start every job in a fresh interpreter instead.
 The job's stdout and stderr go to a log file beside the job in the spool (read back as a bounded
@@ -15,7 +15,7 @@ has stored it, and `orchestrate collect` can fetch it from there.
 On a host with several GPUs each GPU is a Ray node of its own, labelled `gpu-index` (and
 `gpu-uuid`); the task reads its node's labels (`localise`) and pins the job's process to that
 GPU (`workers.host.gpus.visibility_env`: set in the process's environment before anything imports
-MLX). The warm server is kept per pin: it is started with the pinned environment, so a job is
+MLX). The fork server is kept per pin: it is started with the pinned environment, so a job is
 never forked from a server whose environment named another GPU (one Ray worker belongs to one
 node, so in practice each GPU's workers keep their own server and never switch).
 """
@@ -33,11 +33,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workers.contract import META_PHASES, GpuPin, JobSpec, LockSettings, failed_job_table
+from workers.host.fingerprint import static_fingerprint
 from workers.host.gpus import GPU_SLOTS_ENV, pin_from_labels, visibility_env
 from workers.job.spool import DEFAULT_SPOOL as DEFAULT_SPOOL  # re-exported: workers.job.model uses it
 from workers.job.spool import fragment_name, spool_root
 from workers.lock.own_processes import HEAD_AT_ENV
-from workers.proc import forkserver
+from workers.proc import fork
 from workers.proc import spawn as forkclient
 
 FRESH_ENV = "ORCHESTRATE_FRESH_INTERPRETERS"
@@ -59,7 +60,7 @@ def node_pin() -> GpuPin | None:
     """The GPU of the Ray node this task runs on (its `gpu-index` label), or None: a node of a
     host without `gpus`, or no Ray here."""
     try:
-        import ray
+        import ray  # Ray: only inside a Ray task; the job runs without it too
 
         if not ray.is_initialized():
             return None
@@ -110,14 +111,14 @@ def job_env(job: JobSpec | None = None) -> dict[str, str]:
     return env
 
 
-def warm_server(job: JobSpec, env: dict[str, str]) -> forkclient.ForkServer | None:
+def fork_server(job: JobSpec, env: dict[str, str]) -> forkclient.ForkServer | None:
     """This Ray worker's fork server for `job`'s code version (started or restarted as needed).
 
     None where jobs start in fresh interpreters: off Linux, with `ORCHESTRATE_FRESH_INTERPRETERS=1`,
     or when the server cannot start.
     """
     global _server, _server_key
-    if not warm_servers():
+    if not forks_jobs():
         return None
     key = server_key(job, env)
     if _server is not None and _server_key == key and _server.alive():
@@ -131,24 +132,24 @@ def warm_server(job: JobSpec, env: dict[str, str]) -> forkclient.ForkServer | No
     return _server
 
 
-def warm_servers() -> bool:
-    """Whether jobs here are forked from a warm server (not off Linux or with `ORCHESTRATE_FRESH_INTERPRETERS=1`)."""
-    return forkserver.supported() and os.environ.get(FRESH_ENV) != "1"
+def forks_jobs() -> bool:
+    """Whether jobs here are forked from a fork server (not off Linux or with `ORCHESTRATE_FRESH_INTERPRETERS=1`)."""
+    return fork.supported() and os.environ.get(FRESH_ENV) != "1"
 
 
 def server_key(job: JobSpec, env: dict[str, str]) -> tuple[str, ...]:
-    """What a job's warm server must share with it: the code version, thread count, interpreter, GPU."""
+    """What a job's fork server must share with it: the code version, thread count, interpreter, GPU."""
     pin = "" if job.gpu is None else f"{job.gpu.index}:{job.gpu.uuid}"
     return (job.code_version, env["OMP_NUM_THREADS"], sys.executable, pin)
 
 
 def _run_process(job: JobSpec, argv: list[str], log: Path, timeout: float | None) -> tuple[int | None, str]:
-    """Run the job's process (forked from the warm server, or a fresh interpreter); (exit code, how).
+    """Run the job's process (forked from the fork server, or a fresh interpreter); (exit code, how).
 
     A timeout kills its process group and gives exit code None.
     """
     env = job_env(job)
-    server = warm_server(job, env)
+    server = fork_server(job, env)
     changes = {SPAWNED_AT_ENV: repr(time.time())}
     with log.open("wb") as out:
         return forkclient.run_entry(
@@ -221,6 +222,4 @@ def failed_table(job: JobSpec, error: str) -> pa.Table:
 
     The host is described without MLX (this Ray worker never opens a device context).
     """
-    from workers.host.fingerprint import static_fingerprint
-
     return failed_job_table(job, static_fingerprint(job.backend, pin=job.gpu), error)

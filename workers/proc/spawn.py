@@ -19,10 +19,12 @@ import sys
 import tempfile
 import time
 
-from workers.proc.forkserver import ENTRIES, NOTE_ENV, PARENT_ENV, PRELOAD_MODES, SOCKET_ENV, end_tree
+from workers.proc.fork import PARENT_ENV
+from workers.proc.forkserver import ENTRIES, NOTE_ENV, SOCKET_ENV, end_tree
+from workers.proc.preload import PRELOAD_MODES
 
 
-class WarmProcess:
+class ForkedChild:
     """A child forked by the server, seen from the client: its pid, its exit code, killing it."""
 
     def __init__(self, conn: socket.socket, pid: int) -> None:
@@ -123,7 +125,7 @@ class ForkServer:
         stdout: int,
         stderr: int,
         cwd: str = "",
-    ) -> WarmProcess:
+    ) -> ForkedChild:
         """Fork a child running `entry`'s `main(args)` with `env` applied (None removes a key) to the
         server's environment.
 
@@ -151,7 +153,7 @@ class ForkServer:
             raise
         first, _, rest = line.partition(b"\n")
         answer = json.loads(first)
-        proc = WarmProcess(conn, int(answer["pid"]))
+        proc = ForkedChild(conn, int(answer["pid"]))
         proc._pending = rest
         return proc
 
@@ -189,12 +191,12 @@ def run_entry(
     environment, which is `env`), else a fresh interpreter with `env` (+ `changes`). A timeout kills
     the process's group and gives exit code None.
     """
-    proc: WarmProcess | subprocess.Popen[bytes] | None = None
+    proc: ForkedChild | subprocess.Popen[bytes] | None = None
     how = "fresh interpreter"
     if server is not None:
         try:
             proc = server.spawn(entry, args, env=dict(changes), stdout=stdout, stderr=stderr)
-            how = f"forked from a warm server ({server.note}; no device state, no weights)"
+            how = f"forked from a fork server ({server.note}; no device state, no weights)"
         except OSError:
             proc = None
     if proc is None:
@@ -210,7 +212,7 @@ def run_entry(
     try:
         return proc.wait(timeout=timeout), how
     except subprocess.TimeoutExpired:
-        if isinstance(proc, WarmProcess):
+        if isinstance(proc, ForkedChild):
             proc.kill()
         else:
             end_tree(proc.pid)

@@ -29,6 +29,7 @@ builds the one-call form on it (`run_tree`: output to files, a timeout, leftover
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import signal
@@ -298,8 +299,6 @@ def become_subreaper() -> bool:
     """
     if not keeper_supported():
         return False
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     return int(libc.prctl(36, 1, 0, 0, 0)) == 0  # PR_SET_CHILD_SUBREAPER
 
