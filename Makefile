@@ -34,6 +34,7 @@ run: $(STAMP)
 # format), mypy and pytest.
 test: $(STAMP)
 	bash tests/setup-system.sh
+	bash tests/setup-py312.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

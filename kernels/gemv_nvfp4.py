@@ -52,8 +52,12 @@ MAX_ROWS = 8  # the MMA's column count: M <= 8 activation rows per call
 # give about 2e-3; hi + lo pairs (float32/float16 inputs) about 1e-5 plus the output's rounding.
 TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}
 
-_E2M1 = mx.array(E2M1_VALUES)
-_E4M3 = mx.array(decode_e4m3(np.arange(256, dtype=np.uint8)))
+
+@functools.cache
+def _decode_tables() -> tuple[mx.array, mx.array]:
+    """The E2M1 and E4M3 lookup tables, made on first use: importing this module allocates nothing
+    on the device, so a fork server may preload it and its children start with no MLX memory."""
+    return mx.array(E2M1_VALUES), mx.array(decode_e4m3(np.arange(256, dtype=np.uint8)))
 
 
 @dataclass(frozen=True)
@@ -214,8 +218,9 @@ def dequantize_exact(w: mx.array, scales: mx.array) -> mx.array:
     shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
     codes = (w[..., None] >> shifts) & mx.array(0xF, dtype=mx.uint32)
     codes = codes.reshape(*w.shape[:-1], w.shape[-1] * 8)
-    values = mx.take(_E2M1, codes)
-    per_group = mx.take(_E4M3, scales.astype(mx.uint32))
+    e2m1, e4m3 = _decode_tables()
+    values = mx.take(e2m1, codes)
+    per_group = mx.take(e4m3, scales.astype(mx.uint32))
     grouped = values.reshape(*scales.shape, 16) * per_group[..., None]
     return grouped.reshape(values.shape)
 

@@ -462,7 +462,7 @@ def test_install_puts_the_worker_packages_on_a_bare_host_then_it_runs_jobs(lab: 
         up = orchestrate("cluster", "up", "--inventory", str(inv), "--install")
         assert up.returncode == 0, up.stdout + up.stderr
         assert "x1: installed" in up.stdout and "x1: started" in up.stdout
-        assert (Path(purelib) / "workers" / "task.py").exists()  # a real install, not the checkout
+        assert (Path(purelib) / "workers" / "job" / "task.py").exists()  # a real install, not the checkout
         sweep = work / "tiny.toml"
         sweep.write_text(SWEEP.format(name="installed", tokens=[1], n=64, reps=2))
         run = orchestrate("run", "--inventory", str(inv), "--sweep", str(sweep), "-r", str(work / "results"))

@@ -378,8 +378,10 @@ def test_a_thread_that_appears_in_a_serving_server_ends_it(tmp_path: Path) -> No
 
 def _python_312_with_the_servers_imports() -> str | None:
     """An interpreter of Python 3.12 or later (where CPython warns of a multi-threaded fork) that
-    can import what the server preloads: this one, or a `python3.1x` on PATH."""
+    can import what the server preloads: this one, the one `tests/setup-py312.sh` made, or a
+    `python3.1x` on PATH."""
     candidates = [sys.executable] if sys.version_info >= (3, 12) else []
+    candidates += [str(made)] if (made := REPO / ".venv312" / "bin" / "python").exists() else []
     candidates += [p for v in ("3.14", "3.13", "3.12") if (p := shutil.which(f"python{v}"))]
     check = "import numpy, pyarrow, pydantic, mlx.core; import workers.proc.forkserver"
     for python in candidates:
