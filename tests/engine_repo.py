@@ -7,7 +7,11 @@ It is what the built-in `mlxcel-*` sweeps expect of the engine, in miniature: th
 engine's real output formats (`workers/command/mlxcel.py` quotes them). What the programs report
 depends on the environment overrides of the seeds (`MLXCEL_NVFP4_DENSE_REPACK=1`: the affine
 fallback, `MLX_ROCM_GATHER_QMV_EXPERT_BATCHED=0`: the MoE opt-out, ...) and on the commit: each
-commit writes its `Knobs` (speeds, greedy text, whether the tests pass) into the core crate.
+commit writes its `Knobs` (speeds, greedy text, whether the tests pass, the MLX pin and ROCm
+overlay it reports, whether its guard knows `--hold` yet) into the core crate and the scripts.
+The formats are today's: mlxcel-bench-decode's `[Memory] <phase>:` and `Decode path:` lines, and
+bench_decode.sh's header and 17-column rows, 19 where the build is `--features rocm` (the script
+probes the backend as the real one does).
 
 The speeds are reported, not timed: this machine has no GPU, and the point is the orchestration
 (builds, gate, arms, commits, parsing, criteria), with numbers that differ by known factors plus
@@ -56,6 +60,9 @@ class Knobs:
     greedy: str = "Paris. It is the largest city in France, on the Seine."
     route_greedy: str | None = None  # the route's text where it differs from the opt-out's
     tests_pass: bool = True
+    guard_hold: bool = True  # False: a commit older than `rocm_gpu_guard.sh --hold`
+    mlx_commit: str = "81ba1c6a"  # the MLX pin the engine reports in bench_decode.sh's rows
+    rocm_overlay: str = "75915908"  # the MLX ROCm overlay commit (its ROCm rows' column)
 
 
 CARGO_TOML = """[workspace]
@@ -156,6 +163,10 @@ fn main() {
         eprintln!("Error: failed to load model {model}");
         std::process::exit(1);
     }
+    if std::env::var("MLXCEL_DEBUG_KERNEL_BACKEND").as_deref() == Ok("1") {
+        let backend = if cfg!(feature = "rocm") { "rocm" } else if cfg!(feature = "metal") { "metal" } else { "cpu" };
+        eprintln!("[mlxcel] custom kernel backend: {backend}");
+    }
     let prompt = get("-p").unwrap_or_default();
     let text = mlxcel_core::greedy_text();
     let tokens = text.split_whitespace().count();
@@ -192,14 +203,18 @@ fn main() {
         std::process::exit(1);
     }
     println!("[Load] wall: {:.3} s  MLX peak: {:.2} GB", s.load_s, s.peak_gb - 0.5);
+    println!("[Memory] after load: active {:.2} GB, peak {:.2} GB, cache 0.00 GB", s.peak_gb - 0.5, s.peak_gb - 0.5);
     eprintln!("[long-prompt] target={prompt_tokens} tokens -> using {prompt_tokens} tokens \
                (max_context=Some(131072), reserved {max_tokens} for generation)");
+    println!("[Memory] after warmup: active {:.2} GB, peak {:.2} GB, cache 0.41 GB", s.peak_gb - 0.5, s.peak_gb);
+    println!("Decode path: {}", if mlxcel_core::on("MLXCEL_NVFP4_DENSE_REPACK") { "affine qmv" } else { "nvfp4 qmv" });
     println!("[Profile Results]");
     println!("  Prompt tokens:    {prompt_tokens}");
     println!("  Generated tokens: {max_tokens}");
     println!("  Prefill:          {:.2} ms ({:.2} tok/s)", 1000.0 * prompt_tokens as f64 / s.prefill, s.prefill);
     println!("  Decode:           {:.2} ms ({:.2} tok/s)", 1000.0 * max_tokens as f64 / s.decode, s.decode);
     println!("  MLX peak memory:  {:.2} GB", s.peak_gb);
+    println!("[Memory] after measured: active {:.2} GB, peak {:.2} GB, cache 0.52 GB", s.peak_gb - 0.5, s.peak_gb);
 }
 """
 
@@ -214,10 +229,12 @@ fn unsorted_gather_matches_cpu_reference() {}
 """
 
 BENCH_DECODE_SH = r"""#!/usr/bin/env bash
-# A compact stand-in for mlxcel's scripts/bench_decode.sh, single-model path: the same options
-# that matter here, the same CSV row on stdout (the header only in the CSV file), progress on stderr.
+# A compact stand-in for mlxcel's scripts/bench_decode.sh, single-model path, in today's format: the
+# backend probed with a one-token `mlxcel generate` (MLXCEL_DEBUG_KERNEL_BACKEND=1), the header and
+# one row per model on stdout (and in the CSV file), 17 columns, 19 on ROCm (the overlay commit and
+# the HIP version), a trailing SKIP:/FAIL: field where the model was skipped or failed.
 set -euo pipefail
-BENCH=./target/release/mlxcel-bench-decode
+BENCH=./target/release/mlxcel-bench-decode MLXCEL=./target/release/mlxcel
 PROMPT="Hello, how are you today?" MAX_TOKENS=100 WARMUP=20 PROMPT_TOKENS="" MODEL="" OUTPUT=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -231,15 +248,26 @@ done
 [[ -n "$MODEL" ]] || { echo "Error: model path or 'all' required" >&2; exit 1; }
 [[ -x "$BENCH" ]] || { echo "Error: $BENCH not found. Run 'cargo build --release' first." >&2; exit 1; }
 [[ -d "$MODEL" ]] || { echo "Error: model directory '$MODEL' not found" >&2; exit 1; }
+probe=$(MLXCEL_DEBUG_KERNEL_BACKEND=1 "$MLXCEL" generate -m "$MODEL" -p Hello -n 1 2>&1 >/dev/null || true)
+BACKEND=$(echo "$probe" | sed -n 's/.*custom kernel backend: \([a-z]*\).*/\1/p' | head -1)
+BACKEND=${BACKEND:-cpu}
 name=$(basename "$MODEL")
-OUTPUT=${OUTPUT:-benchmarks/rocm_test_$(date +%F)_single_${name}.csv}
+OUTPUT=${OUTPUT:-benchmarks/${BACKEND}_test_$(date +%F)_single_${name}.csv}
 mkdir -p "$(dirname "$OUTPUT")"
 HEADER="model,model_path,prompt_tokens,generated_tokens,prefill_ms,prefill_tok_s,decode_ms,decode_tok_s"
-echo "$HEADER,date,hardware,mlx_version,build_type,max_tokens,prompt,prompt_target_len" > "$OUTPUT"
-rest="$(date +%F),Test_CPU_8GB,0.1.0,release,$MAX_TOKENS,\"$PROMPT\",$PROMPT_TOKENS"
+HEADER="$HEADER,date,hardware,mlxcel_version,build_type,max_tokens,prompt,prompt_target_len,mlxcel_commit,mlx_commit"
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+COMMIT_FIELDS="$(git rev-parse --short=8 HEAD 2>/dev/null || echo unknown),$(cat src/lib/mlx-cpp/MLX_COMMIT)"
+if [[ "$BACKEND" == rocm ]]; then
+  HEADER="$HEADER,mlx_rocm_overlay_commit,hip_version"
+  COMMIT_FIELDS="$COMMIT_FIELDS,$(head -c 8 src/lib/mlx-cpp/patches-rocm/UPSTREAM),7.15.26333"
+fi
+emit() { echo "$1" | tee -a "$OUTPUT"; }
+echo "$HEADER" > "$OUTPUT"; echo "$HEADER"
+rest="$(date +%F),Test_CPU_8GB,$VERSION,release,$MAX_TOKENS,\"$PROMPT\",$PROMPT_TOKENS,$COMMIT_FIELDS"
 if [[ -e "$MODEL/too_big" ]]; then
   echo ">>> [skip]   $name (too big)" >&2
-  echo "$name,$MODEL,,,,,,,$rest,SKIP:oom_estimate" | tee -a "$OUTPUT"; exit 0
+  emit "$name,$MODEL,,,,,,,$rest,SKIP:oom_estimate"; exit 0
 fi
 extra=(); [[ -n "$PROMPT_TOKENS" ]] && extra=(--prompt-tokens "$PROMPT_TOKENS")
 echo ">>> [bench]  $name (same-process warmup=$WARMUP) ..." >&2
@@ -247,7 +275,7 @@ rc=0
 raw=$("$BENCH" -m "$MODEL" -p "$PROMPT" -n "$MAX_TOKENS" --warmup-tokens "$WARMUP" "${extra[@]}" 2>&1) || rc=$?
 if (( rc != 0 )); then
   echo "    benchmark failed (exit $rc)" >&2
-  echo "$name,$MODEL,,,,,,,$rest,FAIL:bench" | tee -a "$OUTPUT"; exit 0
+  emit "$name,$MODEL,,,,,,,$rest,FAIL:bench"; exit 0
 fi
 field() { echo "$raw" | sed -n "$1" | head -1; }
 pt=$(field 's/.*Prompt tokens:[[:space:]]*\([0-9]*\).*/\1/p')
@@ -257,7 +285,7 @@ pts=$(field 's/.*Prefill:.*(\([0-9.]*\) tok\/s).*/\1/p')
 dms=$(field 's/.*Decode:[[:space:]]*\([0-9.]*\) ms.*/\1/p')
 dts=$(field 's/.*Decode:.*(\([0-9.]*\) tok\/s).*/\1/p')
 echo "    decode: $dts tok/s" >&2
-echo "$name,$MODEL,$pt,$gt,$pms,$pts,$dms,$dts,$rest" | tee -a "$OUTPUT"
+emit "$name,$MODEL,$pt,$gt,$pms,$pts,$dms,$dts,$rest"
 """
 
 GUARD_SH = r"""#!/usr/bin/env bash
@@ -268,7 +296,7 @@ set -euo pipefail
 LOCK="${ROCM_GPU_GUARD_LOCK:-/tmp/mlxcel-rocm-gpu-guard.lock}" MAX_WAIT=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --hold) shift ;;
+    --hold) shift ;;  # HOLD_OPTION
     --idle-secs|--max-attempts|--log) shift 2 ;;
     --max-wait) MAX_WAIT="$2"; shift 2 ;;
     --) shift; break ;;
@@ -304,6 +332,11 @@ else
 fi
 exit "$rc"
 """
+
+
+def guard_script(*, hold: bool = True) -> str:
+    """The guard as a commit has it: `hold=False` is one older than its `--hold` option."""
+    return GUARD_SH if hold else "\n".join(ln for ln in GUARD_SH.split("\n") if "HOLD_OPTION" not in ln)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -342,8 +375,12 @@ class EngineRepo:
             (path / script).chmod(0o755)
 
     def commit(self, message: str, knobs: Knobs) -> str:
-        """Write `knobs` into the core crate, commit, and return the commit id."""
+        """Write `knobs` into the core crate (and the scripts), commit, and return the commit id."""
         k = knobs
+        (self.path / "scripts/rocm_gpu_guard.sh").write_text(guard_script(hold=k.guard_hold))
+        (self.path / "src/lib/mlx-cpp/patches-rocm").mkdir(parents=True, exist_ok=True)
+        (self.path / "src/lib/mlx-cpp/MLX_COMMIT").write_text(k.mlx_commit + "\n")
+        (self.path / "src/lib/mlx-cpp/patches-rocm/UPSTREAM").write_text(k.rocm_overlay + "\n")
         affine = f"{k.greedy} The affine rounding picks another word."
         (self.path / "src/lib/mlxcel-core/src/knobs.rs").write_text(
             f"pub const PREFILL: f64 = {float(k.prefill)!r};\npub const DECODE: f64 = {float(k.decode)!r};\n"

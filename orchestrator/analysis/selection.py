@@ -7,7 +7,9 @@ runs (the newest of each point, or all, or one), and the sides named on the comm
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,30 +18,104 @@ from orchestrator.analysis import stats
 from orchestrator.analysis.commits import match_side, with_commit_sides
 from orchestrator.analysis.compare import SIDE_COLUMNS, CompareResult, compare_results
 from orchestrator.errors import InputError
+from orchestrator.specs.definition import differences, digest, shown, stored_spec
 from orchestrator.specs.sweep import SweepSpec, builtin_sweeps, load_sweep
 from orchestrator.store.dataset import read_rows
+from orchestrator.store.definitions import StoredDefinition, newest_run, run_definition
 from orchestrator.store.fragments import ResultStore
 
 
-def resolve_sweep(store: ResultStore, sweep: str | None) -> tuple[str | None, SweepSpec | None]:
-    """The stored name of a sweep given by name, built-in name or file, and its spec when there is one.
+@dataclass(frozen=True)
+class SweepChoice:
+    """The sweep a command judges: its stored name, its spec (None when none is known) and, when
+    the definition stored with the judged run and the file of that name disagree, one line saying
+    which decided and what differs."""
+
+    name: str | None
+    spec: SweepSpec | None
+    note: str = ""
+
+
+def _is_file(sweep: str) -> bool:
+    return sweep.endswith(".toml") or "/" in sweep or Path(sweep).is_file()
+
+
+def _file_on_disk(name: str) -> tuple[str, SweepSpec] | None:
+    """The file a user means by `name`: `./NAME.toml` when it is that sweep, else the built-in one."""
+    local = Path(f"{name}.toml")
+    if local.is_file():
+        try:
+            spec = load_sweep(str(local))
+        except InputError:
+            spec = None  # not loadable: not what the user ran, so not what is compared
+        if spec is not None and spec.name == name:
+            return f"./{local}", spec
+    if name in builtin_sweeps():
+        return f"the built-in {name}", load_sweep(name)
+    return None
+
+
+def _stored(store: ResultStore, name: str, run: str | None) -> StoredDefinition | None:
+    judged = run or newest_run(store, name)
+    return run_definition(store, name, judged) if judged else None
+
+
+def choose_sweep(store: ResultStore, sweep: str | None, run: str | None = None) -> SweepChoice:
+    """The sweep a command judges: given a file, that file; given a name, the definition stored
+    with the judged run (`run`, else the newest of that name), falling back to the built-in file
+    for runs stored without one.
 
     Raises:
         InputError: a sweep file is bad, or no sweep is named and several are stored.
     """
-    spec: SweepSpec | None = None
-    name = sweep
-    if sweep is not None and (sweep in builtin_sweeps() or sweep.endswith(".toml") or "/" in sweep):
+    if sweep is not None and _is_file(sweep):
         spec = load_sweep(sweep)
-        name = spec.name
+        stored = _stored(store, spec.name, run)
+        if stored is None or stored.digest == digest(spec):
+            return SweepChoice(spec.name, spec)
+        ran = stored_spec(stored.text)
+        what = shown(differences(ran, spec)) if ran is not None else "a definition this orchestrate cannot read"
+        return SweepChoice(
+            spec.name,
+            spec,
+            f"judged by {sweep} as given, not by the sweep stored with run {stored.run_id} "
+            f"(digest {stored.digest}, from {stored.source or 'unknown'}): they differ ({what})",
+        )
+    name = sweep
     if name is None:
         names = store.sweep_names()
         if len(names) > 1:
             raise InputError(f"results of several sweeps are stored ({', '.join(names)}); choose one with --sweep")
         name = names[0] if names else None
-    if spec is None and name in builtin_sweeps():
-        spec = load_sweep(name)
-    return name, spec
+    if name is None:
+        return SweepChoice(None, None)
+    stored = _stored(store, name, run)
+    ran = stored_spec(stored.text) if stored is not None else None
+    disk = _file_on_disk(name)
+    if stored is None or ran is None:  # stored before definitions were, or no longer valid: the file, as before
+        note = ""
+        if stored is not None and disk is not None:
+            note = f"the sweep stored with run {stored.run_id} is not readable by this orchestrate; judged by {disk[0]}"
+        return SweepChoice(name, disk[1] if disk else None, note)
+    if disk is None or digest(disk[1]) == stored.digest:
+        return SweepChoice(name, ran)
+    return SweepChoice(
+        name,
+        ran,
+        f"judged by the sweep stored with run {stored.run_id} (digest {stored.digest}, from "
+        f"{stored.source or 'unknown'}): it differs from {disk[0]} ({shown(differences(ran, disk[1]))})",
+    )
+
+
+def resolve_sweep(store: ResultStore, sweep: str | None) -> tuple[str | None, SweepSpec | None]:
+    """The stored name of a sweep given by name, built-in name or file, and its spec when there is
+    one (`choose_sweep`, for the newest run).
+
+    Raises:
+        InputError: a sweep file is bad, or no sweep is named and several are stored.
+    """
+    choice = choose_sweep(store, sweep)
+    return choice.name, choice.spec
 
 
 def select_results(
@@ -49,6 +125,7 @@ def select_results(
     *,
     all_runs: bool = False,
     runs: Sequence[str] | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[pa.Table, SweepSpec | None]:
     """The rows a command works on (selected in DuckDB), and the sweep's spec when it can be found.
 
@@ -58,11 +135,15 @@ def select_results(
         run: only this run id.
         all_runs: pool every run's samples instead of keeping the newest run of each point.
         runs: only these run ids (every one must have rows).
+        say: given `choose_sweep`'s line, when the stored definition and the file disagree.
 
     Raises:
         InputError: nothing is stored, several sweeps are and none was named, or a run has no rows.
     """
-    name, spec = resolve_sweep(store, sweep)
+    choice = choose_sweep(store, sweep, run)
+    name, spec = choice.name, choice.spec
+    if choice.note and say is not None:
+        say(choice.note)
     wanted = [run] if run else list(dict.fromkeys(runs)) if runs else None
     table = read_rows(store, sweep=name, runs=wanted, newest=wanted is None and not all_runs)
     if table.num_rows == 0:
@@ -104,6 +185,7 @@ def compare_stored(
     metrics: Sequence[str] | None = None,
     threshold: float = stats.THRESHOLD,
     all_runs: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[CompareResult, pa.Table, SweepSpec | None]:
     """`orchestrate compare`: select the rows (only the named runs when comparing runs) and compare them.
 
@@ -116,6 +198,7 @@ def compare_stored(
         contenders: only these sides against the baseline (None: every other side).
         arms, metrics, threshold: see `compare_results`.
         all_runs: pool every run's samples (implied by `by` run or commit).
+        say: see `select_results`.
 
     Returns:
         The comparison, the rows it was made of, and the sweep's spec when known.
@@ -128,7 +211,7 @@ def compare_stored(
     if by == "run" and named:
         stored = sorted(store.run_ids(resolve_sweep(store, sweep)[0]))
         runs = [resolve_side(n, stored, "run") for n in named]
-    table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"), runs=runs)
+    table, spec = select_results(store, sweep, run, all_runs=all_runs or by in ("run", "commit"), runs=runs, say=say)
     sided = with_commit_sides(table) if by == "commit" else table
     column = SIDE_COLUMNS.get(by, by)
     available = pc.unique(sided[column]).to_pylist() if column in sided.column_names else []

@@ -15,7 +15,7 @@ from orchestrator.analysis.selection import select_results
 from orchestrator.analysis.verdicts import CriterionVerdict, exit_code_for
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
-from orchestrator.report.console import warn_broken
+from orchestrator.report.console import warn, warn_broken
 from orchestrator.report.output import Format, destination, write_table
 from orchestrator.store.fragments import ResultStore
 
@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """PASS, FAIL or AMBIGUOUS per criterion; exit 0 all pass, 1 one fails, 4 one is ambiguous."""
         store = ResultStore(results)
-        table, spec = select_results(store, sweep, run, all_runs=all_runs)
+        table, spec = select_results(store, sweep, run, all_runs=all_runs, say=warn)
         if spec is None:
             name = table["sweep"][0].as_py()
             raise InputError(f"sweep {name!r} is not built in: give its file with --sweep PATH.toml")

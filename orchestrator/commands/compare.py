@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         store = ResultStore(results)
         metrics = split_list(metric)
         if view is View.devices:
-            table, _ = select_results(store, sweep, run, all_runs=all_runs)
+            table, _ = select_results(store, sweep, run, all_runs=all_runs, say=warn)
             cross = cross_device(table)
             if not cross:
                 raise InputError("no GB/s or TFLOP/s rows to put against device peaks")
@@ -93,6 +93,7 @@ def register(app: typer.Typer) -> None:
             metrics=metrics,
             threshold=threshold,
             all_runs=all_runs,
+            say=warn,
         )
         several = fmt in (Format.table, Format.md) and len(set(table["device"].to_pylist())) > 1
         cross = cross_device(table) if several else []  # CSV and JSON records carry no share-of-peak view

@@ -11,9 +11,10 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, sparkline, trends
+from orchestrator.analysis.selection import choose_sweep
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
-from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn_broken
+from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn, warn_broken
 from orchestrator.report.output import Format, destination, write_table
 from orchestrator.report.units import format_value, unit_of
 from orchestrator.store.dataset import read_rows
@@ -119,6 +120,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show how a case's metric moved across runs, per device and host, with regressions marked."""
         store = ResultStore(results)
+        if sweep is not None:  # a file's or a stored name; the note says when the two disagree
+            choice = choose_sweep(store, sweep)
+            sweep = choice.name
+            if choice.note:
+                warn(choice.note)
         table = read_rows(store, sweep=sweep, cases=[case], metrics=[metric] if metric else None)
         chosen = metric or default_metric(table, case)
         if chosen is None:

@@ -10,7 +10,7 @@ from orchestrator.analysis import stats
 from orchestrator.analysis.selection import select_results
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import results_root
-from orchestrator.report.console import console, warn_broken
+from orchestrator.report.console import console, warn, warn_broken
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         from orchestrator.report.html import build_report, write_report  # matplotlib: only when reporting
 
         store = ResultStore(results_root(results_dir))
-        table, spec = select_results(store, sweep, run, all_runs=all_runs)
+        table, spec = select_results(store, sweep, run, all_runs=all_runs, say=warn)
         # The trend charts need every stored run of the sweep, not only the newest one per point.
         history = read_rows(store, sweep=table["sweep"][0].as_py()) if run is None and not all_runs else table
         path = write_report(html, build_report(table, spec=spec, threshold=threshold, history=history))

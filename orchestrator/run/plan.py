@@ -95,6 +95,7 @@ def lock_settings(host: HostSpec) -> LockSettings:
         idle_secs=host.idle_secs,
         max_attempts=host.max_attempts,
         cpu_busy_threshold=host.cpu_busy_threshold,
+        ignore_processes=list(host.ignore_processes),
         kfd_proc=host.kfd_proc,
     )
 

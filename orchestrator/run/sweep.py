@@ -22,6 +22,7 @@ from orchestrator.run.code_version import code_version
 from orchestrator.run.executor import Interrupted, RayExecutor
 from orchestrator.run.plan import expand, new_run_id
 from orchestrator.specs.checks import check_sweep_against_inventory
+from orchestrator.specs.definition import definition_footer
 from orchestrator.specs.sweep import InventorySpec, SweepSpec
 from orchestrator.store.fragments import ResultStore
 from orchestrator.store.lock import LOCK_DIR, hold_store
@@ -52,12 +53,16 @@ class JobOutcome:
     attempts: int = 1
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
+    foreign: str = ""  # the foreign processes the gate caught: `pid 123 (command, 97% of a core)`
+    gate: str = ""  # what governs that gate (its inventory knob)
 
     def describe(self) -> str:
-        """`ok`, `failed (why)`, `contended 10/10 samples, retried 1x`."""
+        """`ok`, `failed (why)`, `contended 10/10 samples, retried 1x: pid 123 (...); gate ...`."""
         if self.status == Status.CONTENDED:
             retried = f", retried {self.attempts - 1}x" if self.attempts > 1 else ""
-            return f"contended {self.contended_samples}/{self.samples} samples{retried}"
+            caught = f": {self.foreign}" if self.foreign else ""
+            gate = f"; {self.gate}" if self.gate else ""
+            return f"contended {self.contended_samples}/{self.samples} samples{retried}{caught}{gate}"
         return str(self.status) if self.status == Status.OK or not self.error else f"{self.status} ({self.error})"
 
 
@@ -115,6 +120,13 @@ def sample_contention(table: pa.Table) -> tuple[int, int]:
     return int(pc.sum(per_sample["contended_any"].fill_null(False)).as_py() or 0), per_sample.num_rows
 
 
+def job_extra(table: pa.Table) -> dict[str, str]:
+    """The job-level facts of its rows' `extra` (the same on every row: the first row's)."""
+    if table.num_rows == 0 or "extra" not in table.column_names:
+        return {}
+    return dict(table["extra"][0].as_py() or [])
+
+
 def job_phases(table: pa.Table) -> dict[str, float]:
     """The numeric phases of a job's footer (`orchestrate.phases`)."""
     raw = json.loads((table.schema.metadata or {}).get(META_PHASES, b"{}"))
@@ -154,12 +166,18 @@ def run_sweep(
         return summary
     today = dt.datetime.now(dt.UTC).date()
     last_done = time.perf_counter()
+    # The sweep as this run ran it (after `--ref` and any other edit), on every fragment of the run:
+    # in each job's own footer rather than a file beside them, so a compaction's index and `import`
+    # carry it with the rows and no reader of the dataset meets a file that is not Parquet.
+    definition = definition_footer(sweep, sweep_where)
 
     def on_done(job: JobSpec, table: pa.Table) -> None:
         nonlocal last_done
         status = footer_status(table)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **definition})
         path = store.write(table, sweep=job.sweep, date=today, device=job.device, run_id=run_id, job_key=job.job_key)
         contended, samples = sample_contention(table)
+        extra = job_extra(table)
         attempts = table["lock_attempts"][0].as_py() if table.num_rows else 1
         now = time.perf_counter()
         outcome = JobOutcome(
@@ -174,6 +192,8 @@ def run_sweep(
             attempts=int(attempts or 1),
             seconds=now - last_done,
             phases=job_phases(table),
+            foreign=extra.get("foreign_processes", "") if status == Status.CONTENDED else "",
+            gate=extra.get("contention_gate", "") if status == Status.CONTENDED else "",
         )
         last_done = now
         summary.outcomes.append(outcome)

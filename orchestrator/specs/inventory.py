@@ -61,6 +61,7 @@ class HostSettings(Strict):
     idle_secs: float = Field(default=0.0, ge=0)
     max_attempts: int = Field(default=2, ge=1)  # measurements of a contended job
     cpu_busy_threshold: float = Field(default=50.0, ge=0)  # % of one core: the CPU/Metal quiet gate
+    ignore_processes: list[str] = Field(default_factory=list)  # process names no gate counts as foreign
     kfd_proc: str = "/sys/class/kfd/kfd/proc"  # ROCm's list of GPU users
     connect_timeout: float = Field(default=10.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
@@ -77,6 +78,16 @@ class HostSettings(Strict):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return check_env(v)
+
+    @field_validator("ignore_processes")
+    @classmethod
+    def _ignored(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not name.strip() or name != name.strip() or "/" in name:
+                raise ValueError(
+                    f'ignore_processes {name!r} is not a process name (as `ps -o comm` shows it, e.g. "mds_stores")'
+                )
+        return v
 
     @field_validator("gpus", mode="before")
     @classmethod

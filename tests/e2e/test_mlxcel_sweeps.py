@@ -5,8 +5,12 @@
 devices) on a local inventory whose GPU lock is the shell guard's file. The engine
 (`tests/engine_repo.py`) is a real Cargo workspace: each job builds it with `cargo build`, gates
 it with `cargo test`, and runs its programs through `scripts/rocm_gpu_guard.sh` and
-`scripts/bench_decode.sh`. Its commits differ in speed, in their tests and in their greedy
-output, and the runs must find each difference.
+`scripts/bench_decode.sh`, which print today's formats (bench_decode.sh's header and 19-column
+ROCm rows, mlxcel-bench-decode's `[Memory]` and `Decode path:` lines). Its commits differ in speed,
+in their tests, in their greedy output and in their age (a guard without `--hold`), and the runs
+must find each difference. `compare` and `check` name the sweep, as a user who copied the built-in
+file to edit it does: the run is judged by the definition it ran, and the output says the built-in
+file of that name differs.
 """
 
 from __future__ import annotations
@@ -71,11 +75,15 @@ class Lab:
     def rows(self, sweep: str) -> list[dict[str, Any]]:
         return read_rows(ResultStore(self.results), sweep=sweep).to_pylist()
 
-    def compare_by_commit(self, sweep: Path, run_id: str) -> list[dict[str, Any]]:
-        """`compare --by commit --format json`: its tidy records (docs/results.md)."""
-        out = self.orchestrate_cmd("compare", "--sweep", str(sweep), "--by", "commit", "--run", run_id, "-f", "json")
+    def compare_by_commit(self, sweep: str, run_id: str) -> list[dict[str, Any]]:
+        """`compare --by commit --format json`, the sweep given by name: its tidy records (docs/results.md)."""
+        out = self.orchestrate_cmd("compare", "--sweep", sweep, "--by", "commit", "--run", run_id, "-f", "json")
         assert out.returncode == 0, out.stdout + out.stderr
         return list(json.loads(out.stdout))
+
+    def check(self, sweep: str) -> subprocess.CompletedProcess[str]:
+        """`check --sweep NAME`, as a user who ran a copy of the built-in file types it."""
+        return self.orchestrate_cmd("check", "--sweep", sweep)
 
 
 @pytest.fixture
@@ -83,8 +91,17 @@ def lab(tmp_path: Path, orchestrate_bin: str) -> Lab:
     return Lab(tmp_path, orchestrate_bin)
 
 
+def says_file_differs(out: subprocess.CompletedProcess[str], name: str) -> bool:
+    """The output says the file of that name on disk (the built-in) is not what the run used."""
+    text = " ".join((out.stdout + out.stderr).split()).lower()
+    return name in text and "differs" in text
+
+
 def verdict_line(stdout: str, name: str) -> str:
     return next(line for line in stdout.splitlines() if name in line and line.split()[0].isupper())
+
+
+FACTS = ("mlxcel_version", "mlxcel_commit", "mlx_commit", "mlx_rocm_overlay_commit", "hip_version", "model")
 
 
 def newest_run(rows: list[dict[str, Any]]) -> str:
@@ -118,13 +135,27 @@ def test_mlxcel_moe_gate_route_commits_and_greedy_output(lab: Lab) -> None:
     # reuses its pass), 2 arms x 6 bench runs, 2 arms x 2 greedy runs
     decisions = lab.trace.read_text().splitlines()
     assert len(decisions) == 1 + 12 + 4 and all(d.startswith("nested: lock held by outer guard") for d in decisions)
+    # today's bench_decode.sh on a ROCm build: 19 columns behind a header, read by name; the engine's
+    # versions and commits ride with every sample
+    samples = [r for r in bench if r["metric"] in ("prompt_tokens", "generated_tokens", "prefill_tok_s")]
+    assert {(r["metric"], r["value"]) for r in samples if r["metric"] != "prefill_tok_s"} == {
+        ("prompt_tokens", 512.0), ("generated_tokens", 100.0)}  # fmt: skip
+    assert {tuple(sorted((k, v) for k, v in dict(r["extra"]).items() if k in FACTS)) for r in samples} == {
+        (("hip_version", "7.15.26333"), ("mlx_commit", "81ba1c6a"), ("mlx_rocm_overlay_commit", "75915908"),
+         ("mlxcel_commit", route[:8]), ("mlxcel_version", "0.1.0"),
+         ("model", "Nemotron-Cascade-2-30B-A3B-nvfp4"))}  # fmt: skip
+    # the copy is judged by name: the run's own definition (devices = cpu), not the built-in file
+    checked = lab.check("mlxcel-moe")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert verdict_line(checked.stdout, "expert-batched prefill at least as fast").startswith("PASS")
+    assert says_file_differs(checked, "mlxcel-moe"), checked.stdout + checked.stderr
 
     # 2. a commit comparison, BASE route against HEAD changed: both built and gated, one job per point
     compared = lab.run(lab.sweep("mlxcel-moe", "route"), "route", "changed")
     assert compared.returncode == 1, compared.stdout + compared.stderr  # the changed output fails
     assert "HEAD against BASE" in compared.stdout and f"changed@{changed[:12]}" in compared.stdout
     run_id = newest_run(lab.rows("mlxcel-moe"))
-    records = lab.compare_by_commit(lab.sweep("mlxcel-moe", "route"), run_id)
+    records = lab.compare_by_commit("mlxcel-moe", run_id)
     assert {r["baseline"] for r in records} == {f"route@{route[:12]}"}
     found = {
         r["arm"]: (r["verdict"], r["ratio"])
@@ -145,6 +176,13 @@ def test_mlxcel_moe_gate_route_commits_and_greedy_output(lab: Lab) -> None:
     assert line.startswith("FAIL") and "1 of 2 points identical" in line  # opt-out's output is unchanged
     detail = compared.stdout.split(line, 1)[1].splitlines()[1]
     assert f"(default): changed@{changed[:12]} (" in detail and f"differs from BASE route@{route[:12]}" in detail
+    checked = lab.check("mlxcel-moe")
+    assert checked.returncode == 1, checked.stdout + checked.stderr  # as the run ended
+    assert verdict_line(checked.stdout, "greedy output unchanged from BASE").startswith("FAIL")
+    assert says_file_differs(checked, "mlxcel-moe"), checked.stdout + checked.stderr
+    head_facts = {dict(r["extra"]).get("mlxcel_commit") for r in lab.rows("mlxcel-moe")
+                  if r["run_id"] == run_id and r["metric"] == "prefill_tok_s"}  # fmt: skip
+    assert head_facts == {route[:8], changed[:8]}  # each side's rows say which engine printed them
 
     # 3. a commit whose own tests fail: the gate fails the job with the tests' output, nothing is timed
     failed = lab.run(lab.sweep("mlxcel-moe", "broken"))
@@ -156,6 +194,17 @@ def test_mlxcel_moe_gate_route_commits_and_greedy_output(lab: Lab) -> None:
     assert "exited with 101" in error and "route output differs from the CPU reference" in error
     assert "test result: FAILED" in error
     assert not [r for r in broken_rows if r["metric"] in ("prefill_tok_s", "wall_seconds")]
+
+    # 4. a ref older than the guard's --hold: the gate fails with one line that says so
+    old = lab.tag("old", Knobs(route_speedup=1.7, guard_hold=False))
+    predating = lab.run(lab.sweep("mlxcel-moe", "old"))
+    assert predating.returncode == 1, predating.stdout + predating.stderr
+    old_rows = [r for r in lab.rows("mlxcel-moe") if r["commit"] == old]
+    assert {r["error"] for r in old_rows if r["metric"] == "gate_seconds"} == {
+        f"scripts/rocm_gpu_guard.sh at {old[:8]} does not know --hold (this commit predates it): "
+        "pick a newer ref or drop --hold from the sweep's build/gate/run"
+    }
+    assert not [r for r in old_rows if r["metric"] in ("prefill_tok_s", "wall_seconds")]
 
 
 def test_mlxcel_prefill_seed_table_criteria_and_a_commit_that_reopens_the_gap(lab: Lab) -> None:
@@ -179,8 +228,17 @@ def test_mlxcel_prefill_seed_table_criteria_and_a_commit_that_reopens_the_gap(la
                if r["case_name"] == "greedy" and r["metric"] == "wall_seconds"}  # fmt: skip
     assert len(outputs) == 2  # native and affine differ; each agrees with itself at both commits
 
+    # mlxcel-bench-decode's `[Memory] ...` and `Decode path:` lines are neither metrics nor text
+    loads = [r for r in rows if r["case_name"] == "bench-decode" and r["metric"] == "load_seconds"]
+    assert loads and all(r["status"] == "ok" and "output_sha256" not in dict(r["extra"]) for r in loads)
+    checked = lab.check("mlxcel-prefill")
+    assert checked.returncode == 1, checked.stdout + checked.stderr  # judged by the copy (devices = cpu): no MISSING
+    assert verdict_line(checked.stdout, "native prefill within 3 % of affine").startswith("FAIL")
+    assert verdict_line(checked.stdout, "native decode at least 2x").startswith("PASS")
+    assert says_file_differs(checked, "mlxcel-prefill"), checked.stdout + checked.stderr
+
     run_id = newest_run(rows)
-    records = lab.compare_by_commit(lab.sweep("mlxcel-prefill", "closed"), run_id)
+    records = lab.compare_by_commit("mlxcel-prefill", run_id)
     assert {r["baseline"] for r in records} == {f"closed@{closed[:12]}"}
     verdicts = {
         (r["arm"], r["prompt_tokens"]): r["verdict"]

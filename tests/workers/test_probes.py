@@ -27,11 +27,13 @@ from workers.lock.probes import (
     PROBES,
     ContentionMonitor,
     CpuQuietProbe,
+    IgnoringProbe,
     KfdProbe,
     NvidiaSmiProbe,
     ProbeSample,
     ProbeUnavailableError,
     backend_probe,
+    gate_knob,
     parse_compute_apps,
     probe_for,
     wait_idle,
@@ -138,7 +140,8 @@ def test_cpu_quiet_gate_sees_a_busy_foreign_process_but_not_ours() -> None:
         time.sleep(0.5)
         seen = probe.sample()
         assert spinner in seen.foreign, seen.describe()
-        assert "% CPU" in seen.foreign[spinner]
+        assert seen.foreign[spinner].startswith(f"{Path(sys.executable).name} -c while True: pass, ")
+        assert seen.foreign[spinner].endswith("% of a core")
         assert own_spinner.pid not in seen.foreign
         assert os.getpid() not in seen.foreign
         with pytest.raises(LockBusyError, match=f"pid {spinner}"):
@@ -147,6 +150,27 @@ def test_cpu_quiet_gate_sees_a_busy_foreign_process_but_not_ours() -> None:
         os.kill(spinner, signal.SIGKILL)
         own_spinner.kill()
         own_spinner.wait()
+
+
+def test_a_host_s_ignored_processes_pass_every_gate_by_name(tmp_path: Path) -> None:
+    spin = tmp_path / "busyspin"  # the program's own name, as `ps -o comm` shows it
+    spin.symlink_to(sys.executable)
+    spinner = spawn_foreign(f"{spin} -c 'while True: pass'")
+    try:
+        settings = LockSettings(cpu_busy_threshold=20.0)
+        plain = probe_for("cpu", settings)
+        plain.prime()
+        time.sleep(0.5)
+        assert spinner in plain.sample().foreign
+        ignoring = probe_for("cpu", settings.model_copy(update={"ignore_processes": ["busyspin"]}))
+        assert isinstance(ignoring, IgnoringProbe)
+        ignoring.prime()
+        time.sleep(0.5)
+        assert spinner not in ignoring.sample().foreign
+        knob = gate_knob(ignoring.name, settings.model_copy(update={"ignore_processes": ["busyspin"]}))
+        assert "cpu_busy_threshold = 20 (% of one core)" in knob and "(ignored now: busyspin)" in knob
+    finally:
+        os.kill(spinner, signal.SIGKILL)
 
 
 SMI_OUTPUT = "{own}, /usr/bin/python3, 812\n4242, /opt/vllm/bin/python, 70321\n99, [Not Found], [N/A]\n"

@@ -32,6 +32,7 @@ from workers.command.case import (
     safe_name,
     tail_of,
 )
+from workers.command.predates import explain
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ def build_commit(case: CommandCase, mirror: Path, commit: str, values: dict[str,
             seconds = outcome.seconds
             path.with_name(path.name + ".build.log").write_text(outcome.stdout + outcome.stderr)  # stderr's tail
             if outcome.failure:
-                raise CommandCaseError(f"build {outcome.failure}")
+                why = explain(outcome.stderr, command, path, commit)
+                raise CommandCaseError(why or f"build {outcome.failure}")
         marker.write_text(json.dumps({"commit": commit, "build": command, "build_seconds": seconds}))
     prune_builds(path.parent, keep_builds())
     return BuildResult(path, seconds, cache_hit=False)
@@ -142,6 +144,7 @@ class GateResult:
     seconds: float
     cache_hit: bool
     failure: str | None  # None: passed; else the command, how it ended and its output's tail
+    explained: bool = False  # the failure is one line naming the commit and what it lacks (`predates`)
 
 
 def run_gate(
@@ -166,15 +169,18 @@ def run_gate(
     with file_lock(build.path.with_name(build.path.name + ".lock")):
         if marker is not None and marker.exists():
             record = json.loads(marker.read_text())
-            return GateResult(float(record["seconds"]), True, record["failure"])
+            return GateResult(float(record["seconds"]), True, record["failure"], bool(record.get("explained")))
         outcome = run_shell(command, build.path, env, case.timeout)
         output = outcome.stdout + ("\n" if outcome.stdout and outcome.stderr else "") + outcome.stderr
         build.path.with_name(f"{build.path.name}.gate-{key}.log").write_text(output)
         failure = None
+        why = None
         if outcome.failure is not None:
             how = outcome.failure.split("; stderr:")[0]
-            failure = f"gate `{command}` {how}: {_failure_summary(output)}"
+            why = explain(output, command, build.path, str(values.get("commit", "")))
+            failure = why or f"gate `{command}` {how}: {_failure_summary(output)}"
         if marker is not None:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"command": command, "seconds": outcome.seconds, "failure": failure}))
-        return GateResult(outcome.seconds, False, failure)
+            record = {"command": command, "seconds": outcome.seconds, "failure": failure, "explained": why is not None}
+            marker.write_text(json.dumps(record))
+        return GateResult(outcome.seconds, False, failure, why is not None)

@@ -31,6 +31,7 @@ from typing import Any
 from workers.command.build import BuildResult, build_commit, run_gate
 from workers.command.case import CommandCase, CommandCaseError, render, resolve_commit, run_shell, with_stderr
 from workers.command.parsers import OutputParseError, OutputSkipped, ParsedOutput, parser_for
+from workers.command.predates import explain
 from workers.contract import JobContext, JobSpec, RowBuilder, Status
 from workers.job import phases
 from workers.lock.gpu import GUARD_ENV
@@ -182,7 +183,7 @@ def run_command_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Stat
                         gate.seconds,
                         "seconds",
                         status=Status.FAILED,
-                        error=f"{gate.failure} (at {side.ref} {side.commit[:12]})",
+                        error=gate.failure if gate.explained else f"{gate.failure} (at {side.ref} {side.commit[:12]})",
                         extra=extra,
                         commit=side.commit,
                     )
@@ -230,6 +231,8 @@ def _measure(
         with phases.span("warmup" if warming_up else "timed"):
             outcome = run_shell(command, side.build.path, {**env, **job.arm_env.get(arm, {})}, case.timeout)
         error = outcome.failure
+        if error is not None:
+            error = explain(outcome.stderr, command, side.build.path, side.commit) or error
         parsed: ParsedOutput | None = None
         if error is None:
             try:
@@ -264,7 +267,7 @@ def _measure(
             continue
         if warming_up:
             continue
-        extra = dict(side.extra)
+        extra = parsed.extra | side.extra  # the job's own facts win a name both use
         if parsed.text is not None:
             extra["output_sha256"] = hashlib.sha256(parsed.text.encode()).hexdigest()
             extra["output_chars"] = str(len(parsed.text))

@@ -8,25 +8,27 @@
   two newlines, then `[Generated N tokens in X.XXs = Y.YY tok/s]` or, with `--profile`, the
   `[Profile Results]` block. The greedy text is what follows `Generating...` up to that block,
   as the engine's own `scripts/ab_output_equality.sh` compares it.
-* `scripts/bench_decode.sh` (stdout): one CSV row per model, `model,model_path,prompt_tokens,
-  generated_tokens,prefill_ms,prefill_tok_s,decode_ms,decode_tok_s,date,hardware,mlx_version,
-  build_type,max_tokens,"prompt",prompt_target_len` and a trailing `SKIP:*`/`FAIL:*` token when the
-  run was skipped (a capacity exclusion) or failed; the header goes only to its CSV file, progress
-  to stderr. Older scripts lack `prompt_target_len`.
+* Newer `mlxcel-bench-decode`s add a `Decode path: ...` line and `[Memory] <phase>: ...` lines;
+  they are neither text nor metrics here.
+* `scripts/bench_decode.sh` (stdout): one CSV row per model, read by column name in
+  `workers.command.bench_csv` (its 14- to 19-column layouts and SKIP:/FAIL: fields are described
+  there); `parse_bench_decode_csv` and `CSV_COLUMNS` are re-exported from here.
 """
 
 from __future__ import annotations
 
-import csv
 import re
 
-from workers.command.parsed import NUM, OutputParseError, OutputSkipped, ParsedOutput, memory_bytes
+from workers.command.bench_csv import CSV_COLUMNS, parse_bench_decode_csv
+from workers.command.parsed import NUM, OutputParseError, ParsedOutput, memory_bytes
+
+__all__ = ["CSV_COLUMNS", "parse_bench_decode", "parse_bench_decode_csv", "parse_generate"]
 
 _LOAD_RE = re.compile(rf"^\[Load\]\s*wall:\s*{NUM}\s*s(?:.*?MLX peak:\s*{NUM}\s*([KMGT]i?B))?", re.M | re.I)
 _PROFILE_RE = re.compile(r"^\[Profile Results\]\s*$", re.M)
 _PHASE_RE = re.compile(rf"^\s*(Prefill|Decode):\s*{NUM}\s*ms\s*\(\s*{NUM}\s*tok/s\s*\)", re.M)
 _COUNT_RE = re.compile(r"^\s*(Prompt|Generated) tokens:\s*(\d+)\s*$", re.M)
-_LOG_LINE_RE = re.compile(r"^\[[A-Za-z][\w ./-]*\]")
+_LOG_LINE_RE = re.compile(r"^(?:\[[A-Za-z][\w ./-]*\]|\s*Decode path:)")  # log lines, not text
 _PEAK_RE = re.compile(rf"^\s*MLX peak memory:\s*{NUM}\s*([KMGT]i?B)\b", re.M | re.I)
 _GENERATING_RE = re.compile(r"^Generating\.\.\.[ \t]*\n", re.M)
 _GENERATED_RE = re.compile(rf"^\[Generated (\d+) tokens in {NUM}s = {NUM} tok/s\]\s*$", re.M)
@@ -85,7 +87,7 @@ def parse_bench_decode(output: str) -> ParsedOutput:
         return parsed
     text_start = output.find("\n", load.end()) + 1 if load is not None else 0
     lines = output[text_start : profile.start()].split("\n")
-    while lines and _LOG_LINE_RE.match(lines[0]):  # `[Prompt] ...`-style log lines before the text
+    while lines and _LOG_LINE_RE.match(lines[0]):  # `[Prompt] ...`/`[Memory] ...`/`Decode path:` lines
         lines.pop(0)
     parsed.text = _clean_text("\n".join(lines).strip("\n"))
     return parsed
@@ -126,75 +128,4 @@ def parse_generate(output: str) -> ParsedOutput:
     parsed.text = _clean_text(output[generating.end() : end.start()])
     if parsed.text is None:
         raise OutputParseError("no generated text after 'Generating...'")
-    return parsed
-
-
-CSV_COLUMNS = (
-    "model",
-    "model_path",
-    "prompt_tokens",
-    "generated_tokens",
-    "prefill_ms",
-    "prefill_tok_s",
-    "decode_ms",
-    "decode_tok_s",
-    "date",
-    "hardware",
-    "mlx_version",
-    "build_type",
-    "max_tokens",
-    "prompt",
-    "prompt_target_len",
-)
-_CLASS_RE = re.compile(r"^(SKIP|FAIL):[\w.-]+$")
-_CSV_METRICS = (
-    ("prompt_tokens", "prompt_tokens", "tokens", 1.0),
-    ("generated_tokens", "generated_tokens", "tokens", 1.0),
-    ("prefill_ms", "prefill_seconds", "seconds", 1e-3),
-    ("prefill_tok_s", "prefill_tok_s", "tok/s", 1.0),
-    ("decode_ms", "decode_seconds", "seconds", 1e-3),
-    ("decode_tok_s", "decode_tok_s", "tok/s", 1.0),
-)
-
-
-def parse_bench_decode_csv(output: str) -> ParsedOutput:
-    """Parse the CSV rows `scripts/bench_decode.sh` prints on stdout (one per model).
-
-    Returns:
-        prompt_tokens, generated_tokens, prefill_seconds, prefill_tok_s, decode_seconds and
-        decode_tok_s of every row.
-
-    Raises:
-        OutputSkipped: the script skipped the model (`SKIP:oom_estimate`, `SKIP:oom`, ...).
-        OutputParseError: no row, a line that is no such row, a `FAIL:*` row, or an empty number.
-    """
-    parsed = ParsedOutput()
-    rows = 0
-    for number, line in enumerate(output.splitlines(), start=1):
-        if not line.strip():
-            continue
-        fields = next(csv.reader([line]))
-        if fields[:2] == ["model", "model_path"]:
-            continue  # a header, where a version prints one
-        status = fields[-1] if len(fields) > len(CSV_COLUMNS) - 1 and _CLASS_RE.match(fields[-1]) else None
-        values = fields[:-1] if status else fields
-        if len(values) not in (len(CSV_COLUMNS) - 1, len(CSV_COLUMNS)):
-            raise OutputParseError(
-                f"line {number}: not a bench_decode.sh CSV row ({len(fields)} fields, expected {len(CSV_COLUMNS)})"
-            )
-        row = dict(zip(CSV_COLUMNS, values, strict=False))
-        if status is not None and status.startswith("SKIP:"):
-            raise OutputSkipped(f"bench_decode.sh skipped {row['model']}: {status}")
-        if status is not None:
-            raise OutputParseError(f"bench_decode.sh reported {status} for {row['model']}")
-        for column, metric, unit, scale in _CSV_METRICS:
-            raw = row[column].strip()
-            try:
-                value = float(raw)
-            except ValueError:
-                raise OutputParseError(f"line {number}: {column} {raw!r} is not a number") from None
-            parsed.add(metric, value * scale, unit)
-        rows += 1
-    if rows == 0:
-        raise OutputParseError("no bench_decode.sh CSV row in the output")
     return parsed

@@ -43,10 +43,15 @@ class Measurement:
 
 @dataclass
 class ParsedOutput:
-    """What a parser found: the measurements in order, and the generated text if printed."""
+    """What a parser found: the measurements in order, the generated text if printed, and facts.
+
+    `extra` holds what the output says about the program that printed it (its version, commits,
+    the model it ran): strings the command case stores in each sample's `extra` map.
+    """
 
     measurements: list[Measurement] = field(default_factory=list)
     text: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
 
     def add(self, metric: str, value: float, unit: str) -> None:
         """Append one value; a non-finite one is an `OutputParseError`."""

@@ -50,6 +50,9 @@ class LockSettings(BaseModel):
     enabled: bool = True
     kfd_proc: str = "/sys/class/kfd/kfd/proc"
     cpu_busy_threshold: float = Field(default=50.0, ge=0)  # percent of one core, CPU/Metal gate
+    # process names every gate of the host lets pass (the inventory's `ignore_processes`): a choice
+    # the rows record (`extra.ignored_processes`), since their samples may share the host with them
+    ignore_processes: list[str] = Field(default_factory=list)
 
 
 class GpuPin(BaseModel):

@@ -31,7 +31,22 @@ class JobContext(BaseModel):
     contended_samples: int = 0
     samples: int = 0
     foreign_pids: list[int] = Field(default_factory=list)
+    # pid -> command and share of a core or the GPU, as the gate saw it when it caught the process
+    foreign: dict[int, str] = Field(default_factory=dict)
+    gate: str | None = None  # what governs the gate that flagged the job (its inventory knob)
+    ignored_processes: list[str] = Field(default_factory=list)  # the host's `ignore_processes`
     commit: str | None = None
+
+    def extra(self) -> dict[str, str]:
+        """The contention facts every row of the job carries in `extra`."""
+        out = {}
+        if self.foreign:
+            out["foreign_processes"] = "; ".join(f"pid {pid} ({what})" for pid, what in sorted(self.foreign.items()))
+        if self.foreign and self.gate:
+            out["contention_gate"] = self.gate
+        if self.ignored_processes:
+            out["ignored_processes"] = ", ".join(self.ignored_processes)
+        return out
 
 
 class RowBuilder:
@@ -172,6 +187,8 @@ class RowBuilder:
             row["lock_attempts"] = ctx.lock_attempts
             row["contention_samples"] = ctx.contention_samples
             row["foreign_pids"] = list(ctx.foreign_pids)
+            if facts := ctx.extra():
+                row["extra"] = sorted({**dict(row.get("extra") or []), **facts}.items())
             row["commit"] = row.get("commit") or ctx.commit
         return rows_to_table(self.rows, job_key=self.job.job_key, job_status=job_status, error_kind=self.error_kind)
 

@@ -43,6 +43,13 @@ META_RUN_ID = META_PREFIX + b"run_id"
 META_JOBS = META_PREFIX + b"jobs"
 # Why a failed job failed, where the head acts on the kind (`ErrorKind`); absent otherwise.
 META_ERROR_KIND = META_PREFIX + b"error_kind"
+# The sweep the run ran, as loaded after its edits (canonical JSON of the head's validated spec),
+# its digest and the file it came from: written by the head on every fragment of the run, so the
+# run is judged by what it ran, whatever the file of that name says later (and compaction's index
+# and `import` carry them as they carry every job's footer keys).
+META_SWEEP_DEFINITION = META_PREFIX + b"sweep_definition"
+META_SWEEP_DIGEST = META_PREFIX + b"sweep_digest"
+META_SWEEP_SOURCE = META_PREFIX + b"sweep_source"
 
 SCHEMA = pa.schema(
     [

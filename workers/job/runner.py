@@ -35,7 +35,7 @@ from workers.job import phases
 from workers.job.measure import measure_workload
 from workers.job.model import run_model_job
 from workers.lock.gpu import GpuLock, LockBusyError
-from workers.lock.probes import ContentionMonitor, probe_for, wait_idle
+from workers.lock.probes import ContentionMonitor, gate_knob, probe_for, wait_idle
 from workers.lock.slot import SlotLock
 
 Dispatch = Callable[[JobSpec, RowBuilder, JobContext], Status]
@@ -126,6 +126,7 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
     if not job.lock.enabled:
         return dispatch(job, rows, context)
     settings = job.lock
+    context.ignored_processes = list(settings.ignore_processes)
     status = Status.OK
     lock = job_lock(job, max_wait=settings.max_wait, cmd=f"{job.sweep}/{job.case_name}/{job.job_key}")
     with lock:
@@ -153,6 +154,8 @@ def _run_guarded(job: JobSpec, backend: str, dispatch: Dispatch, rows: RowBuilde
             context.contended_samples, context.samples = rows.apply_contention(report.busy_windows)
             context.contended = context.contended_samples > 0
             context.foreign_pids = list(report.foreign_pids)
+            context.foreign = dict(report.foreign)
+            context.gate = gate_knob(probe.name, settings) if report.foreign else None
             if not context.contended:
                 break
     if context.contended and status == Status.OK:

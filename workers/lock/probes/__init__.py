@@ -14,9 +14,11 @@ What counts as foreign is said in `base`.
 from workers.lock.probes.base import (
     PROBES,
     GpuUserProbe,
+    IgnoringProbe,
     ProbeSample,
     ProbeUnavailableError,
     backend_probe,
+    gate_knob,
     probe_for,
 )
 from workers.lock.probes.cpu import CpuQuietProbe
@@ -30,12 +32,14 @@ __all__ = [
     "ContentionReport",
     "CpuQuietProbe",
     "GpuUserProbe",
+    "IgnoringProbe",
     "KfdProbe",
     "NvidiaSmiProbe",
     "NvmlProbe",
     "ProbeSample",
     "ProbeUnavailableError",
     "backend_probe",
+    "gate_knob",
     "parse_compute_apps",
     "probe_for",
     "wait_idle",

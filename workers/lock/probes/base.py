@@ -12,13 +12,16 @@ Everything else is foreign, whatever its name.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from workers.contract import GpuPin, LockSettings
 from workers.lock.gpu import nesting_pid
 from workers.lock.own_processes import OwnProcesses, own_processes
+from workers.proc.table import process_cmdline, process_name
+
+COMMAND_CHARS = 80  # of a foreign process's command line in a description
 
 
 class ProbeUnavailableError(Exception):
@@ -54,6 +57,53 @@ class GpuUserProbe(Protocol):
     def sample(self) -> ProbeSample:
         """The foreign users now (or since the last call, for the CPU gate)."""
         ...
+
+
+def command_of(pid: int) -> str:
+    """A process's command line, its program by file name, shortened (its name where the line cannot
+    be read), as seen now: the process may be gone by the time anyone reads the job's line, so it
+    is taken when caught."""
+    argv = process_cmdline(pid)
+    line = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else process_name(pid)
+    return line if len(line) <= COMMAND_CHARS else line[: COMMAND_CHARS - 3] + "..."
+
+
+def ignored(pid: int, names: Set[str]) -> bool:
+    """Whether a process is one the host lets pass: its name, or its program's file name, is listed."""
+    if not names:
+        return False
+    argv = process_cmdline(pid)
+    return process_name(pid) in names or (bool(argv) and os.path.basename(argv[0]) in names)
+
+
+class IgnoringProbe:
+    """A probe that lets the host's `ignore_processes` pass (by name), whatever the backend."""
+
+    def __init__(self, probe: GpuUserProbe, names: Set[str]) -> None:
+        self.probe = probe
+        self.names = names
+        self.name = probe.name
+
+    def prime(self) -> None:
+        """The wrapped probe's."""
+        self.probe.prime()
+
+    def sample(self) -> ProbeSample:
+        """The wrapped probe's sample, less the processes the host ignores."""
+        seen = self.probe.sample()
+        return ProbeSample({pid: what for pid, what in seen.foreign.items() if not ignored(pid, self.names)})
+
+
+def gate_knob(probe_name: str, settings: LockSettings) -> str:
+    """What governs a gate, in the inventory's words, for the line of a job it flagged."""
+    listed = f" (ignored now: {', '.join(settings.ignore_processes)})" if settings.ignore_processes else ""
+    let_pass = f'ignore_processes = ["NAME"] in the inventory host lets a process pass{listed}'
+    if probe_name == "cpu-quiet":
+        return (
+            f"gate {probe_name}: a foreign process above cpu_busy_threshold = {settings.cpu_busy_threshold:g} "
+            f"(% of one core) of the inventory host; {let_pass}"
+        )
+    return f"gate {probe_name}: any foreign user of the GPU; {let_pass}"
 
 
 def own_root() -> int:
@@ -95,4 +145,5 @@ def probe_for(backend: str, settings: LockSettings, gpu: GpuPin | None = None) -
     factory = PROBES.get(backend)
     if factory is None:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(sorted(PROBES))}")
-    return factory(settings, gpu)
+    probe = factory(settings, gpu)
+    return IgnoringProbe(probe, frozenset(settings.ignore_processes)) if settings.ignore_processes else probe

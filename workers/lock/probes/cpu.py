@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from workers.contract import GpuPin, LockSettings
-from workers.lock.probes.base import ProbeSample, backend_probe, ours
+from workers.lock.probes.base import ProbeSample, backend_probe, command_of, ours
 from workers.proc.table import cpu_times
 
 
@@ -44,12 +44,12 @@ class CpuQuietProbe:
         window = max(t1 - t0, 1e-6)
         own = ours()
         foreign: dict[int, str] = {}
-        for pid, (_ppid, used, name) in now.items():
+        for pid, (_ppid, used, _name) in now.items():
             prev = before.get(pid)
             percent = 100.0 * (used - (prev[1] if prev else 0.0)) / window
             if percent < self.threshold or own.contains(pid, now):
                 continue
-            foreign[pid] = f"{name}, {percent:.0f}% CPU"
+            foreign[pid] = f"{command_of(pid)}, {percent:.0f}% of a core"
         return ProbeSample(foreign)
 
 

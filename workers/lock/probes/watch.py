@@ -62,6 +62,8 @@ class ContentionReport:
         samples: Samples taken (at least one).
         busy_samples: Samples that saw a foreign user.
         foreign_pids: Every foreign pid seen, sorted.
+        foreign: Every foreign user seen, pid -> its description (command, share of a core or the
+            GPU) as first seen: taken when caught, since the process may be gone by the job's end.
         detail: The foreign users or the probe error, for a log line.
         busy_windows: When a foreign user may have been there (monotonic seconds): for each busy
             or failed look, from the look before it to the look after it, since the user may have
@@ -72,6 +74,7 @@ class ContentionReport:
     samples: int = 0
     busy_samples: int = 0
     foreign_pids: list[int] = field(default_factory=list)
+    foreign: dict[int, str] = field(default_factory=dict)
     detail: str = ""
     errors: list[str] = field(default_factory=list)
     busy_windows: list[tuple[float, float]] = field(default_factory=list)
@@ -123,6 +126,8 @@ class ContentionMonitor:
             report.busy_samples += 1
             report.contended = True
             self._pids.update(seen.foreign)
+            for pid, what in seen.foreign.items():
+                report.foreign.setdefault(pid, what)
             report.detail = seen.describe()
 
     def stop(self) -> ContentionReport:
