@@ -8,7 +8,7 @@ command -v ssh-keygen >/dev/null 2>&1 || need+=(openssh-client)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v flock >/dev/null 2>&1 || need+=(util-linux)
 command -v setsid >/dev/null 2>&1 || need+=(util-linux)
-command -v ps >/dev/null 2>&1 || need+=(procps)  # the GPU lock's macOS code path, tested here
+command -v ps >/dev/null 2>&1 || need+=(procps)  # tests/workers/probe_head.py lists processes as a user would
 if ((${#need[@]})); then
   sudo=""
   [[ $(id -u) -eq 0 ]] || sudo="sudo -n"
