@@ -34,6 +34,7 @@ class SweepChoice:
     name: str | None
     spec: SweepSpec | None
     note: str = ""
+    stored: bool = False  # the spec is the definition stored with the judged run
 
 
 def _is_file(sweep: str) -> bool:
@@ -98,12 +99,13 @@ def choose_sweep(store: ResultStore, sweep: str | None, run: str | None = None) 
             note = f"the sweep stored with run {stored.run_id} is not readable by this orchestrate; judged by {disk[0]}"
         return SweepChoice(name, disk[1] if disk else None, note)
     if disk is None or digest(disk[1]) == stored.digest:
-        return SweepChoice(name, ran)
+        return SweepChoice(name, ran, stored=True)
     return SweepChoice(
         name,
         ran,
         f"judged by the sweep stored with run {stored.run_id} (digest {stored.digest}, from "
         f"{stored.source or 'unknown'}): it differs from {disk[0]} ({shown(differences(ran, disk[1]))})",
+        stored=True,
     )
 
 
@@ -153,7 +155,18 @@ def select_results(
     missing = sorted(set(wanted or []) - set(pc.unique(table["run_id"]).to_pylist()))
     if missing:
         raise InputError(f"run {', '.join(missing)}: no rows of sweep {name!r} (`orchestrate runs` lists them)")
+    if choice.stored and spec is not None:
+        table = _within(table, spec)
     return table, spec
+
+
+def _within(table: pa.Table, spec: SweepSpec) -> pa.Table:
+    """The rows of the cases and devices `spec` names: a built-in sweep and a user's edited copy of
+    it share a name, and the one being judged must not show the other's devices or cases."""
+    keep = pc.is_in(table["case_name"], value_set=pa.array([entry.label for entry in spec.cases]))
+    if spec.devices:
+        keep = pc.and_(keep, pc.is_in(table["device"], value_set=pa.array(spec.devices)))
+    return table.filter(keep)
 
 
 def resolve_side(name: str, available: Sequence[str], what: str) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from orchestrator.analysis.selection import choose_sweep
+from orchestrator.analysis.selection import choose_sweep, select_results
 from orchestrator.specs.definition import definition_footer, differences, digest, stored_spec
 from orchestrator.specs.sweep import builtin_sweeps, load_sweep
 from orchestrator.store.compact import compact
@@ -154,3 +154,38 @@ def test_an_unreadable_stored_definition_falls_back_to_the_file(tmp_path: Path) 
     choice = choose_sweep(store, "moe-gather")
     assert choice.spec == load_sweep("moe-gather")
     assert "not readable by this orchestrate; judged by the built-in moe-gather" in choice.note
+
+
+def test_the_copy_and_the_built_in_never_share_a_table(tmp_path: Path) -> None:
+    """The built-in moe-gather ran on one device kind, then a user's copy of it on another: by name,
+    the judged run's definition decides which rows a command shows, and `--run` picks the other."""
+    builtin = load_sweep("moe-gather")
+    copy = builtin.model_copy(update={"devices": ["cpu"]})
+    store = ResultStore(tmp_path / "store")
+    for n, (spec, device, source) in enumerate([(builtin, "m1-ultra", "built-in"), (copy, "cpu", "/a/copy.toml")]):
+        run_id, key = f"20260101T00000{n}Z-000{n}", f"k{n}"
+        case = spec.cases[0]
+        table = job_table(
+            {arm: {"prefill_tok_s": [100.0 + i for i in range(5)]} for arm in case.arm_names()},
+            params={k: v for k, v in case.params.items() if not isinstance(v, list)},
+            case="moe-gather",
+            sweep="moe-gather",
+            run_id=run_id,
+        )
+        meta = {**(table.schema.metadata or {}), META_JOB_KEY: key.encode(), **definition_footer(spec, source)}
+        keys = pa.array([key] * table.num_rows, pa.string())
+        table = table.set_column(table.schema.get_field_index("job_key"), "job_key", keys)
+        devices = pa.array([device] * table.num_rows, pa.string())
+        table = table.set_column(table.schema.get_field_index("device"), "device", devices)
+        store.write(
+            table.replace_schema_metadata(meta),
+            sweep="moe-gather",
+            date=dt.date(2026, 1, 1),
+            device=device,
+            run_id=run_id,
+            job_key=key,
+        )
+    newest, _ = select_results(store, "moe-gather", None)
+    assert set(newest["device"].to_pylist()) == {"cpu"}
+    older, spec = select_results(store, "moe-gather", "20260101T000000Z-0000")
+    assert set(older["device"].to_pylist()) == {"m1-ultra"} and spec == builtin
