@@ -10,7 +10,7 @@ by side (the hosts' GPU locks still take their jobs one at a time).
 
 The lock is held until the process exits (one CLI run is one process); the kernel drops it the
 moment its holder dies. A process that runs several sweeps holds each of its locks once
-(re-entrant), and a library caller can let go with `release_store_locks`.
+(re-entrant).
 """
 
 from __future__ import annotations
@@ -76,11 +76,3 @@ def hold_store(root: Path, sweep: str, lock_dir: Path) -> Path:
         os.pwrite(fd, f"orchestrate run pid {os.getpid()} (since {stamp})\n".encode(), 0)
         _HELD[path] = fd
         return path
-
-
-def release_store_locks() -> None:
-    """Let go of every run lock this process holds."""
-    with _GUARD:
-        for fd in _HELD.values():
-            os.close(fd)
-        _HELD.clear()
