@@ -84,7 +84,9 @@ def test_a_contended_job_is_reported_not_complete_and_measured_again(tmp_path: P
         stranger.kill()
         stranger.wait()
     assert first.returncode == 5, first.stdout + first.stderr  # contended points left
-    assert re.search(r"\[1/1\] cpu qmm tokens=1 .*: contended 10/10 samples, retried 1x in", first.stdout)
+    line = next(x for x in first.stdout.splitlines() if x.startswith("[1/1] cpu qmm tokens=1 "))
+    # the line names the process the gate caught (the stranger) and the knob that governs the gate
+    assert re.search(rf": contended 10/10 samples, retried 1x: .*\bpid {stranger.pid}\b.*; gate .* in ", line), line
     assert "(0 failed, 1 contended)" in first.stdout
     assert "not complete: run the same command again" in first.stdout
     again = subprocess.run([orchestrate_bin, "run", *args], env=_env(tmp_path), capture_output=True, text=True,

@@ -38,6 +38,7 @@ from workers.lock.probes import (
     probe_for,
     wait_idle,
 )
+from workers.lock.probes.base import command_of
 
 
 @pytest.fixture(autouse=True)
@@ -355,3 +356,17 @@ def test_runner_measures_again_after_a_foreign_user_leaves(
     assert _facts(table) == {("ok", False, 2, ())}  # attempt 1 was contended, attempt 2 clean and kept
     runs = guard_log.read_text().split()
     assert len(runs) == 2 and set(runs) == {str(os.getpid())}  # the job's command ran nested in our lock
+
+
+def test_a_caught_process_is_described_on_one_line() -> None:
+    """A foreign process's command line may hold newlines (`python -c` with a script): the job's
+    line must stay one line, so its description collapses them."""
+    script = "import time\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(0.2)  # exec done: the command line is the script's
+        described = command_of(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "\n" not in described and described.endswith("-c import time time.sleep(30)"), described

@@ -65,6 +65,7 @@ def command_of(pid: int) -> str:
     is taken when caught."""
     argv = process_cmdline(pid)
     line = " ".join([os.path.basename(argv[0]), *argv[1:]]) if argv else process_name(pid)
+    line = " ".join(line.split())  # one line: an argument may hold newlines (`python -c` with a script)
     return line if len(line) <= COMMAND_CHARS else line[: COMMAND_CHARS - 3] + "..."
 
 
