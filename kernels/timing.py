@@ -32,7 +32,9 @@ sample (`MIN_SAMPLE_SECONDS`) it is under 1 % of any sample.
 Warm-up is measured in time, not calls: every arm's every weight copy is touched once, then the
 arms are run interleaved until both `warmup` passes and `WARMUP_SECONDS` have gone by (JIT
 compiles, allocations, GPU clocks settling). The call count is calibrated on the median of the
-later half of those passes, not the last call alone.
+later half of those passes, not the last call alone. The checks that follow the warm-up let the
+device idle and clocks fall, so the timed rounds start after `settle`: the timed arms again,
+untimed, for `WARMUP_SECONDS`, at the job's call count.
 """
 
 from __future__ import annotations
@@ -260,6 +262,19 @@ def warm_up(
         name: statistics.median(times[len(times) // 2 :]) for name, times in seen.items() if name not in errors
     }
     return estimates, errors
+
+
+def settle(timers: dict[str, ArmTimer], pool: Sequence[tuple[Any, ...]], calls: int, seconds: float) -> None:
+    """Untimed samples of every arm, interleaved, for one pass and at least `seconds`: the state
+    the timed rounds start in (clocks up, caches and allocator as the rounds will find them) is
+    not left to the checks and the choices that ran since the warm-up."""
+    names = list(timers)
+    start = time.perf_counter()
+    passes = 0
+    while passes == 0 or time.perf_counter() - start < seconds:
+        for name in abba_order(names, passes):
+            timers[name].sample(pool[passes % len(pool)], calls)
+        passes += 1
 
 
 def common_calls(per_call: dict[str, float], method: Method) -> int:

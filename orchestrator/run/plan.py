@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kernels import registry
+from orchestrator.analysis.compare import default_baseline
 from orchestrator.errors import InputError
 from orchestrator.specs.case import CaseEntry, check_size
 from orchestrator.specs.checks import job_count
@@ -114,6 +115,19 @@ def _pin_refs(case: CaseEntry, options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "commits": commits} if commits else options
 
 
+def _sampling(case: CaseEntry, sweep: SweepSpec) -> dict[str, Any]:
+    """A case's precision target (`workers.contract.precision.Target`): its own, else the sweep's,
+    with the arm every other arm's interval is judged against (the one `compare` takes)."""
+    precision = case.precision or sweep.precision
+    if precision is None:
+        return {}
+    out: dict[str, Any] = {"precision": precision, "baseline": default_baseline(case.arm_names(), sweep.baseline)}
+    max_seconds = case.max_seconds or sweep.max_seconds
+    if max_seconds is not None:
+        out["max_seconds"] = max_seconds
+    return out
+
+
 def expand(
     sweep: SweepSpec,
     inventory: InventorySpec,
@@ -143,8 +157,11 @@ def expand(
         options = {f: getattr(case, f) for f in OPTION_FIELDS if getattr(case, f) is not None}
         if case.repo is not None:
             options = _pin_refs(case, options)
-        if registry.CASES[case.case].kind == registry.CaseKind.KERNEL:  # the cache state is part of what a job measures
+        kind_of_case = registry.CASES[case.case].kind
+        if kind_of_case == registry.CaseKind.KERNEL:  # the cache state is part of what a job measures
             options["cache"] = case.cache or sweep.cache
+        if kind_of_case != registry.CaseKind.COMMAND:
+            options.update(_sampling(case, sweep))
         reps = case.repetitions or sweep.repetitions
         warmup = case.warmup if case.warmup is not None else sweep.warmup
         for kind in case_kinds:

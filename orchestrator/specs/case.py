@@ -54,6 +54,10 @@ class CaseEntry(Strict):
     devices: list[str] | None = None
     repetitions: int | None = Field(default=None, ge=1)
     warmup: int | None = Field(default=None, ge=0)
+    # sampling until the point is precise (the sweep's, when the case sets none): `repetitions`
+    # is then the minimum (`workers.contract.precision`)
+    precision: float | None = Field(default=None, gt=0, lt=1)
+    max_seconds: float | None = Field(default=None, gt=0)
     # kernel cases: weights rotated past the last-level cache ("cold", the default) or reused ("hot")
     cache: Literal["cold", "hot"] | None = None
     # command cases (external benchmarks built at a commit)

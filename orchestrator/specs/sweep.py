@@ -57,6 +57,10 @@ class SweepSpec(Strict):
     devices: list[str] = Field(default_factory=list)
     repetitions: int = Field(default=10, ge=1)
     warmup: int = Field(default=3, ge=0)
+    # the relative half-width every arm's 95 % interval to the baseline must reach at each point,
+    # within `max_seconds` of sampling per point (None: exactly `repetitions` rounds)
+    precision: float | None = Field(default=None, gt=0, lt=1)
+    max_seconds: float | None = Field(default=None, gt=0)
     cache: Literal["cold", "hot"] = "cold"  # kernel cases' default cache state (a case may set its own)
     baseline: str | None = None
     seed: int = 0

@@ -136,6 +136,14 @@ class RowBuilder:
             row[name] = raw
         self.rows.append(row)
 
+    def annotate(self, first: int, by_arm: dict[str, dict[str, str]]) -> None:
+        """Add `by_arm[arm]` to the `extra` of every row from index `first` on: what is known only
+        once a job's rounds have ended (how its sampling stopped)."""
+        for row in self.rows[first:]:
+            more = by_arm.get(row["arm"])
+            if more:
+                row["extra"] = sorted({**dict(row["extra"]), **more}.items())
+
     def clear(self) -> None:
         """Drop every row (a measurement about to be repeated)."""
         self.rows.clear()

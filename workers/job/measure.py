@@ -18,16 +18,19 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 * `auto` arms are chosen here, among their CORRECT candidates only, by this same method
   (`kernels.dispatch`), with the warm-up's estimates; the chosen path is checked once more;
 * ONE call count per sample for every arm of the job (from the warm-up's estimates of the arms
-  that are timed), then `repetitions` samples per arm, the arms interleaved in ABBA order (A B,
-  B A, ...) so drift and thermal state hit every arm alike, the input set rotating per sample
-  and, with `cache = "cold"` (the default), the weights rotating per call over copies larger
-  than the last-level cache;
+  that are timed); the timed arms run again, untimed, right before the rounds (`timing.settle`);
+  then rounds of one sample per arm, the arms interleaved in ABBA order (A B, B A, ...) so drift
+  and thermal state hit every arm alike, the input set rotating per round and, with
+  `cache = "cold"` (the default), the weights rotating per call over copies larger than the
+  last-level cache; `repetitions` rounds, or, with a precision target, at least that many and
+  then until every arm's interval to the baseline is precise enough (`workers.job.sampling`);
 * a sample times `mx.eval` of its calls' graphs, built before the clock starts; the Python graph
   cost per call is recorded as its own metric (`host_seconds`) at decode sizes.
 
 One row per sample: `seconds`, and the derived tok/s, GB/s and TFLOP/s. Each row's `extra` says
 how it was timed: `calls_per_sample`, `cache` (cold, warm, hot or unrotated: the state achieved),
-`cache_requested`, `weight_copies`, `weight_bytes` and `llc_bytes`.
+`cache_requested`, `weight_copies`, `weight_bytes` and `llc_bytes`; and how its point's sampling
+ended: `stop_reason`, `rounds`, `half_width` and `precision` (`workers.job.sampling`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from kernels.checking import relative_error
 from kernels.registry import ArmPath, AutoSpec, Workload
 from kernels.timing import abba_order
 from workers.contract import JobSpec, RowBuilder, Status
-from workers.job import phases
+from workers.job import phases, sampling
 
 INPUT_POOL = 3  # input sets rotated across samples
 HOST_COST_TOKENS = 8  # decode sizes: record the Python graph cost per call (`host_seconds`)
@@ -138,10 +141,21 @@ def _measure(
                 failed[arm] = err
     status = Status.FAILED if any(a in failed for a in arms) else Status.OK
     timed = {a: timers[a] for a in arms if a in timers and (a not in failed or _timeable(failed[a]))}
+    rounds = sampling.Rounds(job, list(timed))
+    for arm in failed:
+        rounds.exclude(arm)
+    with phases.span("warmup"):  # right before the rounds: the checks above let the device idle
+        timing.settle(timed, pool, calls, method.warmup_seconds)
+    first_row = len(rows.rows)
     with phases.span("timed"):
-        for rep, arm, sample in timing.interleaved(timed, pool, calls, job.repetitions):
-            extra = {"calls_per_sample": str(calls), "cache_requested": method.cache, **timed[arm].record()}
-            _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
+        for rep in rounds:
+            inputs = pool[rep % len(pool)]
+            for arm in abba_order(list(timed), rep):
+                sample = timed[arm].sample(inputs, calls)
+                rounds.record(rep, arm, sample.seconds)
+                extra = {"calls_per_sample": str(calls), "cache_requested": method.cache, **timed[arm].record()}
+                _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
+    rows.annotate(first_row, {arm: rounds.extras(arm) for arm in timed})
     return status
 
 
