@@ -12,6 +12,7 @@ from orchestrator.analysis.criteria import evaluate_criteria, render_verdicts
 from orchestrator.analysis.records import typed
 from orchestrator.analysis.same_output import OutputVerdict
 from orchestrator.analysis.selection import select_results
+from orchestrator.analysis.shortfall import shortfall_lines
 from orchestrator.analysis.verdicts import CriterionVerdict, exit_code_for
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
@@ -131,9 +132,12 @@ def register(app: typer.Typer) -> None:
             raise InputError(f"sweep {spec.name!r} declares no [[criteria]]")
         verdicts = evaluate_criteria(table, spec)
         with destination(output) as stream:
+            short = shortfall_lines(table)
             if fmt is Format.table:
-                stream.write(render_verdicts(verdicts) + "\n")
+                stream.write("\n".join([render_verdicts(verdicts), *short]) + "\n")
             else:
                 write_table(check_records(verdicts), fmt, stream)
+                for line in short:
+                    warn(line)
         warn_broken(store.broken)
         raise typer.Exit(exit_code_for(verdicts))

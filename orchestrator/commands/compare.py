@@ -15,6 +15,7 @@ import typer
 from orchestrator.analysis import stats
 from orchestrator.analysis.cross_device import cross_device
 from orchestrator.analysis.selection import compare_stored, select_results
+from orchestrator.analysis.shortfall import shortfall_lines
 from orchestrator.commands.options import (
     By,
     View,
@@ -106,9 +107,14 @@ def register(app: typer.Typer) -> None:
                 write_comparison(
                     result, fmt, stream, cross if fmt is Format.md else None, metrics, only_changed=only_changed
                 )
+            if fmt in (Format.table, Format.md):
+                for line in shortfall_lines(table, result.varying):
+                    stream.write(line + "\n")
         if fmt in (Format.csv, Format.json):  # the records carry the verdicts; what the legend says goes to stderr
             if result.left_out:
                 warn(f"left out, no clean sample: {'; '.join(result.left_out)}")
             for line in result.heavy_tails:
                 warn(f"heavy tails: {line}")
+            for line in shortfall_lines(table, result.varying):
+                warn(line)
         warn_broken(store.broken)

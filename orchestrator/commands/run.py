@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rich.progress import (
 
 from orchestrator.analysis.criteria import judge_stored, validate_criteria
 from orchestrator.commands.options import compact_after_option, no_compact_option, results_option
-from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT
+from orchestrator.errors import EXIT_CONTENDED, EXIT_LOCK_TIMEOUT, InputError
 from orchestrator.report.console import console, warn
 from orchestrator.report.summary import render_run_end
 from orchestrator.run.account import run_account
@@ -138,7 +139,25 @@ def report_summary(
                 "run the same command again to measure them again.",
                 markup=False,
             )
+        if summary.top_ups is not None:
+            for line in summary.top_ups.lines() or ["--budget: no open point was short of its precision target"]:
+                out.print(line, markup=False)
     render_run_end(store, sweep, out, results=results, run_id=summary.run_id)
+
+
+DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
+
+
+def parse_duration(text: str, where: str) -> float:
+    """Seconds in `90`, `90s`, `10m`, `1h30m`; an InputError naming `where` otherwise."""
+    match = DURATION.fullmatch(text.strip())
+    if not text.strip() or match is None:
+        raise InputError(f"{text!r} is not a duration (write 90s, 10m or 1h30m)", where=where)
+    hours, minutes, secs = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + secs
+    if total <= 0:
+        raise InputError(f"{text!r}: a duration must be longer than zero", where=where)
+    return total
 
 
 def register(app: typer.Typer) -> None:
@@ -154,10 +173,18 @@ def register(app: typer.Typer) -> None:
         ref: list[str] | None = typer.Option(
             None, "--ref", help="build the command cases at this git ref; twice (BASE, then HEAD): compare two commits"
         ),
+        budget: str | None = typer.Option(
+            None,
+            "--budget",
+            metavar="DURATION",
+            help="the whole run's time (90s, 10m, 1h30m): what is left after the first pass goes to more "
+            "rounds where a verdict is still open and short of its precision target",
+        ),
         compact_after: int = compact_after_option(),
         no_compact: bool = no_compact_option(),
     ) -> None:
         """Run a sweep: every job not yet complete, one per host's GPU at a time."""
+        seconds = None if budget is None else parse_duration(budget, "--budget")
         spec = with_refs(load_sweep(sweep), list(ref or []))
         validate_criteria(spec)  # a criterion no case can answer is refused before anything runs
         inv = load_inventory(inventory)
@@ -173,6 +200,7 @@ def register(app: typer.Typer) -> None:
                 progress=view,
                 job_timeout=job_timeout,
                 stop_in_background=True,  # the rows are reported while Ray stops
+                budget=seconds,
             )
         finally:
             view.close()

@@ -37,6 +37,7 @@ from orchestrator.analysis import groups, stats
 from orchestrator.analysis.compare import CompareResult, compare_results, default_baseline
 from orchestrator.analysis.criteria import evaluate_criteria
 from orchestrator.analysis.cross_device import cross_device
+from orchestrator.analysis.shortfall import shortfall_lines
 from orchestrator.analysis.verdicts import CriterionVerdict
 from orchestrator.errors import InputError
 from orchestrator.report.history import HistoryView, history_view
@@ -270,7 +271,7 @@ def sweep_view(
     ]
     if verdicts and len(devices) > 1:
         view.overview = overview_table(verdicts, devices)
-    view.left_out = legend(result)
+    view.left_out = legend(result) + shortfall_lines(table, result.varying)
     view.cross, view.warnings = _cross_views(table, axes, styles, order, resamples, uid)
     view.history = history_view(history, styles, uid, anchor=f"{view.anchor}-history")
     if view.history is not None:

@@ -35,6 +35,7 @@ from orchestrator.analysis.groups import Point, point_of
 from orchestrator.analysis.records import typed
 from orchestrator.analysis.samples import clean_in_duckdb
 from orchestrator.analysis.selection import select_results
+from orchestrator.analysis.shortfall import shortfall_lines
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, warn_broken
 from orchestrator.report.output import markdown
@@ -277,6 +278,8 @@ def render_run_end(
         note = left_out(table)
         if note:
             out.print(Text(note))
+        for line in shortfall_lines(table, result.varying):
+            out.print(Text(line))
     this_run = read_rows(store, sweep=sweep.name, runs=[run_id]) if run_id else None
     commits = this_run is not None and this_run.num_rows > 0 and compared_refs(this_run) > 1
     if this_run is not None and commits:

@@ -160,6 +160,8 @@ def expand(
         kind_of_case = registry.CASES[case.case].kind
         if kind_of_case == registry.CaseKind.KERNEL:  # the cache state is part of what a job measures
             options["cache"] = case.cache or sweep.cache
+            if case.arm_paths():
+                options["arm_paths"] = case.arm_paths()
         if kind_of_case != registry.CaseKind.COMMAND:
             options.update(_sampling(case, sweep))
         reps = case.repetitions or sweep.repetitions

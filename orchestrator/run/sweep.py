@@ -1,8 +1,9 @@
 """`run_sweep`: the library function behind `orchestrate run`.
 
 Load -> check -> expand -> skip complete jobs -> run on Ray -> store each job's rows as it
-finishes. Nothing is started or written before the inputs, the results directory and the
-cluster have been checked.
+finishes -> within `budget`, top up the points whose verdict is still open
+(`orchestrator.run.topup`). Nothing is started or written before the inputs, the results
+directory and the cluster have been checked.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from orchestrator.cluster.embedded import local_gpus
 from orchestrator.run.code_version import code_version
 from orchestrator.run.executor import Interrupted, RayExecutor
 from orchestrator.run.plan import expand, new_run_id
+from orchestrator.run.topup import MAX_PASSES, TopUps, pooled, top_up_job, wanted
 from orchestrator.specs.checks import check_sweep_against_inventory
 from orchestrator.specs.definition import definition_footer
 from orchestrator.specs.sweep import InventorySpec, SweepSpec
@@ -79,6 +81,7 @@ class RunSummary:
     startup_seconds: float = 0.0  # from the call to the cluster ready (Ray's start, planning, resume)
     interrupted: int | None = None  # the signal (SIGINT, SIGTERM) that stopped the run early
     wait_stopped: Callable[[], None] = lambda: None  # returns once Ray has stopped (`stop_in_background`)
+    top_ups: TopUps | None = None  # what `--budget` topped up and left open (None: no budget)
 
     @property
     def ran(self) -> int:
@@ -144,8 +147,12 @@ def run_sweep(
     spool_dir: str | None = None,
     job_timeout: float | None = None,
     stop_in_background: bool = False,
+    budget: float | None = None,
 ) -> RunSummary:
     """Run every job of `sweep` not already complete in `store`; return what happened.
+
+    `budget`: seconds the whole run may take; what the first pass leaves of it goes to more rounds
+    where a verdict is still open and short of its precision target (`orchestrator.run.topup`).
 
     `stop_in_background`: once every job's rows are stored, Ray stops in a thread while the caller
     reports them; the caller then calls `summary.wait_stopped()` before it exits.
@@ -171,11 +178,14 @@ def run_sweep(
     # carry it with the rows and no reader of the dataset meets a file that is not Parquet.
     definition = definition_footer(sweep, sweep_where)
 
+    measured: dict[str, tuple[JobSpec, pa.Table]] = {}  # job_key -> its rows, as stored
+
     def on_done(job: JobSpec, table: pa.Table) -> None:
         nonlocal last_done
         status = footer_status(table)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **definition})
         path = store.write(table, sweep=job.sweep, date=today, device=job.device, run_id=run_id, job_key=job.job_key)
+        measured[job.job_key] = (job, table)
         contended, samples = sample_contention(table)
         extra = job_extra(table)
         attempts = table["lock_attempts"][0].as_py() if table.num_rows else 1
@@ -212,6 +222,8 @@ def run_sweep(
             for job in todo:
                 progress("queued", job, None)
         executor.run(todo, on_done)
+        if budget is not None:
+            summary.top_ups = _top_up(executor, sweep, store, measured, budget - (time.perf_counter() - t0), today)
     except Interrupted as stop:
         summary.interrupted = stop.signum  # what finished is stored; the caller says so and how to resume
         executor.shutdown()
@@ -223,3 +235,66 @@ def run_sweep(
         summary.wait_stopped = executor.wait_stopped
     summary.wall_seconds = time.perf_counter() - t0
     return summary
+
+
+def _top_up(
+    executor: RayExecutor,
+    sweep: SweepSpec,
+    store: ResultStore,
+    measured: dict[str, tuple[JobSpec, pa.Table]],
+    left: float,
+    today: dt.date,
+) -> TopUps:
+    """More rounds for the open points short of their target, in passes, within `left` seconds."""
+    done = TopUps()
+    deadline = time.perf_counter() + left
+    for _ in range(MAX_PASSES):
+        todo = wanted(measured.values(), sweep)
+        if not todo:
+            return done
+        for job, _ in todo:
+            done.labels[job.job_key] = f"{job.device} {job.case_name} " + " ".join(
+                f"{k}={v}" for k, v in job.params.items()
+            )
+        jobs = _within(todo, deadline - time.perf_counter(), done)
+        if not jobs:
+            return done
+
+        def on_topped(job: JobSpec, table: pa.Table) -> None:
+            old_job, old = measured[job.job_key]
+            if footer_status(table) != Status.OK:
+                done.left_open[job.job_key] = f"its top-up ended {footer_status(table)}: {_first_error(table)}"
+                return
+            merged = pooled(old, table)
+            store.write(merged, sweep=job.sweep, date=today, device=job.device, run_id=job.run_id, job_key=job.job_key)
+            measured[job.job_key] = (old_job, merged)
+            done.left_open.pop(job.job_key, None)
+            done.topped_up[job.job_key] = int(pc.max(merged["sample"]).as_py()) + 1
+
+        executor.run(jobs, on_topped)
+    for job, _ in wanted(measured.values(), sweep):
+        done.left_open.setdefault(job.job_key, f"still open after {MAX_PASSES} top-ups")
+    return done
+
+
+def _within(todo: list[tuple[JobSpec, pa.Table]], left: float, done: TopUps) -> list[JobSpec]:
+    """The top-up jobs that fit in `left` seconds, each with its share of the sampling time.
+
+    A kind's jobs may run one after another on one host: each gets `(left - their overheads) / n`
+    of sampling, at most its point's own `max_seconds`; the overhead of a job (start, warm-up,
+    checks) is what its first measurement spent outside its timed rounds.
+    """
+    by_kind: dict[str, list[tuple[JobSpec, pa.Table]]] = {}
+    for job, table in todo:
+        by_kind.setdefault(job.device, []).append((job, table))
+    out = []
+    for jobs in by_kind.values():
+        overheads = sum(v for _, t in jobs for k, v in job_phases(t).items() if k != "timed")
+        share = (left - overheads) / len(jobs)
+        for job, table in jobs:
+            cap = float(job.options.get("max_seconds") or share)
+            if share < min(1.0, cap):
+                done.left_open[job.job_key] = "the run's --budget is spent"
+                continue
+            out.append(top_up_job(job, table, min(share, cap)))
+    return out

@@ -34,9 +34,12 @@ def check_size(points: int, what: str) -> None:
 
 
 class ArmSpec(Strict):
-    """An arm of a case: its environment overrides (and, for command cases, nothing else)."""
+    """An arm of a case: its environment overrides, and for kernel cases the registered path it
+    runs (`path`; default: the arm's own name). Two arms of one path are an A/A comparison: the
+    baseline against itself under another name shows what the method calls a difference."""
 
     env: dict[str, str] = Field(default_factory=dict)
+    path: str | None = None
 
     @field_validator("env")
     @classmethod
@@ -77,6 +80,12 @@ class CaseEntry(Strict):
     def arm_names(self) -> list[str]:
         return list(self.arms) if isinstance(self.arms, list) else list(self.arms.keys())
 
+    def arm_paths(self) -> dict[str, str]:
+        """The arms that run another registered path than their own name: arm -> path."""
+        if isinstance(self.arms, list):
+            return {}
+        return {arm: spec.path for arm, spec in self.arms.items() if spec.path is not None and spec.path != arm}
+
     def arm_env(self) -> dict[str, dict[str, str]]:
         if isinstance(self.arms, list):
             return {}
@@ -113,8 +122,19 @@ class CaseEntry(Strict):
             raise ValueError("arms: at least one arm is needed")
         if len(set(arms)) != len(arms):
             raise ValueError("arms: an arm is named twice")
+        paths = self.arm_paths()
+        if paths and spec.kind != registry.CaseKind.KERNEL:
+            raise ValueError(f"arms: `path` names a kernel path; case {self.case!r} is not a kernel case")
+        for arm, path in paths.items():
+            if path not in spec.arms:
+                raise ValueError(
+                    f"arms.{arm}.path: unknown arm {path!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
+                    + did_you_mean(path, spec.arms)
+                )
+            if arm in spec.arms:
+                raise ValueError(f"arms.{arm}.path: {arm!r} is an arm of case {self.case!r}; name the copy apart")
         for arm in arms:
-            if spec.arms and arm not in spec.arms:
+            if spec.arms and arm not in spec.arms and arm not in paths:
                 raise ValueError(
                     f"arms: unknown arm {arm!r} for case {self.case!r} (known: {', '.join(spec.arms)})"
                     + did_you_mean(arm, spec.arms)

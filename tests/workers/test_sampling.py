@@ -90,9 +90,9 @@ def test_a_top_up_pools_the_earlier_rounds() -> None:
     first = Rounds(_job(reps=6, precision=0.002, baseline="base", max_seconds=0.05), ["base", "twice"])
     _simulate(first, rng, 1.5, 0.03)
     taken = first.rounds_taken()
-    prior = {arm: {str(r): v for r, v in first.values[arm].items()} for arm in ("base", "twice")}
+    prior = {"seconds": {arm: {str(r): v for r, v in first.values[arm].items()} for arm in ("base", "twice")}}
     more = Rounds(
-        _job(reps=taken + 2, precision=0.002, baseline="base", max_seconds=0.05, first_round=taken, prior=prior),
+        _job(reps=6, precision=0.002, baseline="base", max_seconds=0.05, first_round=taken, prior=prior),
         ["base", "twice"],
     )
     _simulate(more, rng, 1.5, 0.03)

@@ -47,12 +47,27 @@ def job_rng(job: JobSpec) -> np.random.Generator:
 
 
 def kernel_workload(job: JobSpec, rng: np.random.Generator) -> registry.Workload:
-    """The kernel case's workload at the job's point (its module imported, its arms built)."""
+    """The kernel case's workload at the job's point (its module imported, its arms built).
+
+    An arm that runs another arm's path (`options.arm_paths`, an A/A copy) gets that path's
+    callable under its own name: the same code, timed and checked as an arm of its own.
+    """
     with phases.span("imports"):
         module = registry.load_case(job.case)
     params = {**registry.CASES[job.case].defaults, **job.params}
+    aliases: dict[str, str] = job.options.get("arm_paths") or {}
+    built = list(dict.fromkeys(aliases.get(a, a) for a in job.arms))
     with phases.span("build"):
-        workload: registry.Workload = module.build(params, list(job.arms), rng)
+        workload: registry.Workload = module.build(params, built, rng)
+    if aliases:
+        reference = workload.reference
+        workload.reference = lambda arm, *inputs: reference(aliases.get(arm, arm), *inputs)
+        for arm, path in aliases.items():
+            if path in workload.arms:
+                workload.arms[arm] = workload.arms[path]
+            if path in workload.unsupported:
+                workload.unsupported[arm] = workload.unsupported[path]
+        workload.arms = {a: workload.arms[a] for a in job.arms if a in workload.arms}  # the sweep's order
     return workload
 
 

@@ -3,15 +3,16 @@
 The head puts a point's target in the job's options (`orchestrator.run.plan`): `precision` (the
 relative half-width every arm's 95 % interval to `baseline` must reach), `max_seconds` (the
 sampling budget of the point) and, for a top-up of a point measured before in the same run,
-`first_round` and `prior` (the earlier rounds' values per arm, so the rule judges the pooled
-samples). `repetitions` is the minimum. Without `precision`, exactly `repetitions` rounds.
+`first_round` and `prior` (the earlier rounds' values, `{metric: {arm: {round: value}}}`, so the
+rule judges the pooled samples). `repetitions` is the minimum. Without `precision`, exactly `repetitions` rounds.
 
 `Rounds` hands out round numbers and decides, after each block of two rounds, whether to go on
 (`workers.contract.precision.Target.stop`); the interval is recomputed on a widening cadence
 (every eighth of the rounds so far), so the bootstrap costs a few percent of the sampling at most
 however long the point samples. Every timed row then says how its point's sampling ended
 (`extras`): `stop_reason`, `half_width` (the arm's own ratio to the baseline; the baseline's rows
-carry the widest of the point), `precision` and `rounds`.
+carry the widest of the point), `precision`, `baseline` (the arm the intervals are to) and
+`rounds`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from workers.contract import JobSpec
 from workers.contract.precision import (
+    DEFAULT_MAX_ROUNDS,
     ROUNDS_PER_BLOCK,
     StopReason,
     Target,
@@ -34,13 +36,16 @@ CHECK_FRACTION = 8  # the interval is recomputed after every 1/8 more rounds
 
 
 def target_of(job: JobSpec) -> Target:
-    """The sampling target of a job (module docstring)."""
+    """The sampling target of a job (module docstring). A top-up takes at least one more block
+    and may go on for `DEFAULT_MAX_ROUNDS` more rounds."""
     precision = job.options.get("precision")
     max_seconds = job.options.get("max_seconds")
+    first = int(job.options.get("first_round", 0))
     return Target(
-        min_rounds=job.repetitions,
+        min_rounds=max(job.repetitions, first + ROUNDS_PER_BLOCK) if first else job.repetitions,
         precision=None if precision is None else float(precision),
         max_seconds=None if max_seconds is None else float(max_seconds),
+        max_rounds=first + DEFAULT_MAX_ROUNDS,
     )
 
 
@@ -53,7 +58,7 @@ class Rounds:
         wanted = job.options.get("baseline")
         self.baseline = wanted if wanted in arms else None
         self.first = int(job.options.get("first_round", 0))
-        prior: dict[str, Any] = job.options.get("prior") or {}
+        prior: dict[str, Any] = (job.options.get("prior") or {}).get(metric) or {}
         self.values: dict[str, dict[int, float]] = {
             arm: {int(r): float(v) for r, v in (prior.get(arm) or {}).items()} for arm in arms
         }
@@ -115,6 +120,8 @@ class Rounds:
         out = {"stop_reason": str(reason), "rounds": str(self.rounds_taken())}
         if self.target.precision is not None:
             out["precision"] = f"{self.target.precision:g}"
+        if self.baseline is not None:
+            out["baseline"] = self.baseline
         widths = [w for w in self.widths.values() if math.isfinite(w)]
         width = self.widths.get(arm) if arm != self.baseline else (max(widths) if widths else None)
         if width is not None and math.isfinite(width):
