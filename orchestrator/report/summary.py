@@ -1,6 +1,6 @@
 """`orchestrate results` and the end of `orchestrate run`: the quick look at a sweep's numbers.
 
-`summarize` groups the clean samples (status ok, not contended, finite) in DuckDB: per device,
+`summarize` groups the clean samples (status ok, not contended, not throttled, finite) in DuckDB: per device,
 case, point, arm and metric the median, the interquartile range, the count, and the ratio of the
 arm's median to its case's baseline arm at the same point (`orchestrate compare` adds intervals
 and verdicts). Like `orchestrate compare`, the command passes each point's newest run only unless
