@@ -39,7 +39,9 @@ def clean_rows(table: pa.Table) -> pa.Table:
         return table
     ok = pc.equal(table["status"], Status.OK.value)
     not_contended = pc.invert(pc.fill_null(table["contended"], False))
-    not_throttled = pc.invert(pc.fill_null(pc.equal(pc.map_lookup(table["extra"], "throttled", "first"), "true"), False))
+    not_throttled = pc.invert(
+        pc.fill_null(pc.equal(pc.map_lookup(table["extra"], "throttled", "first"), "true"), False)
+    )
     finite = pc.and_(pc.is_valid(table["value"]), pc.is_finite(pc.fill_null(table["value"], 0.0)))
     return table.filter(pc.and_(pc.and_(ok, not_contended), pc.and_(not_throttled, finite)))
 

@@ -79,9 +79,7 @@ def test_unpinned_job_follows_cuda_visible_devices(nvml: FakeNvml, monkeypatch: 
     assert DeviceStateReader("cuda").extra()["temp_c"] == "77"
 
 
-def test_nothing_is_read_where_the_backend_or_nvml_cannot_tell(
-    nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_nothing_is_read_where_the_backend_or_nvml_cannot_tell(nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
     for backend in ("cpu", "metal", "rocm"):
         reader = DeviceStateReader(backend)
         assert not reader.available and reader.read() is None and reader.extra() == {}

@@ -82,7 +82,9 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, rates: list[tuple[float, float]])
 
     monkeypatch.setattr(peaks_mod, "measure_copy", probe)
     monkeypatch.setattr(
-        peaks_mod, "measure_tflop_s", lambda sizes, dtype, repeats=5: MatmulProbe(tflop_s=1.0, n=sizes[0], candidates={})
+        peaks_mod,
+        "measure_tflop_s",
+        lambda sizes, dtype, repeats=5: MatmulProbe(tflop_s=1.0, n=sizes[0], candidates={}),
     )
     return calls
 
