@@ -2,9 +2,9 @@
 
 A group is one (device, case, point, arm, metric), optionally kept apart per run and code
 version; its samples come in row order, each with the key that pairs it with the other arms'
-samples of the same job (`PairKey`). Only clean rows count: status ok, not contended, a finite
-value. Which way each metric is better (`higher_is_better`) and which are exact numbers
-(`EXACT_METRICS`) is said here too, once for every reader of the groups.
+samples of the same job (`PairKey`). Only clean rows count: status ok, not contended, not
+throttled, a finite value. Which way each metric is better (`higher_is_better`) and which are
+exact numbers (`EXACT_METRICS`) is said here too, once for every reader of the groups.
 """
 
 from __future__ import annotations
@@ -32,13 +32,18 @@ def higher_is_better(metric: str) -> bool:
 
 
 def clean_rows(table: pa.Table) -> pa.Table:
-    """Only the rows that count as samples: status ok, not contended, a finite value."""
+    """Only the rows that count as samples: status ok, not contended, not throttled (taken while the
+    GPU slowed itself for heat or a power emergency: `extra.throttled`, `workers.host.device_state`),
+    a finite value."""
     if table.num_rows == 0:
         return table
     ok = pc.equal(table["status"], Status.OK.value)
     not_contended = pc.invert(pc.fill_null(table["contended"], False))
+    not_throttled = pc.invert(
+        pc.fill_null(pc.equal(pc.map_lookup(table["extra"], "throttled", "first"), "true"), False)
+    )
     finite = pc.and_(pc.is_valid(table["value"]), pc.is_finite(pc.fill_null(table["value"], 0.0)))
-    return table.filter(pc.and_(pc.and_(ok, not_contended), finite))
+    return table.filter(pc.and_(pc.and_(ok, not_contended), pc.and_(not_throttled, finite)))
 
 
 Point = tuple[tuple[str, str], ...]

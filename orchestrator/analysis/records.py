@@ -172,7 +172,7 @@ def cross_records(rows: list[CrossDeviceRow]) -> list[dict[str, Any]]:
                     "value": finite(cell.summary.median),
                     "peak": cell.peak,
                     "fraction_of_peak": cell.fraction,
-                    "over_peak": cell.fraction is not None and cell.fraction > 1.0,
+                    "over_peak": cell.beat_probe,
                 }
             )
     return out

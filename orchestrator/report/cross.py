@@ -3,7 +3,7 @@
 `orchestrator.analysis.cross_device` computes the shares; here they become a terminal table that
 fits (the full cells, else compact ones with the peaks said once under the table), Markdown, or
 the tidy CSV/JSON records of `orchestrator.analysis.records`, each followed by a warning for a
-share above 100 % of a peak.
+peak probe that a rate beat.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from orchestrator.report.units import metric_label, unit_of
 
 
 def print_cross(out: Console, cross: list[CrossDeviceRow], *, wide: bool = False) -> None:
-    """The cross-device view on a console, then a warning for every share of a device's peak above
-    100 %: the full view when it fits (or `wide`), else the compact one with the peaks said once."""
+    """The cross-device view on a console, then a warning for every probed peak a rate beat: the
+    full view when it fits (or `wide`), else the compact one with the peaks said once."""
     full = cross_table(cross)
     chosen = full if wide else fit(out, [full, cross_table(cross, compact=True)])
     print_wide(out, chosen)

@@ -9,7 +9,7 @@ In the order a reader needs it, per sweep and, inside it, per device:
 2. the details, per case: a table with one row per point and arm (medians, ratios with their
    intervals and coloured verdicts), each metric against x per arm, the gap chart;
 3. the device-by-device view: per arm, every device's bandwidth and FLOP rate as a share of its
-   own measured peak (shares above 100 % flagged: a bad peak probe);
+   own measured peak (a peak that a rate beat is raised to the best rate measured, and warned about);
 4. the history per host, when series have two or more runs, with the flagged steps;
 5. the host fingerprints.
 
@@ -206,15 +206,16 @@ def _device_view(
 def _cross_views(
     table: pa.Table, axes: CaseAxes, styles: ArmStyles, order: list[str], resamples: int, uid: Callable[[], str]
 ) -> tuple[list[CrossView], list[str]]:
-    """The device-by-device view per case, and a warning per device with a share above 100 %."""
+    """The device-by-device view per case, and a warning per device whose probed peak a rate beat."""
     rows = cross_device(table, resamples=resamples)
     over: dict[str, int] = defaultdict(int)
     for r in rows:
         for device, cell in r.cells.items():
-            over[device] += cell.fraction is not None and cell.fraction > 1
+            over[device] += cell.beat_probe
     warnings = [
-        f"{device}: {n} rate{'s' if n > 1 else ''} above 100 % of the device's measured peak. Its peak probe is "
-        "wrong (taken while the machine was busy, or too weak), so its shares of peak cannot be trusted."
+        f"{device}: {n} rate{'s' if n > 1 else ''} above the device's probed peak. The probe was too low (taken "
+        "while the machine was busy, or short of the device's best clocks), so its shares are of the best rate "
+        "measured there instead; probe it again with ORCHESTRATE_REPROBE_PEAKS=1."
         for device, n in sorted(over.items())
         if n
     ]

@@ -8,7 +8,8 @@
   drawn only on its arm, its metric and the points it judges, and labelled. The headline uses it
   for the criteria (points it could not judge marked as missing), the details for the gap charts.
 * `share_chart`: the device-by-device view: per arm, each device's rate as a share of that
-  device's own measured peak; shares above 100 % are flagged (a bad peak probe).
+  device's own measured peak (raised to the best rate measured there where a rate beat the probe:
+  `orchestrator.analysis.cross_device`).
 * `history_chart`: per host, run medians over time, per arm, with the flagged steps marked.
 """
 
@@ -32,7 +33,6 @@ from orchestrator.report.style import (
     MARKERS,
     QUANTITIES,
     RC,
-    WARN_COLOUR,
     ArmStyles,
     XAxis,
     axis_label,
@@ -254,7 +254,6 @@ def share_chart(title: str, panels: list[SharePanel], styles: ArmStyles, *, uid:
         p = panels[i]
         axis = x_axis(p.xparam, [x for s in p.devices for x in s.xs])
         colour = styles.colour(p.arm)
-        over = False
         for slot, s in enumerate(p.devices):
             marker, dash = DEVICE_STYLES[slot % len(DEVICE_STYLES)]
             xs = [axis.pos(x, slot, len(p.devices)) for x in s.xs]
@@ -272,24 +271,11 @@ def share_chart(title: str, panels: list[SharePanel], styles: ArmStyles, *, uid:
                 linewidth=1,
             )
             ax.plot([], [], color="grey", marker=marker, linestyle=dash, label=s.label)  # the device, not the arm
-            high = [(x, y) for x, y in zip(xs, s.ys, strict=True) if y > 100]
-            if high:
-                over = True
-                ax.plot(
-                    *zip(*high, strict=True),
-                    marker="o",
-                    markersize=10,
-                    markerfacecolor="none",
-                    markeredgecolor=WARN_COLOUR,
-                    markeredgewidth=1.5,
-                    linestyle="none",
-                    label="above 100 %: the peak probe is wrong",
-                )
         ax.axhline(100, color=BASELINE_COLOUR, linestyle="--", linewidth=1.0, label="the device's measured peak")
         axis.apply(ax)
         plain_numbers(ax)
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{p.arm}: {QUANTITIES.get(p.metric, p.metric)}" + (" (above 100 %!)" if over else ""))
+        ax.set_title(f"{p.arm}: {QUANTITIES.get(p.metric, p.metric)}")
         ax.set_ylabel("share of the device's measured peak (%)")
 
     return chart(title, len(panels), draw, uid=uid, cols=4, size=(3.2, 2.4))

@@ -51,7 +51,6 @@ MARKERS = ("o", "^", "D", "v", "P", "X", "<", ">", "h")
 # Arms beyond the palette's seven reuse its colours with another dash.
 DASHES: tuple[Any, ...] = ("-", (0, (1, 1.2)), (0, (4, 1, 1, 1)))
 DEVICE_STYLES: tuple[tuple[str, Any], ...] = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))))
-WARN_COLOUR = "#D55E00"
 # What a unit token printed by `format_value` divides by.
 UNIT_DIVISORS = {
     "B": 1.0, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,

@@ -1,6 +1,6 @@
 """`orchestrate results` and the end of `orchestrate run`: the quick look at a sweep's numbers.
 
-`summarize` groups the clean samples (status ok, not contended, finite) in DuckDB: per device,
+`summarize` groups the clean samples (status ok, not contended, not throttled, finite) in DuckDB: per device,
 case, point, arm and metric the median, the interquartile range, the count, and the ratio of the
 arm's median to its case's baseline arm at the same point (`orchestrate compare` adds intervals
 and verdicts). Like `orchestrate compare`, the command passes each point's newest run only unless
@@ -126,17 +126,19 @@ def summarize(table: pa.Table, *, baseline: str | None, metrics: Sequence[str] =
 
 
 def left_out(table: pa.Table) -> str | None:
-    """Why rows are not in the summary: how many are contended, failed or unsupported (or None)."""
+    """Why rows are not in the summary: how many are contended, throttled, failed or unsupported (or None)."""
     con = duckdb.connect()
-    con.register("rows", table.select(["status", "contended"]))
+    con.register("rows", table.select(["status", "contended", "extra"]))
     sql = (
-        "SELECT count(*) FILTER (status = 'ok' AND coalesce(contended, false)), count(*) FILTER (status = 'failed'), "
-        "count(*) FILTER (status = 'unsupported') FROM rows"
+        "SELECT count(*) FILTER (status = 'ok' AND coalesce(contended, false)), "
+        "count(*) FILTER (status = 'ok' AND NOT coalesce(contended, false) AND extra['throttled'] = 'true'), "
+        "count(*) FILTER (status = 'failed'), count(*) FILTER (status = 'unsupported') FROM rows"
     )
-    ((contended, failed, unsupported),) = con.sql(sql).fetchall()
+    ((contended, throttled, failed, unsupported),) = con.sql(sql).fetchall()
     con.close()
     counts = {
         "contended (a foreign process used the device during the measurement)": contended,
+        "throttled (the GPU slowed itself for heat or power)": throttled,
         "failed": failed,
         "unsupported": unsupported,
     }

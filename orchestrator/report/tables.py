@@ -269,13 +269,14 @@ def cross_table(rows: list[CrossDeviceRow], styles: ArmStyles) -> TableView:
             share = f"{cell.fraction:.0%}" if cell.fraction >= 0.1 else f"{cell.fraction:.1%}"
             text = f"{value}: {share} of {format_value(r.metric, cell.peak or math.nan)}"
             cls = "num"
-            if cell.fraction > 1:
+            if cell.beat_probe:
                 cls += " warn"
                 where = " ".join(f"{k}={v}" for k, v in r.point if k in params)
                 notes.append(
-                    f"{dev} {r.case_name} {where} {r.arm}: {metric_label(r.metric)} is {cell.fraction:.0%} of the "
-                    "device's measured peak, which is impossible: that device's peak probe is wrong (taken while "
-                    "the machine was busy, or too weak a probe), so its shares are not to be trusted"
+                    f"{dev} {r.case_name} {where} {r.arm}: {metric_label(r.metric)} beat the device's probed peak "
+                    f"({format_value(r.metric, cell.probed or math.nan)}), so that device's shares are of the best "
+                    "rate measured there: its probe was too low (taken while the machine was busy, or short of its "
+                    "best clocks)"
                 )
             cells.append(Cell(text, cls))
         body.append(cells)

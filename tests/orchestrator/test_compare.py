@@ -201,23 +201,50 @@ def test_cross_device_puts_each_value_beside_its_own_peak() -> None:
     assert over_peak([row]) == []
 
 
-def test_a_share_above_the_measured_peak_is_warned_about() -> None:
-    """A CPU probe taken on a busy machine read 3.5 GB/s: a kernel at 110 GB/s is not at 3140 %
-    of what the machine can do, the peak is wrong, and the view says so."""
+def test_a_rate_above_the_probed_peak_raises_the_peak_and_is_named() -> None:
+    """A dense GEMM measured 771 TFLOP/s on a device whose probe read 768: the device's peak
+    becomes the best median measured there (it demonstrably does that much), every share of that
+    device is of it (none above 100 %), and the view names the rows that beat the probe. Another
+    device, whose probe nothing beat, keeps its probe."""
     rng = np.random.default_rng(6)
-    busy = job_table({"native": {"gb_per_s": noisy(rng, 110.0, 0.01, 5)}}, params={"tokens": 1}, peaks=(3.5, 0.05))
-    rows = cross_device(busy)
+    point = {"tokens": 4096}
+    h100 = job_table(
+        {
+            "dense": {"tflop_per_s": noisy(rng, 771.0, 0.002, 7)},
+            "affine": {"tflop_per_s": noisy(rng, 769.0, 0.002, 7)},
+            "native": {"tflop_per_s": noisy(rng, 384.0, 0.002, 7)},
+        },
+        params=point,
+        device="h100",
+        peaks=(3300.0, 768.0),
+    )
+    h200 = job_table(
+        {"dense": {"tflop_per_s": noisy(rng, 700.0, 0.002, 7)}}, params=point, device="h200", peaks=(4000.0, 790.0)
+    )
+    rows = cross_device(concat([h100, h200]))
+    cells = {r.arm: r.cells for r in rows}
+    best = cells["dense"]["h100"].summary.median
+    assert best == pytest.approx(771.0, rel=0.003)
+    for arm in ("dense", "affine", "native"):
+        cell = cells[arm]["h100"]
+        assert (cell.peak, cell.probed) == (best, 768.0)
+        assert cell.fraction == pytest.approx(cell.summary.median / best) and cell.fraction <= 1.0
+    assert cells["native"]["h100"].fraction == pytest.approx(384.0 / 771.0, rel=0.005)
+    assert [arm for arm in cells if cells[arm]["h100"].beat_probe] == ["affine", "dense"]
+    assert (cells["dense"]["h200"].peak, cells["dense"]["h200"].probed) == (790.0, None)
     (warning,) = over_peak(rows)
-    assert (
-        warning.startswith("warning: cpu qmm tokens=1 native gb_per_s at 31")
-        and "% of the device's measured peak (3.5)" in warning
+    assert warning.startswith(
+        "warning: h100 tflop_per_s: 2 rows beat the device's probed peak (768), so its shares are of the best "
+        f"median measured there ({best:.4g}): qmm tokens=4096 dense {best:.4g}; qmm tokens=4096 affine"
     )
     assert "ORCHESTRATE_REPROBE_PEAKS=1" in warning
     md, js = io.StringIO(), io.StringIO()
     write_cross(rows, Format.md, md)
     write_cross(rows, Format.json, js)
     assert warning in md.getvalue()
-    assert json.loads(js.getvalue())[0]["over_peak"] is True
+    records = {(r["arm"], r["device"]): r for r in json.loads(js.getvalue())}
+    assert records[("dense", "h100")]["over_peak"] is True and records[("native", "h100")]["over_peak"] is False
+    assert records[("native", "h100")]["peak"] == best
 
 
 def test_unknown_baseline_and_empty_data_are_input_errors(tmp_path: Path) -> None:

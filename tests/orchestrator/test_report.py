@@ -227,16 +227,14 @@ def test_peak_memory_axis_has_its_unit_and_no_offset(two_device_doc: str) -> Non
     assert "2.222 MB" in doc and "2.000 MB" in doc
 
 
-def test_shares_above_the_measured_peak_are_warned(two_device_doc: str) -> None:
+def test_rates_above_the_probed_peak_are_warned_and_shares_use_the_best_rate(two_device_doc: str) -> None:
     doc = report(two_device_rows(cpu_peak_gb=0.05))  # a probe taken on a busy machine: 40x too low
-    assert re.search(r'<td class="num warn">[\d.]+ GB/s: \d{4}% of 0\.05000 GB/s</td>', doc)
-    assert "which is impossible: that device's peak probe is wrong" in html.unescape(doc)
+    assert re.search(r'<td class="num warn">[\d.]+ GB/s: 100% of [\d.]+ GB/s</td>', doc)  # the best rate measured
+    assert not re.search(r"\d{4}% of", doc)
+    assert "beat the device's probed peak (0.05000 GB/s)" in html.unescape(doc)
     top = html.unescape(doc[: doc.index("<section")])  # warned at the top too, before any section
-    assert "cpu: 6 rates above 100 % of the device's measured peak. Its peak probe is wrong" in top
-    share = by_suptitle(charts(doc), "each arm's rate as a share")
-    assert any(p.title.endswith("(above 100 %!)") for p in share.panels)
-    assert "above 100 %: the peak probe is wrong" in [e.label for e in share.legend]
-    assert "peak probe is wrong" not in two_device_doc
+    assert "cpu: 6 rates above the device's probed peak. The probe was too low" in top
+    assert "probed peak" not in two_device_doc
 
 
 def test_several_devices_get_a_section_each_and_a_device_by_device_view(two_device_doc: str) -> None:

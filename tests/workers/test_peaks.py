@@ -14,23 +14,60 @@ from tests.orchestrator.synthetic_rows import job_table
 from workers.contract import JobSpec, LockSettings
 from workers.host import peaks as peaks_mod
 from workers.host.fingerprint import host_fingerprint
-from workers.host.peaks import CopyProbe, PeakStamp, host_peaks, load_peaks, peaks_path, read_peaks, with_peaks
+from workers.host.peaks import (
+    CopyProbe,
+    MatmulProbe,
+    PeakStamp,
+    host_peaks,
+    load_peaks,
+    peaks_path,
+    read_peaks,
+    with_peaks,
+)
 from workers.job.runner import run_job
 
 
 def test_the_copy_probe_takes_the_best_copy_the_host_offers(tmp_path: Path) -> None:
     fp = host_fingerprint()
-    first = host_peaks(fp, tmp_path, copy_mib=16, matmul_n=128, repeats=3)
+    first = host_peaks(fp, tmp_path, copy_mib=16, matmul_sizes=(64, 128), repeats=3)
     # MLX's CPU backend here: about 3-40 GB/s copy, about 6 GFLOP/s (reference BLAS); a GPU far more.
     assert 0.1 < first.copy_gb_s < 20_000
     assert 1e-4 < first.tflop_s < 5_000
-    assert (first.matmul_n, first.copy_bytes, first.fingerprint_id) == (128, 16 * 2**20, fp.fingerprint_id)
+    assert (first.copy_bytes, first.fingerprint_id) == (16 * 2**20, fp.fingerprint_id)
+    assert set(first.matmul_candidates) == {"64", "128"}  # every size probed, the best kept with its size
+    assert first.tflop_s == first.matmul_candidates[str(first.matmul_n)] == max(first.matmul_candidates.values())
     want = {"mlx x+1", "mlx copy", "numpy copyto" if mx.default_device() == mx.cpu else "cuda memcpy DtoD"}
     assert want <= set(first.copy_candidates) or mx.metal.is_available()
     assert first.copy_gb_s == max(first.copy_candidates.values())  # not `x + 1` alone
     assert first.copy_method == max(first.copy_candidates, key=lambda m: first.copy_candidates[m])
     stored = json.loads(peaks_path(fp.fingerprint_id, tmp_path).read_text())
     assert stored["copy_gb_s"] == first.copy_gb_s and stored["copy_method"] == first.copy_method
+
+
+def test_the_matrix_probe_takes_the_best_size_not_the_largest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small product leaves a GPU partly idle and a large one, back to back, runs at the board's
+    power cap: the peak is the best rate of any size (real MLX products, the clock scripted)."""
+    seconds = {64: 2 * 64**3 / 500e12, 128: 2 * 128**3 / 790e12, 256: 2 * 256**3 / 734e12}
+    sizes: list[int] = []
+
+    def best_seconds(fn: object, repeats: int) -> float:
+        n = (64, 128, 256)[len(sizes)]
+        sizes.append(n)
+        return seconds[n]
+
+    monkeypatch.setattr(peaks_mod, "_best_seconds", best_seconds)
+    probe = peaks_mod.measure_tflop_s((64, 128, 256), "float32", repeats=2)
+    assert sizes == [64, 128, 256]
+    assert (probe.n, round(probe.tflop_s)) == (128, 790)
+    assert {n: round(r) for n, r in probe.candidates.items()} == {"64": 500, "128": 790, "256": 734}
+
+
+def test_a_probe_of_the_previous_version_is_probed_again(tmp_path: Path) -> None:
+    fp = host_fingerprint()
+    peaks = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,), repeats=2)
+    old = peaks.model_copy(update={"version": peaks_mod.PEAKS_VERSION - 1})
+    peaks_path(fp.fingerprint_id, tmp_path).write_text(old.model_dump_json())
+    assert load_peaks(fp.fingerprint_id, tmp_path) is None
 
 
 def _scripted(monkeypatch: pytest.MonkeyPatch, rates: list[tuple[float, float]]) -> list[int]:
@@ -44,17 +81,21 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, rates: list[tuple[float, float]])
         return CopyProbe(gb_s=gb_s, method="scripted", candidates={"scripted": gb_s}, spread=spread)
 
     monkeypatch.setattr(peaks_mod, "measure_copy", probe)
-    monkeypatch.setattr(peaks_mod, "measure_tflop_s", lambda n, dtype, repeats=5: 1.0)
+    monkeypatch.setattr(
+        peaks_mod,
+        "measure_tflop_s",
+        lambda sizes, dtype, repeats=5: MatmulProbe(tflop_s=1.0, n=sizes[0], candidates={}),
+    )
     return calls
 
 
 def test_a_quiet_probe_is_stored_once_per_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _scripted(monkeypatch, [(100.0, 1.05), (200.0, 1.0)])
     fp = host_fingerprint()
-    first = host_peaks(fp, tmp_path, copy_mib=4, matmul_n=64, repeats=2)
+    first = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,), repeats=2)
     assert host_peaks(fp, tmp_path) == first and len(calls) == 1
     # a new driver, OS, MLX or host is a new fingerprint: probed again
-    other = host_peaks(fp.model_copy(update={"fingerprint_id": "new-driver"}), tmp_path, copy_mib=4, matmul_n=64)
+    other = host_peaks(fp.model_copy(update={"fingerprint_id": "new-driver"}), tmp_path, copy_mib=4, matmul_sizes=(64,))
     assert len(calls) == 2 and other.copy_gb_s == 200.0
 
 
@@ -65,12 +106,12 @@ def test_a_disturbed_probe_is_probed_again_and_the_best_is_kept(
     its repeats spread, so it is stored as disturbed, probed again, and merged as the best."""
     calls = _scripted(monkeypatch, [(3.0, 4.0), (40.0, 1.6), (35.0, 1.7), (99.0, 1.0)])
     fp = host_fingerprint()
-    busy = host_peaks(fp, tmp_path, copy_mib=4, matmul_n=64)
+    busy = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,))
     assert busy.disturbed is not None and "spread 4.00x" in busy.disturbed
     assert load_peaks(fp.fingerprint_id, tmp_path) is None  # not trusted as it is
-    second = host_peaks(fp, tmp_path, copy_mib=4, matmul_n=64)
+    second = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,))
     assert second.copy_gb_s == 40.0 and second.probes == 2
-    third = host_peaks(fp, tmp_path, copy_mib=4, matmul_n=64)
+    third = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,))
     assert third.copy_gb_s == 40.0 and third.probes == peaks_mod.MAX_PROBES  # the best of the busy probes
     assert host_peaks(fp, tmp_path) == third and len(calls) == 3  # a host that stays busy stops probing
 
@@ -78,9 +119,9 @@ def test_a_disturbed_probe_is_probed_again_and_the_best_is_kept(
 def test_peaks_are_probed_again_on_request_once_per_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _scripted(monkeypatch, [(100.0, 1.0), (150.0, 1.0)])
     fp = host_fingerprint()
-    host_peaks(fp, tmp_path, run_id="run-1", copy_mib=4, matmul_n=64)
+    host_peaks(fp, tmp_path, run_id="run-1", copy_mib=4, matmul_sizes=(64,))
     monkeypatch.setenv(peaks_mod.ENV_REPROBE, "1")
-    again = host_peaks(fp, tmp_path, run_id="run-2", copy_mib=4, matmul_n=64)
+    again = host_peaks(fp, tmp_path, run_id="run-2", copy_mib=4, matmul_sizes=(64,))
     assert again.copy_gb_s == 150.0 and again.run_id == "run-2"
     assert host_peaks(fp, tmp_path, run_id="run-2") == again and len(calls) == 2  # once per run
 
@@ -106,7 +147,7 @@ def test_unreadable_or_foreign_files_are_measured_again(tmp_path: Path) -> None:
 
 def test_peaks_are_stamped_on_every_row(tmp_path: Path) -> None:
     fp = host_fingerprint()
-    peaks = host_peaks(fp, tmp_path, copy_mib=4, matmul_n=64, repeats=2)
+    peaks = host_peaks(fp, tmp_path, copy_mib=4, matmul_sizes=(64,), repeats=2)
     table = job_table({"native": {"seconds": [1.0, 2.0]}, "affine": {"seconds": [1.5]}}, params={"tokens": 1})
     stamped = with_peaks(table, peaks)
     assert stamped.schema == table.schema and stamped.schema.metadata == table.schema.metadata

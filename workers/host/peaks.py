@@ -11,8 +11,13 @@ as a small JSON file per host fingerprint on the worker host (`$ORCHESTRATE_PEAK
   CUDA backend (on a Hopper card MLX's `x + 1` stays well below a device copy, so shares of a
   peak taken from it would read too high; BENCHMARKS.md); NumPy's `copyto` (memcpy) where MLX runs
   on the CPU. The fastest wins and its name is kept (`copy_method`, each candidate's rate beside).
-* Matrix: a dense square product in the backend's usual compute type (bfloat16 on GPUs, float32
-  on MLX's CPU backend, which is slow in 16-bit types); TFLOP/s = 2 n^3 / seconds, best of several.
+* Matrix: dense square products in the backend's usual compute type (bfloat16 on GPUs, float32
+  on MLX's CPU backend, which is slow in 16-bit types) at several sizes, each timed `repeats`
+  times; TFLOP/s = 2 n^3 / seconds, the best of all (`matmul_n` the size that reached it, each
+  size's best beside in `matmul_candidates`). One size is not enough on a GPU: a small product
+  leaves the device partly idle, and a large one, run back to back, draws the board to its power
+  cap and lowers its clocks, so a workload of short bursts beat a probe of one large size. The
+  peak is the device's best, and a workload must not beat it (BENCHMARKS.md).
 
 They are probed again when the fingerprint changes (a new driver, OS, MLX or host is a new
 fingerprint), when the stored probe was disturbed (its repeats spread by more than `UNSTEADY`,
@@ -33,7 +38,7 @@ import datetime as dt
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +52,16 @@ from workers.job import phases
 
 ENV_DIR = "ORCHESTRATE_PEAKS_DIR"
 ENV_REPROBE = "ORCHESTRATE_REPROBE_PEAKS"
-PEAKS_VERSION = 2
+PEAKS_VERSION = 3
 UNSTEADY = 1.25  # slowest / fastest repeat of a quiet probe stays under this
 MAX_PROBES = 3  # a host that stays busy keeps the best of this many disturbed probes
 # Probe sizes per backend: large enough to leave the caches and keep the GPU busy, small enough
-# to take seconds, not minutes, on MLX's CPU backend.
+# to take seconds, not minutes, on MLX's CPU backend. On a GPU the products are cheap (tens of
+# milliseconds each at most), so many repeats of every size cost well under a second; the copy
+# is as large as it is because smaller copies stay below what the driver's copy reaches.
 SIZES: dict[str, dict[str, Any]] = {
-    "cpu": {"copy_mib": 64, "matmul_n": 512, "dtype": "float32"},
-    # Large enough to come close to what the driver and PyTorch reach on a Hopper GPU: there a
-    # 1 GiB copy read 3.3 TB/s and 4 GiB 3.7 (PyTorch's copy: 4.2); bfloat16 n=8192 703 TFLOP/s
-    # and n=16384 753 (PyTorch: about 790).
-    "gpu": {"copy_mib": 2048, "matmul_n": 16384, "dtype": "bfloat16"},
+    "cpu": {"copy_mib": 64, "matmul_sizes": (256, 512), "dtype": "float32", "matmul_repeats": 5},
+    "gpu": {"copy_mib": 2048, "matmul_sizes": (4096, 8192, 12288, 16384), "dtype": "bfloat16", "matmul_repeats": 20},
 }
 
 
@@ -72,12 +76,13 @@ class HostPeaks(BaseModel):
     copy_gb_s: float
     tflop_s: float
     copy_bytes: int
-    matmul_n: int
+    matmul_n: int  # the size that reached `tflop_s`
     dtype: str
     repeats: int
     measured_at: dt.datetime
     copy_method: str = ""
     copy_candidates: dict[str, float] = Field(default_factory=dict)  # method -> best GB/s
+    matmul_candidates: dict[str, float] = Field(default_factory=dict)  # size n -> best TFLOP/s
     disturbed: str | None = None  # why this probe cannot be trusted (then it is probed again)
     probes: int = 1  # probes merged into this record (each rate is the best any of them saw)
     run_id: str = ""
@@ -88,12 +93,15 @@ class HostPeaks(BaseModel):
         if earlier is None or earlier.fingerprint_id != self.fingerprint_id or earlier.version != self.version:
             return self
         copy = self if self.copy_gb_s >= earlier.copy_gb_s else earlier
+        matmul = self if self.tflop_s >= earlier.tflop_s else earlier
         return self.model_copy(
             update={
                 "copy_gb_s": copy.copy_gb_s,
                 "copy_method": copy.copy_method,
                 "copy_candidates": copy.copy_candidates,
-                "tflop_s": max(self.tflop_s, earlier.tflop_s),
+                "tflop_s": matmul.tflop_s,
+                "matmul_n": matmul.matmul_n,
+                "matmul_candidates": matmul.matmul_candidates,
                 "probes": earlier.probes + 1,
             }
         )
@@ -193,38 +201,52 @@ def measure_copy(copy_mib: int, repeats: int = 5) -> CopyProbe:
     return CopyProbe(gb_s=rates[best], method=best, candidates=rates, spread=max(winner) / min(winner))
 
 
-def measure_tflop_s(matmul_n: int, dtype: str, repeats: int = 5) -> float:
-    """Best dense matrix-product rate in TFLOP/s for an n x n x n product in `dtype`."""
+class MatmulProbe(BaseModel):
+    """The best dense-product rate over the probed sizes, the size that reached it, and each size's best."""
+
+    tflop_s: float
+    n: int
+    candidates: dict[str, float]  # size n -> best TFLOP/s
+
+
+def measure_tflop_s(matmul_sizes: Sequence[int], dtype: str, repeats: int = 5) -> MatmulProbe:
+    """Best dense matrix-product rate in TFLOP/s over n x n x n products in `dtype`, one per size."""
     import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     dt_ = getattr(mx, dtype)
-    key = mx.random.key(0)
-    ka, kb = mx.random.split(key)
-    a = mx.random.normal((matmul_n, matmul_n), key=ka).astype(dt_)
-    b = mx.random.normal((matmul_n, matmul_n), key=kb).astype(dt_)
-    mx.eval(a, b)
-    seconds = _best_seconds(lambda: a @ b, repeats)
-    return 2 * matmul_n**3 / seconds / 1e12
+    rates: dict[str, float] = {}
+    for n in matmul_sizes:
+        ka, kb = mx.random.split(mx.random.key(n))
+        a = mx.random.normal((n, n), key=ka).astype(dt_)
+        b = mx.random.normal((n, n), key=kb).astype(dt_)
+        mx.eval(a, b)
+        rates[str(n)] = 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, repeats) / 1e12
+        del a, b  # the next size's operands replace these (16384^2 bfloat16: 0.5 GiB each)
+    best = max(rates, key=lambda n: rates[n])
+    return MatmulProbe(tflop_s=rates[best], n=int(best), candidates=rates)
 
 
 def measure_peaks(
     fingerprint: HostFingerprint,
     *,
     copy_mib: int | None = None,
-    matmul_n: int | None = None,
+    matmul_sizes: Sequence[int] | None = None,
     dtype: str | None = None,
     repeats: int = 5,
+    matmul_repeats: int | None = None,
     run_id: str = "",
 ) -> HostPeaks:
-    """Run both probes on MLX's default device (sizes default per device kind, see `SIZES`)."""
+    """Run both probes on MLX's default device (sizes and the products' repeats default per device
+    kind, see `SIZES`; `repeats` is the copies', whose spread also tells a disturbed probe)."""
     import mlx.core as mx  # optional heavy dependency: the head stamps no peaks
 
     # The device MLX really runs on decides the sizes, not the fingerprint's label.
     sizes = SIZES["gpu" if mx.default_device() == mx.gpu else "cpu"]
     copy_mib = copy_mib or sizes["copy_mib"]
-    matmul_n = matmul_n or sizes["matmul_n"]
+    matmul_sizes = matmul_sizes or sizes["matmul_sizes"]
     dtype = dtype or sizes["dtype"]
     copy = measure_copy(copy_mib, repeats)
+    matmul = measure_tflop_s(matmul_sizes, dtype, matmul_repeats or sizes["matmul_repeats"])
     disturbed = None
     if copy.spread > UNSTEADY:
         disturbed = f"copy repeats spread {copy.spread:.2f}x (quiet: under {UNSTEADY}x)"
@@ -232,14 +254,15 @@ def measure_peaks(
         fingerprint_id=fingerprint.fingerprint_id,
         backend=fingerprint.backend,
         copy_gb_s=copy.gb_s,
-        tflop_s=measure_tflop_s(matmul_n, dtype, repeats),
+        tflop_s=matmul.tflop_s,
         copy_bytes=copy_mib * 2**20,
-        matmul_n=matmul_n,
+        matmul_n=matmul.n,
         dtype=dtype,
         repeats=repeats,
         measured_at=dt.datetime.now(dt.UTC),
         copy_method=copy.method,
         copy_candidates=copy.candidates,
+        matmul_candidates=matmul.candidates,
         disturbed=disturbed,
         run_id=run_id,
     )

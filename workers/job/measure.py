@@ -30,7 +30,9 @@ Method (see DESIGN.md, "Measurement method", and `kernels.timing` for the why of
 One row per sample: `seconds`, and the derived tok/s, GB/s and TFLOP/s. Each row's `extra` says
 how it was timed: `calls_per_sample`, `cache` (cold, warm, hot or unrotated: the state achieved),
 `cache_requested`, `weight_copies`, `weight_bytes` and `llc_bytes`; and how its point's sampling
-ended: `stop_reason`, `rounds`, `half_width` and `precision` (`workers.job.sampling`).
+ended: `stop_reason`, `rounds`, `half_width` and `precision` (`workers.job.sampling`); on CUDA, the
+device's state right after the sample's round: `sm_clock_mhz`, `temp_c`, `power_w`, `throttle` and
+`throttled` (`workers.host.device_state`; nothing on CPU and Metal).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from kernels.checking import relative_error
 from kernels.registry import ArmPath, AutoSpec, Workload
 from kernels.timing import abba_order
 from workers.contract import JobSpec, RowBuilder, Status
+from workers.host import device_state
 from workers.job import phases, sampling
 
 INPUT_POOL = 3  # input sets rotated across samples
@@ -147,14 +150,18 @@ def _measure(
     with phases.span("warmup"):  # right before the rounds: the checks above let the device idle
         timing.settle(timed, pool, calls, method.warmup_seconds)
     first_row = len(rows.rows)
+    device = device_state.for_job(job)
     with phases.span("timed"):
         for rep in rounds:
             inputs = pool[rep % len(pool)]
+            round_row = len(rows.rows)
             for arm in abba_order(list(timed), rep):
                 sample = timed[arm].sample(inputs, calls)
                 rounds.record(rep, arm, sample.seconds)
                 extra = {"calls_per_sample": str(calls), "cache_requested": method.cache, **timed[arm].record()}
                 _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
+            state = device.extra()  # once per round, right after it (`workers.host.device_state`)
+            rows.annotate(round_row, dict.fromkeys(timed, state))
     rows.annotate(first_row, {arm: rounds.extras(arm) for arm in timed})
     return status
 
