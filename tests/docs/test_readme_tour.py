@@ -81,7 +81,8 @@ def test_every_tour_block_runs(tmp_path: Path) -> None:
             continue
         argv = ["bash", "-euo", "pipefail", "-c", code] if language == "sh" else [sys.executable, "-c", code]
         done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"README block failed (exit {done.returncode}):\n{code}\n{done.stdout}{done.stderr}"
+        failed = f"README block failed (exit {done.returncode}):\n{code}\n{done.stdout}{done.stderr}"
+        assert done.returncode == 0, failed
         outputs.append(done.stdout)
 
     # what the tour promises a reader, checked on what it left behind
