@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# The product end to end on the lent GPU machine, the way the README tells a user to run it: the
-# real CLI with the embedded default (no inventory: `device = "auto"`), for the built-in sweeps
-# smoke, moe-gather and nvfp4-prefill (every case and point), then compare, check and report, and
-# the results packed for `orchestrate import` on another machine.
+# The product end to end on one GPU host, the way the README runs it: the real CLI with the
+# embedded default (no inventory: `device = "auto"`), for the built-in sweeps smoke, moe-gather and
+# nvfp4-prefill (every case and point), then compare, check, phases and the HTML report, and the
+# results packed for `orchestrate import` on another machine. Installing on a host with no package
+# index (a wheelhouse): docs/gpu-hosts.md.
 #
-# One device call runs at most 10 minutes, so this script is resumable: it runs until its time
-# budget is spent, stopping `orchestrate run` with SIGTERM (which stores what finished and says
-# "interrupted: ...; rerun to resume"), and the next call, while the machine is still up, resumes
-# where it stopped (the results and spool live under /tmp/orchestrate-e2e on that machine). Here:
+#   bash benchmarks/device_e2e.sh OUT [SECONDS]
 #
-#   ../shared/device/stage.sh prepare tabulate==0.10.0   # writes .device/p1..p3 (with the one pin the bundle lacks)
-#   run (carry .device/p1): bash .device/p1/stash.sh
-#   run (carry .device/p2): bash .device/p2/stash.sh
-#   run (carry .device/p3): source .device/p3/install.sh && bash benchmarks/device_e2e.sh "$OUT" 540
-#   ... the last line again until it prints "all sweeps complete" (the machine stays up ~30 s)
+# SECONDS (default 540) bounds one call, for hosts that limit how long a command may run: the
+# script stops `orchestrate run` with SIGTERM in time (it stores what finished and says
+# "interrupted: ...; rerun to resume"), and the next call resumes where it stopped (the results and
+# spool live under /tmp/orchestrate-e2e on the host). Call it again until it prints "all sweeps
+# complete".
 #
 # Writes under OUT: e2e.log (every command and its output), summary-<sweep>.txt (compare, check,
 # phases), report-<sweep>.html, and results.tar.xz (the Parquet fragments: unpack and
@@ -62,7 +60,7 @@ for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do
   fi
 done
 
-for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one file per sweep: the reply carries 8 files
+for sweep in ${SWEEPS:-smoke moe-gather nvfp4-prefill}; do  # one summary file per sweep
   {
     echo "== orchestrate compare --sweep $sweep"
     orchestrate compare --sweep "$sweep" 2>&1

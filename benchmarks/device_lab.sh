@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The kernel and method measurements of one device call, after `source .device/pN/install.sh`:
+# The kernel and method measurements on one NVIDIA GPU host, in one call (installing there:
+# docs/gpu-hosts.md):
 #
 #   bash benchmarks/device_lab.sh OUT [OLD_TREE]
 #
 # 1. benchmarks.gemm_lab: the NVFP4 prefill GEMM's variants checked and timed beside dense, native,
-#    affine and dequant-gemm at M = 512..16384 (issue 20); its last line is the variant rule to
+#    affine and dequant-gemm at M = 512..16384; its last line is the variant rule to
 #    export as ORCHESTRATE_GEMM_VARIANT.
 # 2. benchmarks.before_after: the same seed-shape qmm and moe-gather jobs by an older worker
 #    (OLD_TREE: its `workers/` and `kernels/`, e.g. `git archive <commit> workers kernels`) and by
 #    this one, in this one call: ROUNDS rounds per job (default 2) in ABBA order (round r: old then
 #    new when r is even, new then old when r is odd), each worker process into its own file
 #    ($jobs/old-JOB-r.parquet, $jobs/new-JOB-r.parquet); the medians' table of all of them, each
-#    side's files pooled and its intervals from a bootstrap of processes, then samples (issue 13).
+#    side's files pooled and its intervals from a bootstrap of processes, then samples.
 # Writes OUT/gemm_lab/ (gemm_lab.txt, gemm_lab.json, wgmma_rs/, wgmma/, wgmma_ws/) and OUT/before_after.md.
 # GEMM_LAB=0 skips step 1 (the before/after alone: about 90 s a round where the MLX JIT cache is filled).
 # ONLY=name,name and MS=512,...,16384 narrow step 1 to those variants and rows (the lab's --only, --m);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21 on a lent machine with several GPUs (nvidia-h200-x2, -x4 or -x8), through the real CLI
+# Several GPUs of one host (two, four or eight NVIDIA GPUs), through the real CLI
 # with embedded Ray: the nvfp4-prefill qmm case (4096 tokens, its six arms) and the moe-gather
 # case (its six arms) as sweeps of identical jobs, first on GPU 0 alone (an inventory with
 # `gpus = [0]`), then on every GPU (`gpus = "all"`); then a sweep of N + 1 qmm jobs during which
@@ -7,15 +7,11 @@
 # throughput ratio (all GPUs / one GPU) against 0.9 x N, each arm's medians per GPU with their
 # intervals and ratios to GPU 0's, and where the lost jobs finished (benchmarks/multigpu.py).
 #
-# Untried on multi-GPU hardware (BENCHMARKS.md has no numbers from it). Resumable like
-# device_e2e.sh: each call runs until its time budget is spent; the next call (machine still up)
-# resumes; each finished step leaves a marker under /tmp/orchestrate-mg. Staged as device_e2e.sh is:
+#   bash benchmarks/device_multigpu.sh OUT [SECONDS]
 #
-#   ../shared/device/stage.sh prepare                 # writes .device/p1..p3
-#   run --kind nvidia-h200-x2 (carry .device/p1): bash .device/p1/stash.sh
-#   run (carry .device/p2): bash .device/p2/stash.sh
-#   run (carry .device/p3): source .device/p3/install.sh && bash benchmarks/device_multigpu.sh "$OUT" 540
-#   ... the last line again until it prints "all steps complete"
+# Installing on the host: docs/gpu-hosts.md. Resumable like device_e2e.sh: each call runs until its
+# time budget (SECONDS, default 540) is spent and the next call resumes; each finished step leaves a
+# marker under /tmp/orchestrate-mg. Call it again until it prints "all steps complete".
 #
 # Writes under OUT: multigpu.log (every command and its output), summary.txt, and results.tar.xz.
 # PER_GPU (default 2) jobs per GPU on all GPUs, ONE_GPU (default 2) jobs on GPU 0 alone.
@@ -27,7 +23,7 @@ budget=${2:-540}
 state=${MG_STATE:-/tmp/orchestrate-mg}
 mkdir -p "$out" "$state"
 export ORCHESTRATE_RESULTS=$state/results ORCHESTRATE_SPOOL=$state/spool PYTHONUNBUFFERED=1
-# No collective runs here, but keep NVLink multicast off for anything that starts (the device notes).
+# No collective runs here, but keep NVLink multicast off for anything that starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log=$out/multigpu.log
 deadline=$((SECONDS + budget))

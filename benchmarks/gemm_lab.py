@@ -3,7 +3,7 @@
     python3 -m benchmarks.gemm_lab --out DIR [--m 512,2048,4096,16384] [--only NAME,...] [--rounds R]
     python3 -m benchmarks.gemm_lab --out DIR --ncu NAME [--m 4096]    # Nsight Compute, one variant
 
-Runs on MLX's CUDA backend (an NVIDIA GPU; `../shared/device/stage.sh` stages MLX there). One call,
+Runs on MLX's CUDA backend (an NVIDIA GPU; installing there: docs/gpu-hosts.md). One call,
 a few minutes, writes `DIR/gemm_lab.json` (every number) and `DIR/gemm_lab.txt` (the table it
 prints last):
 

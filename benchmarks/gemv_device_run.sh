@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Everything the decode-GEMV work measures on the lent GPU, in one call (the machine reaches no
-# registry and device time is short). Run on the GPU machine after MLX's CUDA build is installed:
+# Everything the decode-GEMV work measures on an NVIDIA GPU host, in one call. Run on the GPU host
+# after MLX's CUDA build is installed (docs/gpu-hosts.md):
 #
-#   source .device/stage2/install.sh && bash benchmarks/gemv_device_run.sh "$OUT"
+#   bash benchmarks/gemv_device_run.sh OUT
 #
 # Writes under OUT: lab/ (plain launches: the stream kernel's launch shapes, K-split, ceilings),
 # lab_graph/ (the same replayed from CUDA graphs, as MLX launches kernels), gap/

@@ -2,8 +2,8 @@
 
     python3 -m benchmarks.gpu_kernels --out DIR [--quick]
 
-Run on MLX's CUDA backend (an NVIDIA GPU; `../shared/device/mlx-cuda.sh` prepares MLX for
-it). One call does everything and writes `DIR/gpu_kernels.json`, then prints a short table:
+Run on MLX's CUDA backend (an NVIDIA GPU; installing there: docs/gpu-hosts.md). One call does
+everything and writes `DIR/gpu_kernels.json`, then prints a short table:
 
 * the card's copy ceiling: a large device-to-device copy through PyTorch (MLX's own `a + 0`, a
   lower bound, where PyTorch is missing), bytes read plus written, the median of several copies;

@@ -283,8 +283,8 @@ VARIANTS: dict[str, GemmConfig] = {
     "r256x128k64s5ke": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, early=True),
     "r256x128k64s5qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=12, early=True),
     "r256x128k64s6qe": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=6, abufs=12, early=True),
-    # (y: the epilogue through shared memory, 16-byte stores of whole rows; ncu of s5k: the element-wise
-    # stores used half of each sector, and the tensor cores idle through a block's epilogue)
+    # (y: the epilogue through shared memory, 16-byte stores of whole rows, since element-wise 16-bit
+    # stores of y use half of each 32-byte sector, and the tensor cores idle through a block's epilogue)
     "r256x128k64s5ky": GemmConfig(wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, ystage=True),
     "r256x128k64s5key": GemmConfig(
         wm=8, wn=1, tm=1, tn=32, wgmma=True, rs=True, stages=5, abufs=8, early=True, ystage=True
@@ -297,11 +297,11 @@ VARIANTS: dict[str, GemmConfig] = {
 # at most max_m rows; a bare name takes the rest. Set from the lab's table (BENCHMARKS.md); the
 # environment variable overrides it for a run without a code change, e.g.
 #   ORCHESTRATE_GEMM_VARIANT="b128x128k64s3@1024,b128x256k64s4"
-# Measured by benchmarks/gemm_lab.py on a Hopper GPU (BENCHMARKS.md): the register-sourced
-# r256x128k64s5qey (three k-tiles of A fragments, each k-tile's MMAs issued before its barrier, the
-# tile of y stored through shared memory) is the fastest variant at 512..16384 rows, 0.75-0.85x dense
-# in the lab and 0.82-0.91x through `orchestrate run` (r256x128k64s5k: 0.72-0.81x in the same lab run);
-# where wgmma cannot run (not compute capability 9.0, or no NVRTC) the fastest of the mma.sync variants.
+# Why this rule: benchmarks/gemm_lab.py on an H200 (BENCHMARKS.md, "Kernel lab") finds the
+# register-sourced r256x128k64s5qey (three k-tiles of A fragments, each k-tile's MMAs issued before
+# its barrier, the tile of y stored through shared memory) the fastest correct variant at every M
+# from 512 to 16384 rows; where wgmma cannot run (not compute capability 9.0, or no NVRTC) the
+# fastest of the mma.sync variants.
 DEFAULT_RULE = "r256x128k64s5qey"
 PORTABLE_RULE = "b128x128k64s3@512,b256x128k64s4"
 DEFAULT_VARIANT = DEFAULT_RULE.rsplit(",", 1)[-1]

@@ -1,18 +1,16 @@
-"""The H200 numbers BENCHMARKS.md publishes for the `nvfp4-prefill` sweep, as result rows.
+"""A small, fixed set of H200 numbers for the `nvfp4-prefill` sweep, as result rows.
 
-The H200 worker's Parquet fragments are not in the repository (results/ is git-ignored and the
-machine is lent), so `docs/report.png` is made from what BENCHMARKS.md's section "H200: the
-seeds' sweeps through the worker" prints: per point and arm ONE value, the published median (the
-mlp table prints means), stored as a single sample. The report therefore shows no intervals,
-and its timing comparisons and criteria say `n=1: too few to judge` (peak memory, exact by
-construction, is judged); the real rows, once imported, replace this (see `report_screenshot`).
-Each row says where it comes from: run `benchmarks-md-h200`, code version `transcribed from
-BENCHMARKS.md`.
+Per point and arm ONE value, the median an early H200 run of the sweep measured (the mlp table
+gives means), stored as a single sample, so that the report and its tests have GPU-shaped numbers
+without reading a store. The report made from them shows no intervals, and its timing comparisons
+and criteria say `n=1: too few to judge` (peak memory, exact by construction, is judged); the real
+rows in `docs/h200-results/` make the published screenshot (see `report_screenshot`). Each row
+says where it comes from: run `benchmarks-md-h200`, code version `transcribed from BENCHMARKS.md`.
 
 Derived metrics are computed as the worker computes them from the same sample
 (`workers/job/measure.py`): seconds = tokens / tok/s (qmm decode: the published time per call), and
 qmm's GB/s and TFLOP/s from `kernels.qmm`'s byte and FLOP counts. The device's peaks are the ones
-the worker's probes stamped on its rows (BENCHMARKS.md: copy 3560 GB/s, 774 TFLOP/s bf16).
+the worker's probes stamped on that H200's rows (copy 3560 GB/s, 774 TFLOP/s bf16).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Make `docs/report.png`: the first screen of an HTML report, as a real headless Chromium shows it.
 
     python -m tests.orchestrator.report_screenshot docs/report.png
-        # from BENCHMARKS.md's H200 numbers (`h200_benchmarks`: one published value per point)
+        # from a fixed set of H200 numbers (`h200_benchmarks`: one value per point and arm)
     python -m tests.orchestrator.report_screenshot docs/report.png --results results --sweep nvfp4-prefill
         # from stored rows, e.g. an H200 run's fragments after `orchestrate import`
 

@@ -57,16 +57,17 @@ def test_the_h200_jobs_are_named_by_what_tells_them_apart_and_their_shares_are_t
         cells = rows[labels[(job.run_id, job.job_key)]]
         assert cells[2] == job.job_key[:8] and float(cells[3]) == round(total, 2)
         assert (int(cells[-2]), int(cells[-1])) == (timed, warmed), (cells[1], cells[-2:])
-    # the published numbers (BENCHMARKS.md, issue 13): the 512-token qmm job 49 %, 16384 tokens 69 %
+    # the shares this stored run holds: the 512-token qmm job 49 %, 16384 tokens 69 %
     assert rows["qmm tokens=512"][-1] == "49" and rows["qmm tokens=16384"][-1] == "69"
 
 
 def test_the_h200_run_with_standbys_and_warming_has_every_qmm_job_at_least_half_measured(
     orchestrate_bin: str,
 ) -> None:
-    """The stored run on a warm host (standbys, warming beside Ray's start): each qmm job's warm-up
-    and timed samples at least half its wall time, as issue 13 asks, 54-74 %; on a fresh machine the
-    GEMM's first compile falls into the 512-token job's warm-up, so that run is not the one checked."""
+    """The stored run on a warm host (made by code that opened each job's device ahead and warmed the
+    first job's kernels beside Ray's start): each qmm job's warm-up and timed samples at least half
+    its wall time, 54-74 %; on a fresh machine the GEMM's first compile falls into the 512-token
+    job's warm-up, so that run is not the one checked."""
     done = orchestrate(
         orchestrate_bin, "phases", "--sweep", "nvfp4-prefill", "--run", WARM_RUN, "-r", str(H200), columns="400"
     )
@@ -74,7 +75,7 @@ def test_the_h200_run_with_standbys_and_warming_has_every_qmm_job_at_least_half_
     rows = rows_of(done.stdout)
     shares = {name: int(cells[-1]) for name, cells in rows.items() if name.startswith("qmm tokens=")}
     assert len(shares) == 7 and min(shares.values()) >= 50, shares
-    assert shares["qmm tokens=512"] == 60 and shares["qmm tokens=1"] == 65  # BENCHMARKS.md
+    assert shares["qmm tokens=512"] == 60 and shares["qmm tokens=1"] == 65  # as the stored run holds them
     store = ResultStore(H200)
     for job in job_phases_table(store, "nvfp4-prefill", WARM_RUN):
         assert "its device opened ahead" in job.process  # every job, the first included, ran in a standby
