@@ -153,3 +153,15 @@ def test_a_real_job_says_how_its_sampling_ended(precision: float, reason: str) -
         assert len(samples) > 4
     twice = {e["half_width"] for e, r in zip(extras, timed, strict=True) if r["arm"] == "twice"}
     assert len(twice) == 1 and 0 < float(twice.pop()) < 10
+
+
+def test_a_throttled_round_is_left_out_of_the_rule_but_counted_as_taken() -> None:
+    rounds = Rounds(_job(reps=4, precision=0.5, baseline="base"), ["base", "twice"])
+    rng = np.random.default_rng(6)
+    for r in rounds:
+        rounds.record(r, "base", 1.0 + rng.normal(0, 0.01))
+        rounds.record(r, "twice", 2.0 + rng.normal(0, 0.01))
+        if r == 2 * MIN_BLOCKS - 1:  # the last round before the first possible stop: dropped
+            rounds.drop(r)
+    assert 2 * MIN_BLOCKS - 1 not in rounds.values["base"] and 2 * MIN_BLOCKS - 1 not in rounds.values["twice"]
+    assert rounds.rounds_taken() >= 2 * MIN_BLOCKS and rounds.reason is StopReason.PRECISION

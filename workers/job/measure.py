@@ -162,6 +162,8 @@ def _measure(
                 _sample_rows(rows, arm, rep, sample, workload, paths[arm], failed.get(arm), extra)
             state = device.extra()  # once per round, right after it (`workers.host.device_state`)
             rows.annotate(round_row, dict.fromkeys(timed, state))
+            if state.get("throttled") == "true":
+                rounds.drop(rep)  # not clean (`orchestrator.analysis.groups`): no precision is owed to it
     rows.annotate(first_row, {arm: rounds.extras(arm) for arm in timed})
     return status
 

@@ -65,6 +65,7 @@ class Rounds:
         self.excluded: set[str] = set()
         self.widths: dict[str, float] = {}
         self.reason: StopReason | None = None
+        self.next_round = self.first  # a round dropped at the end still counts as taken
         self.seconds = 0.0
 
     def exclude(self, arm: str) -> None:
@@ -73,6 +74,11 @@ class Rounds:
 
     def record(self, round_: int, arm: str, value: float) -> None:
         self.values.setdefault(arm, {})[round_] = value
+
+    def drop(self, round_: int) -> None:
+        """Leave a round out of the rule (taken under a throttle: its rows are not clean)."""
+        for values in self.values.values():
+            values.pop(round_, None)
 
     def compared(self) -> list[str]:
         """The arms whose interval to the baseline the rule waits for."""
@@ -110,6 +116,7 @@ class Rounds:
                 break
             yield round_
             round_ += 1
+            self.next_round = round_
         self.seconds = time.perf_counter() - start
         if self.target.adaptive:
             self.measure_widths()
@@ -131,7 +138,7 @@ class Rounds:
     def rounds_taken(self) -> int:
         """Rounds of the point, earlier jobs' included."""
         taken = {r for v in self.values.values() for r in v}
-        return max(taken) + 1 if taken else self.first
+        return max(self.next_round, max(taken) + 1 if taken else self.first)
 
 
 def _even(n: int) -> int:
