@@ -43,6 +43,18 @@ CASES = {
     ),
     "unknown device kind": ('name = "x"\ndevices = ["tpu-v9"]\n' + GOOD_CASE, "device kind 'tpu-v9' has no host"),
     "malformed toml": ('name = "x\n', "malformed TOML"),
+    "copy of an unknown path": (
+        'name = "x"\n[[cases]]\ncase = "qmm"\narms = { affine = {}, again = { path = "afine" } }\n'
+        "params = { tokens = 1, n = 32, k = 64 }\n",
+        "arms.again.path: unknown arm 'afine'",
+    ),
+    "copy named as another arm": (
+        'name = "x"\n[[cases]]\ncase = "qmm"\narms = { affine = {}, native = { path = "affine" } }\n'
+        "params = { tokens = 1, n = 32, k = 64 }\n",
+        "arms.native.path: 'native' is an arm of case 'qmm'",
+    ),
+    "precision of 1 or more": ('name = "x"\nprecision = 1.5\n' + GOOD_CASE, "precision"),
+    "budget of no time": ('name = "x"\nmax_seconds = 0\n' + GOOD_CASE, "max_seconds"),
     "missing param": (
         'name = "x"\n[[cases]]\ncase = "qmm"\narms = ["native"]\nparams = { tokens = 1, n = 32 }\n',
         "params.k: required",
