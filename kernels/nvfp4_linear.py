@@ -28,7 +28,6 @@ import mlx.nn as nn
 
 from kernels import gemm_nvfp4, gemv_nvfp4, moe_nvfp4
 from kernels.cuda import cuda_backend_available
-from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 
 
 def _uses_moe(m: int, n: int, k: int, dtype: str) -> bool:
@@ -74,10 +73,11 @@ def nvfp4_matmul(
 BoundMatmul = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
 
 
-def bound_matmul(m: int, n: int, k: int, dtype: mx.Dtype) -> BoundMatmul:
-    """`nvfp4_matmul` for one activation shape and dtype, its kernel chosen now (module docstring):
-    the CUDA launch traced by `mx.compile`, or the twin compiled (one graph node per call instead of
-    a dozen ops built in Python)."""
+def bound_matmul(m: int, n: int, k: int, dtype: mx.Dtype, global_scale: mx.array | None = None) -> BoundMatmul:
+    """`nvfp4_matmul` for one activation shape and dtype on this process's device, its kernel chosen
+    now (module docstring): the CUDA launch traced by `mx.compile`, or the twin compiled (one graph
+    node per call instead of a dozen ops built in Python). `global_scale` is the layer's, for the
+    one kernel that takes it as it is stored (the one-expert MoE kernel)."""
     name = gemv_nvfp4.dtype_name(dtype)
     if m <= gemv_nvfp4.MAX_ROWS:
         cfg = gemv_nvfp4.choose_config(m, n, k, name)
@@ -85,7 +85,7 @@ def bound_matmul(m: int, n: int, k: int, dtype: mx.Dtype) -> BoundMatmul:
             return gemv_nvfp4.launcher(m, n, k, dtype, cfg)
         return _compiled_twin(gemv_nvfp4.twin_scaled)
     if _uses_moe(m, n, k, name):
-        return lambda x, w, scales, gsv: nvfp4_matmul(x, w, scales, gsv[:1] * MLX_GLOBAL_SCALE_DIVISOR)
+        return lambda x, w, scales, gsv: nvfp4_matmul(x, w, scales, global_scale)
     if cuda_backend_available() and gemm_nvfp4.kernel_supports(m, n, k, name) is None:
         return gemm_nvfp4.launcher(m, n, k, dtype)
     return _compiled_twin(gemm_nvfp4.twin_scaled)
@@ -150,7 +150,7 @@ class Nvfp4Linear(nn.Module):
         rows = 1
         for d in lead:
             rows *= d
-        matmul = bound_matmul(rows, out_dims, in_dims, dtype)
+        matmul = bound_matmul(rows, out_dims, in_dims, dtype, self._global_scale())
         if lead == (rows,):
             return matmul
 

@@ -12,8 +12,9 @@ Then, after `warmup` untimed passes per arm, right before the rounds they warm:
   as mlx-lm's generate does;
 * decode rounds: per arm, a window of at least `WINDOW_TOKENS` tokens generated as mlx-lm's
   `generate_step` generates them, the next step built and queued (`mx.async_eval`) before the
-  current token is read (`decode_tok_s`, with the host's share of the window: the time Python spent
-  building and queueing steps over the window's wall time), then `LATENCY_TOKENS` tokens one at a
+  current token is read (`decode_tok_s`; its extra has the host's share of the window, the time
+  Python spent building and queueing steps over the window's wall time, and the milliseconds per
+  step of each: `host_ms_per_step`, `build_ms_per_step`), then `LATENCY_TOKENS` tokens one at a
   time, each evaluated before the next is built, as a chat user waits for them
   (`token_latency_ms`, milliseconds per token).
 
@@ -151,12 +152,15 @@ class ArmRunner:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         return mx.argmax(logprobs, axis=-1)
 
-    def window(self, steps: int) -> tuple[list[int], float, float]:
-        """`steps` tokens from the kept state, pipelined: (token ids, wall seconds, host seconds).
+    def window(self, steps: int) -> tuple[list[int], float, float, float]:
+        """`steps` tokens from the kept state, pipelined: (token ids, wall seconds, host seconds,
+        of which building the steps' graphs).
 
         As mlx-lm's loop: step n+1 is built and queued with `mx.async_eval` before token n is read
-        (`.item()`), so the device works while Python builds the next graph; host seconds are the
-        time spent building and queueing.
+        (`.item()`), so the device works while Python builds the next graph. Host seconds are the
+        time spent building and queueing; queueing returns at once while the device keeps up, but
+        waits where MLX caps the work in flight (on its CPU backend, every op is a task): building
+        alone is the Python cost of a step on any backend.
         """
         mx, cache = self.mx, self.snapshot.restore()
         ids: list[int] = []
@@ -164,18 +168,21 @@ class ArmRunner:
         start = time.perf_counter()
         with mx.stream(self.stream):
             y = self._step(self.first, cache)
+            build = time.perf_counter() - start
             mx.async_eval(y)
             host = time.perf_counter() - start
             for n in range(steps):
                 following = None
                 if n + 1 < steps:
-                    built = time.perf_counter()
+                    t0 = time.perf_counter()
                     following = self._step(y, cache)
+                    t1 = time.perf_counter()
                     mx.async_eval(following)
-                    host += time.perf_counter() - built
+                    build += t1 - t0
+                    host += time.perf_counter() - t0
                 ids.append(int(y.item()))
                 y = following
-        return ids, time.perf_counter() - start, host
+        return ids, time.perf_counter() - start, host, build
 
     def latency(self, steps: int) -> float:
         """Mean seconds per token of `steps` tokens from the kept state, each evaluated before the
@@ -259,7 +266,7 @@ def measure_steady(
         for arm in abba_order(live, round_):
             runner = runners[arm]
             t0 = time.monotonic()
-            ids, seconds, host = runner.window(window_tokens)
+            ids, seconds, host, build = runner.window(window_tokens)
             t1 = time.monotonic()
             value = window_tokens / seconds
             decode_rounds.record(round_, arm, value)
@@ -268,6 +275,7 @@ def measure_steady(
                 "window_tokens": str(window_tokens),
                 "host_share": f"{host / seconds:.4g}",
                 "host_ms_per_step": f"{1e3 * host / window_tokens:.4g}",
+                "build_ms_per_step": f"{1e3 * build / window_tokens:.4g}",
                 "greedy_digest": digest(ids),
             }
             timed.append(Timed("decode_tok_s", arm, round_, value, (t0, t1), extra))
