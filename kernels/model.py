@@ -277,7 +277,8 @@ def _model_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def load_decoder(path: Path, arm: str) -> LoadedDecoder:
-    """Load a checkpoint for one arm (see the module docstring) and evaluate its weights.
+    """Load a checkpoint for one arm (see the module docstring) and evaluate its weights; the result's
+    `parts` say how long each part of the load took (`LOAD_PARTS`).
 
     Raises:
         ArmUnsupported: `native` on a checkpoint without NVFP4 layers.
