@@ -33,12 +33,15 @@ from typing import Any
 import numpy as np
 
 from kernels import mlx_lm_classes
+from kernels.shapes import STEADY_WINDOW_TOKENS
 from kernels.timing import abba_order
 from workers.contract import JobSpec
 from workers.job.sampling import Rounds
 
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
-WINDOW_TOKENS = 128  # a decode window: long enough that its start and end are a small share of it
+# a decode window: long enough that its start and end are a small share of it (the memory estimate,
+# `kernels.shapes.model_bytes`, counts a window's cache)
+WINDOW_TOKENS = STEADY_WINDOW_TOKENS
 LATENCY_TOKENS = 16
 WARMUP_TOKENS = 8
 PHASES = 3  # the budget is shared by the cold loads, the prefill rounds and the decode rounds
