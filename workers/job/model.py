@@ -209,7 +209,9 @@ def _steady(
     return result
 
 
-def _outcome_rows(rows: RowBuilder, arm: str, sample: int, error: str, status: Status, metrics: Any = METRICS) -> None:
+def _outcome_rows(
+    rows: RowBuilder, arm: str, sample: int, error: str, status: Status, metrics: tuple[tuple[str, str], ...] = METRICS
+) -> None:
     for metric, unit in metrics:
         rows.add(arm, metric, None, unit, sample=sample, status=status, error=error)
 
