@@ -48,7 +48,7 @@ import numpy as np
 
 from benchmarks.gpu_method import L1, L2, copy_ceiling_gb_s, log, per_call_seconds
 from kernels.cuda import cuda_device
-from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, _launcher, gemv_nvfp4_cuda, stream_constants
+from kernels.gemv_nvfp4 import GEMV_SOURCE, STREAM_CONFIG, GemvConfig, gemv_nvfp4_cuda, launcher, stream_constants
 
 N, K = 21504, 5376
 COPIES = 4
@@ -148,7 +148,7 @@ def time_mlx(
     if gsv is None:
         call = lambda i: gemv_nvfp4_cuda(x, *weights[i % len(weights)], None, cfg)  # noqa: E731
     else:
-        launch = _launcher(x.shape[0], weights[0][0].shape[0], K, x.dtype, cfg)
+        launch = launcher(x.shape[0], weights[0][0].shape[0], K, x.dtype, cfg)
         call = lambda i: launch(x, *weights[i % len(weights)], gsv)  # noqa: E731
     return in_us(per_call_seconds(call, L1, L2))
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             row[f"mlx-{text}"] = time_mlx(x, weights, cfg=parse_config(text))
             log(f"M={m} mlx {text}: {row[f'mlx-{text}']['us']:.1f} us")
         if args.floor:  # almost no GPU work: the host's cost per call, and where it goes
-            launch = _launcher(m, 256, K, x.dtype, STREAM_CONFIG)  # the traced call, no Python wrapper
+            launch = launcher(m, 256, K, x.dtype, STREAM_CONFIG)  # the traced call, no Python wrapper
             gsv = mx.zeros((4,), dtype=mx.float32)
             floors = {
                 "mlx-n256-floor": lambda i, x=x: gemv_nvfp4_cuda(x, *small[0], None, STREAM_CONFIG),

@@ -127,12 +127,12 @@ def gemv_section(ceiling: float, quick: bool) -> dict[str, Any]:
     for m in (1, 8):
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         gemv_nvfp4.COMPILE_LAUNCH = False
-        gemv_nvfp4._launcher.cache_clear()
+        gemv_nvfp4.launcher.cache_clear()
         try:
             overhead[str(m)] = per_call_seconds(custom(x, best[1] if m <= 4 else best[8]), L1, L2)
         finally:
             gemv_nvfp4.COMPILE_LAUNCH = True
-            gemv_nvfp4._launcher.cache_clear()
+            gemv_nvfp4.launcher.cache_clear()
         log(f"gemv M={m} without mx.compile: {overhead[str(m)]['seconds'] * 1e6:.1f} us")
     out["custom_uncompiled_launch"] = overhead
     return out

@@ -111,9 +111,14 @@ def gemm_nvfp4_twin(
     x: mx.array, w: mx.array, scales: mx.array, global_scale: mx.array | float | None = None
 ) -> mx.array:
     """The kernel's function in MLX ops: `x @ dequant(w)^T * global_scale / 2688`, fp32 products."""
+    return twin_scaled(x, w, scales, global_multiplier(global_scale))
+
+
+def twin_scaled(x: mx.array, w: mx.array, scales: mx.array, multiplier: mx.array) -> mx.array:
+    """`gemm_nvfp4_twin` given the multiplier as the kernels take it (its first element is used)."""
     weights = dequantize_exact(w, scales)
     y = x.astype(mx.float32) @ weights.T
-    return (y * global_multiplier(global_scale)).astype(x.dtype)
+    return (y * multiplier[:1]).astype(x.dtype)
 
 
 def gemm_nvfp4_cuda(
@@ -136,6 +141,12 @@ def gemm_nvfp4_cuda(
         raise ValueError(f"gemm_nvfp4 kernel: {reason}")
     mult = gsv if gsv is not None else kernel_multiplier(global_scale)
     return _launcher(m, n, k, x.dtype, name, poison)(x, w, scales, mult)
+
+
+def launcher(m: int, n: int, k: int, dtype: mx.Dtype) -> Callable[..., mx.array]:
+    """The library variant's kernel call for one shape, `(x, w, scales, multiplier) -> y` (its
+    support already checked by `kernel_supports`)."""
+    return _launcher(m, n, k, dtype, library_variant(m), False)
 
 
 @functools.cache

@@ -238,9 +238,15 @@ def gemv_nvfp4_twin(
     x: mx.array, w: mx.array, scales: mx.array, global_scale: mx.array | float | None = None
 ) -> mx.array:
     """The kernel's function in MLX ops: `x @ dequant(w)^T * global_scale / 2688`, fp32 accumulate."""
+    return twin_scaled(x, w, scales, global_multiplier(global_scale))
+
+
+def twin_scaled(x: mx.array, w: mx.array, scales: mx.array, multiplier: mx.array) -> mx.array:
+    """`gemv_nvfp4_twin` given the multiplier (global_scale / 2688) as the kernels take it: its
+    first element is used, so `kernel_multiplier`'s padded buffer serves both."""
     weights = dequantize_exact(w, scales)
     y = activations_as_kernel_sees_them(x) @ weights.T
-    return (y * global_multiplier(global_scale)).astype(x.dtype)
+    return (y * multiplier[:1]).astype(x.dtype)
 
 
 def gemv_nvfp4_cuda(
@@ -281,14 +287,15 @@ def _launch(
     """Run `cfg`'s kernel, its support already checked (`gsv`: the precomputed multiplier)."""
     m, k = x.shape
     mult = gsv if gsv is not None else kernel_multiplier(global_scale)
-    return _launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, mult)
+    return launcher(m, w.shape[0], k, x.dtype, cfg)(x, w, scales, mult)
 
 
 @functools.cache
-def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callable[..., mx.array]:
-    """The kernel call for one shape, traced once by `mx.compile`: later calls replay the traced
-    graph instead of re-assembling the kernel source in Python and C++ (tens of microseconds a
-    call, more than the kernel itself takes at decode sizes)."""
+def launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callable[..., mx.array]:
+    """The kernel call for one shape, `(x, w, scales, multiplier) -> y` (its support already checked),
+    traced once by `mx.compile`: later calls replay the traced graph instead of re-assembling the
+    kernel source in Python and C++ (tens of microseconds a call, more than the kernel itself takes
+    at decode sizes)."""
     template: list[tuple[str, int | bool]] = []
     if cfg.kernel == "stream":
         device = cuda_device()

@@ -26,7 +26,8 @@ against the checkpoint's codes and scales read back from disk and decoded by `ke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +75,13 @@ class LoadedDecoder:
     config: dict[str, Any]
     route: str
     vocab: int
+    parts: dict[str, float] = field(default_factory=dict)  # seconds of each part of the load (`LOAD_PARTS`)
 
 
-def _load_generated(path: Path, config: dict[str, Any]) -> nn.Module:
-    weights: dict[str, mx.array] = {}
-    for shard in sorted(path.glob("model*.safetensors")):
-        weights.update(mx.load(str(shard)))  # type: ignore[arg-type]
+def _load_generated(path: Path, config: dict[str, Any], clock: _PartClock) -> nn.Module:
+    weights = _stored(path)
+    mx.eval(weights)  # read here, so that the disk's share is its own part
+    clock.lap("reading")
     suffix = ".global_scale"
     tensor_scales = {k[: -len(suffix)]: weights.pop(k) for k in list(weights) if k.endswith(suffix)}
     model_class, args_class = model_classes(config)
@@ -101,7 +103,28 @@ def _load_generated(path: Path, config: dict[str, Any]) -> nn.Module:
         raise ValueError(f"{path}: global scales for unknown layers {missing[:3]}")
     scaled = [(p, TensorScaledLinear(modules[p], gs)) for p, gs in tensor_scales.items()]
     model.update_modules(tree_unflatten(scaled))
+    clock.lap("building")
     return model
+
+
+# The parts of a load, in order: the checkpoint's arrays read from disk; the model's modules made
+# and the arrays put in them; the arm's conversion (affine's repack to 4-bit g64, custom's swap to
+# our layers); everything left evaluated on the device. An mlx-lm checkpoint is read lazily by
+# mlx-lm's loader: its reads fall in `evaluating`.
+LOAD_PARTS = ("reading", "building", "repacking", "evaluating")
+
+
+class _PartClock:
+    """Seconds per part of a load: each `lap` closes the part that ran since the previous one."""
+
+    def __init__(self) -> None:
+        self.parts = dict.fromkeys(LOAD_PARTS, 0.0)
+        self._mark = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] += now - self._mark
+        self._mark = now
 
 
 @dataclass
@@ -254,7 +277,8 @@ def _model_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def load_decoder(path: Path, arm: str) -> LoadedDecoder:
-    """Load a checkpoint for one arm (see the module docstring) and evaluate its weights.
+    """Load a checkpoint for one arm (see the module docstring) and evaluate its weights; the result's
+    `parts` say how long each part of the load took (`LOAD_PARTS`).
 
     Raises:
         ArmUnsupported: `native` on a checkpoint without NVFP4 layers.
@@ -262,12 +286,14 @@ def load_decoder(path: Path, arm: str) -> LoadedDecoder:
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r} (known: {', '.join(ARMS)})")
+    clock = _PartClock()
     config = json.loads((path / "config.json").read_text())
     if "orchestrate" in config:
-        model = _load_generated(path, config)
+        model = _load_generated(path, config, clock)
     else:
         # a real mlx-lm checkpoint, loaded as mlx-lm does
         model, config = mlx_lm_classes.import_full("utils").load_model(path, lazy=True)
+        clock.lap("building")
     layers = _nvfp4_layers(model)
     scaled = sum(isinstance(m, TensorScaledLinear) for _, m in layers)
     if arm in ("native", "custom") and not layers:
@@ -286,6 +312,9 @@ def load_decoder(path: Path, arm: str) -> LoadedDecoder:
         route = f"affine {AFFINE_BITS}-bit g{AFFINE_GROUP_SIZE}, repacked from NVFP4 at load x{len(layers)}"
     else:
         route = f"as stored (quantization: {config.get('quantization')})"
+    clock.lap("repacking")
     mx.eval(model.parameters())
+    mx.synchronize()
+    clock.lap("evaluating")
     vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0))
-    return LoadedDecoder(model=model, config=config, route=route, vocab=vocab)
+    return LoadedDecoder(model=model, config=config, route=route, vocab=vocab, parts=clock.parts)

@@ -7,12 +7,20 @@ expert-batched MoE kernel with one expert where the GEMM cannot run on CUDA (flo
 kernels' MLX twins without CUDA. `matmul_route` names what it runs.
 
 `Nvfp4Linear` holds an NVFP4 layer as stored (codes, E4M3 scales, the optional global scale
-fused into the kernels' epilogue, bias) and calls `nvfp4_matmul` on the flattened activations;
+fused into the kernels' epilogue, bias) and runs the same choice on the flattened activations;
 `kernels.model` swaps mlx-lm's quantized linears for it at load (the whole-model `custom` arm).
+
+A decoder calls its linears hundreds of times per generated token, and the Python that builds a
+step's graph is paid on every token, ahead of the device in a pipelined decode (`mx.async_eval`).
+So a layer resolves its call once per activation shape and dtype (`bound_matmul`: the kernel's
+compiled launch, or the twin under `mx.compile`) and later calls go straight to it: no support
+checks, no cache lookups keyed by launch configurations, no per-call multiplier arithmetic.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -61,6 +69,33 @@ def nvfp4_matmul(
     return gemm_nvfp4.gemm_nvfp4(x, w, scales, global_scale, gsv=gsv)
 
 
+# (x [M, K], codes, scales, the kernels' multiplier `gemv_nvfp4.kernel_multiplier`) -> y [M, N]
+BoundMatmul = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
+
+
+def bound_matmul(m: int, n: int, k: int, dtype: mx.Dtype, global_scale: mx.array | None = None) -> BoundMatmul:
+    """`nvfp4_matmul` for one activation shape and dtype on this process's device, its kernel chosen
+    now (module docstring): the CUDA launch traced by `mx.compile`, or the twin compiled (one graph
+    node per call instead of a dozen ops built in Python). `global_scale` is the layer's, for the
+    one kernel that takes it as it is stored (the one-expert MoE kernel)."""
+    name = gemv_nvfp4.dtype_name(dtype)
+    if m <= gemv_nvfp4.MAX_ROWS:
+        cfg = gemv_nvfp4.choose_config(m, n, k, name)
+        if cuda_backend_available() and gemv_nvfp4.config_supports(cfg, m, n, k, name) is None:
+            return gemv_nvfp4.launcher(m, n, k, dtype, cfg)
+        return _compiled_twin(gemv_nvfp4.twin_scaled)
+    if _uses_moe(m, n, k, name):
+        return lambda x, w, scales, gsv: nvfp4_matmul(x, w, scales, global_scale)
+    if cuda_backend_available() and gemm_nvfp4.kernel_supports(m, n, k, name) is None:
+        return gemm_nvfp4.launcher(m, n, k, dtype)
+    return _compiled_twin(gemm_nvfp4.twin_scaled)
+
+
+@functools.cache
+def _compiled_twin(twin: BoundMatmul) -> BoundMatmul:
+    return mx.compile(twin)
+
+
 def matmul_route(m: int, n: int, k: int, dtype: str, kernel: str | None = None) -> str:
     """What `nvfp4_matmul` runs for this shape here (a row's `route`)."""
     if m <= gemv_nvfp4.MAX_ROWS:
@@ -71,7 +106,11 @@ def matmul_route(m: int, n: int, k: int, dtype: str, kernel: str | None = None) 
 
 
 class Nvfp4Linear(nn.Module):
-    """An NVFP4 linear layer run by our kernels, its global scale applied in their epilogue."""
+    """An NVFP4 linear layer run by our kernels, its global scale applied in their epilogue.
+
+    Its arrays are fixed at construction (the layer is frozen): the calls it binds per activation
+    shape (`bound_matmul`) take them as arguments, and the kernels' multiplier is derived once.
+    """
 
     def __init__(
         self, weight: mx.array, scales: mx.array, global_scale: mx.array | None, bias: mx.array | None
@@ -86,6 +125,9 @@ class Nvfp4Linear(nn.Module):
         self.freeze()
         # the kernels' multiplier, once (not a parameter: derived, and padded for the kernels)
         self._gsv = gemv_nvfp4.kernel_multiplier(self._global_scale())
+        # plain attributes, outside the module's parameter tree: (activation shape, dtype) -> call
+        object.__setattr__(self, "_calls", {})
+        object.__setattr__(self, "_has_bias", bias is not None)
 
     def _global_scale(self) -> mx.array | None:
         return self.get("global_scale")
@@ -102,9 +144,25 @@ class Nvfp4Linear(nn.Module):
         """(output dims, input dims)."""
         return self.weight.shape[0], self.weight.shape[1] * 8
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def _bind(self, shape: tuple[int, ...], dtype: mx.Dtype) -> BoundMatmul:
         out_dims, in_dims = self.shape
-        lead = x.shape[:-1]
-        y = nvfp4_matmul(x.reshape(-1, in_dims), self.weight, self.scales, self._global_scale(), gsv=self._gsv)
-        y = y.reshape(*lead, out_dims)
-        return y + self.bias if "bias" in self else y
+        lead = shape[:-1]
+        rows = 1
+        for d in lead:
+            rows *= d
+        matmul = bound_matmul(rows, out_dims, in_dims, dtype, self._global_scale())
+        if lead == (rows,):
+            return matmul
+
+        def call(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
+            return matmul(x.reshape(rows, in_dims), w, scales, gsv).reshape(*lead, out_dims)
+
+        return call
+
+    def __call__(self, x: mx.array) -> mx.array:
+        key = (x.shape, x.dtype)
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = self._bind(*key)
+        y = call(x, self["weight"], self["scales"], self["_gsv"])
+        return y + self["bias"] if self._has_bias else y

@@ -158,6 +158,9 @@ def _heads(params: Params) -> tuple[int, int, int]:
     return heads, kv, head_dim
 
 
+STEADY_WINDOW_TOKENS = 128  # `workers.job.steady.WINDOW_TOKENS`: decode windows are at least this long
+
+
 def model_check(params: Params) -> None:
     """`model`: prompt_tokens >= 1, decode_tokens >= 0; the decoder's shape unless a checkpoint is named."""
     _at_least(params, ("prompt_tokens",))
@@ -167,13 +170,16 @@ def model_check(params: Params) -> None:
 
 
 def model_bytes(params: Params, arms: Iterable[str]) -> int:
-    """A generated decoder's NVFP4 weights and its KV cache for the prompt and the decode (0 for a
-    named checkpoint: its size is only known on the host)."""
+    """A generated decoder's NVFP4 weights and KV caches for the prompt and a decode window, once
+    per arm: the steady-state rounds hold every arm loaded in one process, each with its kept
+    prefilled cache and a window's copy (0 for a named checkpoint: its size is only known on the
+    host)."""
     if params.get("checkpoint"):
         return 0
     h, i, layers, vocab, s = params["hidden"], params["intermediate"], params["layers"], params["vocab"], _dtype(params)
     heads, kv, head_dim = _heads(params)
     per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * i
     weights = layers * per_layer + vocab * h
-    kv_cache = layers * 2 * kv * head_dim * (params["prompt_tokens"] + params["decode_tokens"]) * s
-    return int(weights * NVFP4_BYTES_PER_WEIGHT) + kv_cache
+    tokens = params["prompt_tokens"] + max(params["decode_tokens"], STEADY_WINDOW_TOKENS)
+    kv_cache = layers * 2 * kv * head_dim * tokens * s
+    return max(1, len(list(arms))) * (int(weights * NVFP4_BYTES_PER_WEIGHT) + 2 * kv_cache)

@@ -39,6 +39,7 @@ from orchestrator.errors import InputError
 METRIC_ORDER = (
     "prefill_tok_s",
     "decode_tok_s",
+    "token_latency_ms",
     "peak_memory_bytes",
     "load_seconds",
     "seconds",

@@ -20,7 +20,7 @@ from workers.contract import Status
 
 # Metrics where a smaller value is the better one; every other metric is a rate (higher is better).
 LOWER_IS_BETTER = frozenset(
-    {"seconds", "host_seconds", "load_seconds", "peak_memory_bytes", "rel_error", "lock_wait_s"}
+    {"seconds", "host_seconds", "load_seconds", "peak_memory_bytes", "rel_error", "lock_wait_s", "token_latency_ms"}
 )
 # Measured once per arm and job, deterministic by construction: compared as exact numbers.
 EXACT_METRICS = frozenset({"peak_memory_bytes", "rel_error"})

@@ -268,3 +268,27 @@ def test_custom_runs_our_cuda_kernels_and_checks_out_on_cuda(tmp_path: Path) -> 
     assert check.layers == 2 * 7 * 2 and check.rel_error <= check.tolerance
     first, again = _logits(custom.model, LONG_PROMPT), _logits(load_decoder(dest, "custom").model, LONG_PROMPT)
     assert np.array_equal(first, again)  # deterministic: the same greedy tokens in every sample
+
+
+@pytest.mark.parametrize(("lead", "dtype"), [((1, 1), mx.bfloat16), ((3, 12), mx.float32), ((5,), mx.bfloat16)])
+def test_a_custom_layer_resolves_its_kernel_once_per_shape(
+    lead: tuple[int, ...], dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step calls each linear once per token: after the first call of a shape, the layer
+    goes straight to its bound call (no kernel choice again) and computes what `nvfp4_matmul` does."""
+    from kernels import nvfp4_linear
+
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((48, 64)).astype(np.float32))
+    packed, scales = mx.quantize(w, group_size=16, bits=4, mode="nvfp4")[:2]
+    bias = mx.array(rng.standard_normal(48).astype(np.float32)).astype(dtype)
+    layer = Nvfp4Linear(packed, scales, mx.array(2.5), bias)
+    x = mx.array(rng.standard_normal((*lead, 64)).astype(np.float32)).astype(dtype)
+    first = layer(x)
+    monkeypatch.setattr(nvfp4_linear, "bound_matmul", lambda *a: pytest.fail("kernel chosen again"))
+    again = layer(x)
+    flat = nvfp4_linear.nvfp4_matmul(x.reshape(-1, 64), packed, scales, mx.array(2.5))
+    want = flat.reshape(*lead, 48) + layer.bias
+    assert first.shape == (*lead, 48) and first.dtype == dtype
+    assert np.array_equal(np.array(first.astype(mx.float32)), np.array(again.astype(mx.float32)))
+    np.testing.assert_allclose(np.array(first.astype(mx.float32)), np.array(want.astype(mx.float32)), rtol=1e-6)

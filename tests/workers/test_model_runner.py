@@ -16,8 +16,8 @@ from kernels.checkpoint import DecoderConfig, write_checkpoint
 from workers.contract import META_JOB_STATUS, JobContext, JobSpec, LockSettings, RowBuilder, Status
 from workers.host.fingerprint import host_fingerprint
 from workers.job.model import METRICS, model_cache_root, run_model_job
-from workers.job.model_sample import greedy_digest
 from workers.job.runner import run_job
+from workers.job.steady import digest as greedy_digest
 
 TINY: dict[str, Any] = {"hidden": 128, "intermediate": 256, "layers": 2, "heads": 2, "vocab": 256}
 PROMPT, DECODE = 48, 6
@@ -60,12 +60,13 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
     assert isinstance(table, pa.Table)
     assert (table.schema.metadata or {})[META_JOB_STATUS] == Status.OK.encode()
     rows = table.to_pylist()
-    # arms x samples x metrics, one row per sample, and one layer check per arm
+    # arms x rounds x metrics (cold loads: 2 metrics, steady state: 3), and one layer check per arm
     assert len(rows) == 2 * 2 * len(METRICS) + 2
     assert {r["status"] for r in rows} == {Status.OK}
     units = {r["metric"]: r["unit"] for r in rows}
     assert units == {"load_seconds": "seconds", "prefill_tok_s": "tok/s", "decode_tok_s": "tok/s"} | {
         "peak_memory_bytes": "bytes",
+        "token_latency_ms": "ms",
         "rel_error": "ratio",
     }
     checks = {r["arm"]: r for r in rows if r["metric"] == "rel_error"}
@@ -77,10 +78,25 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
         load = _by(rows, arm, "load_seconds")
         assert [r["sample"] for r in load] == [0, 1]
         assert all(0 < r["value"] < 60 for r in load)
+        for r in load:  # the parts of the load add up to it (less the calls between them)
+            parts = {k: float(v) for k, v in r["extra"] if k.startswith("load_") and k.endswith("_s")}
+            assert set(parts) == {"load_reading_s", "load_building_s", "load_repacking_s", "load_evaluating_s"}
+            assert all(v >= 0 for v in parts.values()) and 0.8 * r["value"] < sum(parts.values()) <= r["value"]
         # A 48-token prompt through a 2-layer, 128-wide decoder: faster than 10 tok/s on any CPU,
         # and no CPU does 10 million.
         assert all(10 < r["value"] < 1e7 for r in _by(rows, arm, "prefill_tok_s"))
-        assert all(1 < r["value"] < 1e6 for r in _by(rows, arm, "decode_tok_s"))
+        decode = _by(rows, arm, "decode_tok_s")
+        assert [r["sample"] for r in decode] == [0, 1]
+        for r in decode:
+            extra = dict(r["extra"])
+            assert 1 < r["value"] < 1e6 and extra["window_tokens"] == "128"
+            assert 0 < float(extra["host_share"]) <= 1
+            assert 0 < float(extra["build_ms_per_step"]) <= float(extra["host_ms_per_step"])
+            # a window's tokens per second is its tokens over its wall time, which holds the host's part
+            assert float(extra["host_ms_per_step"]) <= 1e3 / r["value"] * 1.001
+            assert extra["stop_reason"] == "fixed" and extra["rounds"] == "2"
+        latency = _by(rows, arm, "token_latency_ms")
+        assert [r["sample"] for r in latency] == [0, 1] and all(0 < r["value"] < 1e4 for r in latency)
         # The peak holds at least the weights read from disk (float32 embeddings: 256 x 128 x 4).
         assert all(256 * 128 * 4 < r["value"] < 4 << 30 for r in _by(rows, arm, "peak_memory_bytes"))
         digests = {dict(r["extra"])["greedy_digest"] for r in rows if r["arm"] == arm}
@@ -113,12 +129,11 @@ def test_a_sample_process_pays_no_transformers_import(tmp_path: Path) -> None:
     """Issue 13: mlx-lm's package start-up (transformers, and torch where installed: seconds of each
     fresh sample, BENCHMARKS.md) is not in a sample; its imports are timed apart from the load."""
     path = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "ckpt")
-    req = {"checkpoint": str(path), "arm": "native", "prompt_tokens": 8, "decode_tokens": 2, "warmup": 0,
-           "seed": 0, "check": False}  # fmt: skip
+    req = {"checkpoint": str(path), "arm": "native", "prompt_tokens": 8, "seed": 0}
     code = (
         "import json, sys\n"
-        "from workers.job.model_sample import SampleRequest, measure_sample\n"
-        f"s = measure_sample(SampleRequest(**json.loads({json.dumps(req)!r})))\n"
+        "from workers.job.model_sample import LoadRequest, measure_load\n"
+        f"s = measure_load(LoadRequest(**json.loads({json.dumps(req)!r})))\n"
         "heavy = [m for m in ('transformers', 'torch') if m in sys.modules]\n"
         "print(json.dumps([s.imports_seconds, s.load_seconds, heavy]))"
     )
@@ -188,22 +203,84 @@ def test_unknown_architecture_fails_the_job_cleanly(tmp_path: Path, arms: list[s
 
 def test_an_arm_over_its_layer_tolerance_fails_all_its_rows(tmp_path: Path) -> None:
     """A check over tolerance fails the arm's timing rows too: a wrong model is not a fast one."""
-    from workers.job.model import _arm_rows
-    from workers.job.model_sample import Sample
+    from workers.job.model import Loads, _arm_rows
+    from workers.job.model_sample import LoadSample
+    from workers.job.steady import ArmOutcome, SteadyResult, Timed
 
     job = _job(tmp_path, arms=["native"])
     rows = RowBuilder(job, host_fingerprint(), JobContext(started_at=dt.datetime.now(dt.UTC)))
-    common = dict(load_seconds=1.0, prefill_tok_s=100.0, decode_tok_s=10.0, peak_memory_bytes=1e6)
-    good = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu")  # type: ignore[arg-type]
-    bad = Sample(**common, greedy_digest="a" * 16, route="r", device="cpu", rel_error=0.99, tolerance=0.01)  # type: ignore[arg-type]
-    bad.checked = "model.layers.0.mlp.up_proj (worst of 14)"
-    assert _arm_rows(rows, "native", [(0, bad, (0.0, 1.0)), (1, good, (1.0, 2.0))], "/ckpt") == Status.FAILED
+    load = LoadSample(load_seconds=1.0, parts={"reading": 0.5}, peak_memory_bytes=1e6, route="r", device="cpu")
+    loads = Loads([(0, load, (0.0, 1.0))])
+
+    def steady(outcome: ArmOutcome, digests: list[str]) -> SteadyResult:
+        timed = [Timed("decode_tok_s", "native", i, 10.0, (2.0 + i, 3.0 + i), {"greedy_digest": d})
+                 for i, d in enumerate(digests)]  # fmt: skip
+        outcome.digests = digests
+        extras = {"decode_tok_s": {"native": {"stop_reason": "fixed"}}}
+        return SteadyResult(timed, {"native": outcome}, extras, {}, "cpu")
+
+    bad = ArmOutcome(route="r", rel_error=0.99, tolerance=0.01, checked="model.layers.0.mlp.up_proj (worst of 14)")
+    assert _arm_rows(rows, "native", loads, {}, steady(bad, ["a" * 16] * 2), "/ckpt") == Status.FAILED
+    assert len(rows.rows) == 2 + 1 + 2  # load and peak memory, the check, two windows
     assert {r["status"] for r in rows.rows} == {Status.FAILED}
     assert all("rel_error 0.99 over tolerance 0.01 at model.layers.0.mlp.up_proj" in r["error"] for r in rows.rows)
     rows.rows.clear()
-    flaky = Sample(**common, greedy_digest="b" * 16, route="r", device="cpu")  # type: ignore[arg-type]
-    # greedy output that differs between samples is recorded on every row, each sample keeping its own
-    assert _arm_rows(rows, "native", [(0, good, (0.0, 1.0)), (1, flaky, (1.0, 2.0))], "/ckpt") == Status.OK
+    good = ArmOutcome(route="r", rel_error=0.001, tolerance=0.01)
+    # greedy output that differs between windows is recorded on every row, each window keeping its own
+    assert _arm_rows(rows, "native", loads, {}, steady(good, ["a" * 16, "b" * 16]), "/ckpt") == Status.OK
     assert {r["status"] for r in rows.rows} == {Status.OK}
     assert all(dict(r["extra"])["greedy_digests"] == "a" * 16 + "," + "b" * 16 for r in rows.rows)
     assert {dict(r["extra"])["greedy_digest"] for r in rows.rows if r["sample"] == 1} == {"b" * 16}
+
+
+def _windows(job: JobSpec) -> tuple[str, list[dict[str, Any]], list[tuple[float, float]]]:
+    ctx = JobContext(started_at=dt.datetime.now(dt.UTC))
+    rows = RowBuilder(job, host_fingerprint(), ctx)
+    status = run_model_job(job, rows, ctx)
+    return status, rows.table(status).to_pylist(), rows.windows
+
+
+def test_steady_rounds_are_abba_and_stop_at_the_precision_target(tmp_path: Path) -> None:
+    """A loose target is met as soon as the interval can be trusted (`MIN_BLOCKS` blocks): every
+    timed value says so, with its half-width; prefills and decode windows alternate ABBA in time."""
+    from workers.contract.precision import MIN_BLOCKS, ROUNDS_PER_BLOCK
+    from workers.job.steady import measure_steady
+
+    ckpt = write_checkpoint(DecoderConfig(**TINY), 0, tmp_path / "ckpt")
+    job = _job(tmp_path, arms=["native", "affine"])
+    job.options = {"precision": 0.5, "max_seconds": 300, "baseline": "affine"}
+    params = {"prompt_tokens": PROMPT, "decode_tokens": DECODE}
+    result = measure_steady(job, ckpt, ["native", "affine"], params, 0.0)
+    rounds = MIN_BLOCKS * ROUNDS_PER_BLOCK
+    abba = [arm for r in range(rounds) for arm in (["native", "affine"] if r % 2 == 0 else ["affine", "native"])]
+    for metric in ("prefill_tok_s", "decode_tok_s", "token_latency_ms"):
+        timed = sorted((t for t in result.timed if t.metric == metric), key=lambda t: t.window)
+        assert [t.arm for t in timed] == abba, metric
+        assert [t.round for t in timed] == [r for r in range(rounds) for _ in range(2)]
+        for arm in ("native", "affine"):
+            extra = result.extras[metric][arm]
+            assert extra["stop_reason"] == "precision" and extra["rounds"] == str(rounds), metric
+            assert 0 < float(extra["half_width"]) <= 0.5
+    # every window of an arm decodes the same prefilled state: one digest per arm, in every window
+    assert {len(set(o.digests)) for o in result.arms.values()} == {1}
+    assert all(len(o.digests) == rounds for o in result.arms.values())
+    assert all(t.value > 0 for t in result.timed)
+
+
+def test_an_unreachable_target_samples_until_its_budget(tmp_path: Path) -> None:
+    """A target no run can reach: each sampling phase takes its share of the budget, then stops
+    on a whole ABBA block; cold loads alternate ABBA too."""
+    job = _job(tmp_path, arms=["native", "affine"])
+    job.options = {"precision": 1e-9, "max_seconds": 3, "baseline": "affine"}
+    status, rows, windows = _windows(job)
+    assert status == Status.OK
+    loads = sorted(
+        (w, r["arm"], r["sample"]) for w, r in zip(windows, rows, strict=True) if r["metric"] == "load_seconds"
+    )
+    assert [(arm, sample) for _, arm, sample in loads] == [("native", 0), ("affine", 0), ("affine", 1), ("native", 1)]
+    for metric in ("load_seconds", "prefill_tok_s", "decode_tok_s", "token_latency_ms"):
+        timed = [r for r in rows if r["metric"] == metric]
+        reasons = {dict(r["extra"])["stop_reason"] for r in timed}
+        (taken,) = {int(dict(r["extra"])["rounds"]) for r in timed}
+        assert reasons == {"budget"}, metric
+        assert taken >= 2 and taken % 2 == 0 and len(timed) == 2 * taken  # whole ABBA blocks

@@ -1,20 +1,25 @@
-"""The `model` case: whole-decoder load time, prefill and decode tok/s, peak memory, greedy digest.
+"""The `model` case: whole-decoder load time and its parts, prefill and decode tok/s at steady state,
+a chat user's token latency, peak memory, greedy digest.
 
-`run_model_job` (called by `workers.job.runner` for cases of kind "model") measures every sample in a
-fresh Python process (`workers.job.model_sample`), so `load_seconds` is a cold
-load from disk into a process with no MLX state (the OS page cache is not dropped: a first sample
-may read from disk, the later ones from memory; the sample index is in every row). In the process:
-load the checkpoint for the arm (`kernels.model.load_decoder`), `warmup` untimed passes, then one
-timed prefill of `prompt_tokens` tokens (chunks of `PREFILL_STEP`, as mlx-lm's generate does),
-`decode_tokens` greedy steps timed one token at a time, the peak memory since the process began,
-and a digest of the greedy token ids. Arms are interleaved ABBA across repetitions.
+`run_model_job` (called by `workers.job.runner` for cases of kind "model") measures in two kinds of
+process (`workers.job.model_sample`):
 
-The prompt is `prompt_tokens` random token ids from the job's seed, the same for every arm and
-sample. The digest must be the same in every sample of an arm (same weights, same greedy
-tokens); an arm whose digest changes between samples is failed. The first sample of each arm
-also checks the loaded layers against the NVFP4 reference (`kernels.model.check_layers`, after
-everything else is measured): one `rel_error` row per arm, and an arm over its tolerance has all
-its rows failed, however fast it was.
+* Cold loads, one per fresh process (no MLX state; the OS page cache is not dropped: a first load
+  may read from disk, the later ones from memory; the round is in every row), arms in ABBA order,
+  as many rounds as `workers.job.sampling.Rounds` asks (at least `repetitions`): `load_seconds`,
+  its parts in the row's extra (`load_<part>_s`: reading, building, repacking, evaluating), and
+  `peak_memory_bytes` of the arm loaded and run once.
+* Steady state, one process with every arm loaded (`workers.job.steady`): prefill rounds
+  (`prefill_tok_s`), decode windows generated as mlx-lm generates (`decode_tok_s`, the host's
+  share of the window in the extra) and a chat user's one-token-at-a-time latency
+  (`token_latency_ms`), arms ABBA, each metric to the job's precision target within its share of
+  the budget.
+
+The prompt is `prompt_tokens` random token ids from the job's seed, the same for every arm. The
+steady process checks every arm's loaded layers against the NVFP4 reference
+(`kernels.model.check_layers`) before its rounds: one `rel_error` row per arm, and an arm over its
+tolerance has all its rows failed, however fast it was. Every decode window of an arm starts from
+the same prefilled state, so its greedy tokens' digest is the same in every window.
 
 The `checkpoint` parameter names a local mlx-lm model directory, used as it is; when it is absent
 every row says `unsupported` and why. Without it, the decoder described by the parameters is
@@ -34,20 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from kernels import registry
-from workers.contract import JobContext, JobSpec, RowBuilder, Status, Window
+from kernels.timing import abba_order
+from workers.contract import JobContext, JobSpec, RowBuilder, Status
 from workers.job import phases
-from workers.job.measure import abba_order
-from workers.job.model_sample import RESULT_MARK, Sample, SampleRequest
+from workers.job.model_sample import RESULT_MARK, LoadRequest, LoadSample, SteadyRequest
+from workers.job.sampling import Rounds
+from workers.job.steady import ArmOutcome, SteadyResult, Timed, budget_share
 from workers.job.task import DEFAULT_SPOOL
 from workers.proc import spawn as forkclient
 
 DEFAULT_TIMEOUT_S = 3600.0
-METRICS = (
-    ("load_seconds", "seconds"),
-    ("prefill_tok_s", "tok/s"),
-    ("decode_tok_s", "tok/s"),
-    ("peak_memory_bytes", "bytes"),
-)
+LOAD_METRICS = (("load_seconds", "seconds"), ("peak_memory_bytes", "bytes"))
+STEADY_METRICS = (("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"), ("token_latency_ms", "ms"))
+METRICS = LOAD_METRICS + STEADY_METRICS
 CONFIG_FIELDS = ("architecture", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab", "dtype")
 
 
@@ -81,8 +85,8 @@ class ChildResult:
 def _child(args: list[str], env: dict[str, str], timeout: float) -> ChildResult:
     """`python -m workers.job.model_sample ARGS` in a process of its own.
 
-    Forked from the job's fork server (`workers.proc.forkserver`) when there is one and the arm sets
-    no environment (a variable MLX or mlx-lm reads at import must reach a fresh interpreter),
+    Forked from the job's fork server (`workers.proc.forkserver`) when there is one and `env` sets
+    nothing (a variable MLX or mlx-lm reads at import must reach a fresh interpreter),
     else a fresh interpreter. Output goes through temporary files, never pipes held in memory.
     """
     root = str(Path(__file__).resolve().parents[2])
@@ -142,51 +146,86 @@ def _checkpoint(job: JobSpec, params: dict[str, Any], timeout: float) -> Path | 
     return dest
 
 
-def sample_phases(sample: Sample, asked: float, spent: float) -> dict[str, float]:
-    """A finished sample's `spent` seconds from the request (at wall-clock `asked`) split into the
-    job's phases: its process's start and imports, the cold load, warm-up, the timed part, the
-    layer check, and the rest (request, result, exit)."""
-    start = max(sample.started_at - asked, 0.0) + sample.imports_seconds
-    parts = {
-        "sample_start": start,
-        "load": sample.load_seconds,
-        "warmup": sample.warmup_seconds,
-        "timed": sample.timed_seconds,
-        "reference": sample.check_seconds,
-    }
-    return parts | {"sample_other": spent - sum(parts.values())}
-
-
-def _sample(job: JobSpec, req: SampleRequest, timeout: float) -> Sample | SampleError:
-    """One sample in a process of its own; its time is split into the job's phases."""
-    asked = time.time()
-    proc = _child(["sample", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
-    spent = time.time() - asked
+def _answer(proc: ChildResult, timeout: float) -> dict[str, Any] | SampleError:
+    """The child's answer (the line marked `RESULT_MARK`), or why there is none."""
     if proc.returncode is None:
-        phases.current().add("sample_other", spent)
         return SampleError(f"sample timed out after {timeout:.0f} s")
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARK):
-            out = json.loads(line[len(RESULT_MARK) :])
+            out: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
             if "unsupported" in out:
-                phases.current().add("sample_other", spent)
                 return SampleError(out["unsupported"], unsupported=True)
-            sample = Sample(**{**out, "process": proc.how})
-            account = phases.current()
-            for name, seconds in sample_phases(sample, asked, spent).items():
-                account.add(name, seconds)
-            return sample
-    phases.current().add("sample_other", spent)
+            return out
     return SampleError(_child_error(proc))
 
 
-def _outcome_rows(rows: RowBuilder, arm: str, sample: int, error: str, status: Status) -> None:
-    for metric, unit in METRICS:
+def _cold_load(job: JobSpec, req: LoadRequest, timeout: float) -> LoadSample | SampleError:
+    """One cold load in a fresh process; its time is split into the job's phases: the process's
+    start and imports, the load, the untimed run after it (`warmup`), and the rest."""
+    asked = time.time()
+    proc = _child(["load", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
+    spent = time.time() - asked
+    out = _answer(proc, timeout)
+    account = phases.current()
+    if isinstance(out, SampleError):
+        account.add("sample_other", spent)
+        return out
+    sample = LoadSample(**{**out, "process": proc.how})
+    parts = {
+        "sample_start": max(sample.started_at - asked, 0.0) + sample.imports_seconds,
+        "load": sample.load_seconds,
+        "warmup": sample.run_seconds,
+    }
+    for name, seconds in (parts | {"sample_other": spent - sum(parts.values())}).items():
+        account.add(name, seconds)
+    return sample
+
+
+def _steady(
+    job: JobSpec, path: Path, arms: list[str], params: dict[str, Any], timeout: float
+) -> SteadyResult | SampleError:
+    """The steady-state rounds of `arms`, all in one process (`workers.job.steady`)."""
+    envs = {json.dumps(sorted(job.arm_env.get(arm, {}).items())) for arm in arms}
+    if len(envs) > 1:
+        return SampleError("the arms set different environments: steady-state rounds need every arm in one process")
+    req = SteadyRequest(job=job.model_dump_json(), checkpoint=str(path), arms=arms, params=params)
+    asked = time.time()
+    proc = _child(["steady", json.dumps(asdict(req))], job.arm_env.get(arms[0], {}), timeout)
+    spent = time.time() - asked
+    out = _answer(proc, timeout)
+    account = phases.current()
+    if isinstance(out, SampleError):
+        account.add("sample_other", spent)
+        return out
+    result = SteadyResult(
+        timed=[Timed(**{**t, "window": tuple(t["window"])}) for t in out["timed"]],
+        arms={arm: ArmOutcome(**o) for arm, o in out["arms"].items()},
+        extras=out["extras"],
+        phases=out["phases"],
+        device=out["device"],
+    )
+    for name, seconds in (result.phases | {"sample_other": spent - sum(result.phases.values())}).items():
+        account.add(name, seconds)
+    return result
+
+
+def _outcome_rows(
+    rows: RowBuilder, arm: str, sample: int, error: str, status: Status, metrics: tuple[tuple[str, str], ...] = METRICS
+) -> None:
+    for metric, unit in metrics:
         rows.add(arm, metric, None, unit, sample=sample, status=status, error=error)
 
 
+@dataclass
+class Loads:
+    """An arm's cold loads: (round, sample, window) each, and the error that stopped them."""
+
+    samples: list[tuple[int, LoadSample, tuple[float, float]]]
+    error: SampleError | None = None
+
+
 def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status:
-    """Measure every arm of a `model` job, one row per metric per sample; returns the job status."""
+    """Measure every arm of a `model` job (module docstring); returns the job status."""
     params = {**registry.CASES["model"].defaults, **job.params}
     timeout = float(job.options.get("timeout", DEFAULT_TIMEOUT_S))
     path = _checkpoint(job, params, timeout)
@@ -195,89 +234,89 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status
         for arm in job.arms:
             _outcome_rows(rows, arm, -1, path.message, status)
         return status
-    results: dict[str, list[tuple[int, Sample | SampleError, Window]]] = {arm: [] for arm in job.arms}
-    skip: set[str] = set()
-    for rep in range(job.repetitions):
-        for arm in abba_order(job.arms, rep):
-            if arm not in skip:
-                req = SampleRequest(
-                    checkpoint=str(path),
-                    arm=arm,
-                    prompt_tokens=int(params["prompt_tokens"]),
-                    decode_tokens=int(params["decode_tokens"]),
-                    warmup=job.warmup,
-                    seed=job.seed,
-                    check=not results[arm],  # the first sample of each arm
-                )
+    loads = {arm: Loads([]) for arm in job.arms}
+    rounds = Rounds(budget_share(job), list(job.arms), metric="load_seconds")
+    for round_ in rounds:
+        for arm in abba_order(job.arms, round_):
+            if loads[arm].error is None:
                 t0 = time.monotonic()
-                outcome = _sample(job, req, timeout)
-                results[arm].append((rep, outcome, (t0, time.monotonic())))
+                req = LoadRequest(str(path), arm, int(params["prompt_tokens"]), job.seed)
+                outcome = _cold_load(job, req, timeout)
                 if isinstance(outcome, SampleError):
-                    skip.add(arm)  # an arm that failed or is unsupported once is not retried
-    statuses = [_arm_rows(rows, arm, results[arm], str(path)) for arm in job.arms]
+                    loads[arm].error = outcome  # an arm that failed or is unsupported once is not retried
+                    rounds.exclude(arm)
+                    if arm == rounds.baseline:
+                        rounds.baseline = None  # nothing left to compare with: the minimum rounds
+                else:
+                    loads[arm].samples.append((round_, outcome, (t0, time.monotonic())))
+                    rounds.record(round_, arm, outcome.load_seconds)
+        if all(load.error for load in loads.values()):
+            break
+    live = [arm for arm in job.arms if loads[arm].error is None]
+    steady = _steady(job, path, live, params, timeout) if live else None
+    load_extras = {arm: rounds.extras(arm) for arm in job.arms}
+    statuses = [_arm_rows(rows, arm, loads[arm], load_extras[arm], steady, str(path)) for arm in job.arms]
     if Status.FAILED in statuses:
         return Status.FAILED
     return Status.OK if Status.OK in statuses else Status.UNSUPPORTED
 
 
-def _extra(sample: Sample, checkpoint: str) -> dict[str, str]:
-    return {
-        "greedy_digest": sample.greedy_digest,
-        "checkpoint": checkpoint,
-        "mlx_device": sample.device,
-        "sample_process": sample.process,
-    }
-
-
-def _check_error(sample: Sample) -> str | None:
-    """The failure of a sample's layer check, or None when it passed."""
-    rel, tol = sample.rel_error, sample.tolerance
+def _check_error(outcome: ArmOutcome) -> str | None:
+    """The failure of an arm's layer check, or None when it passed."""
+    rel, tol = outcome.rel_error, outcome.tolerance
     if rel is None or tol is None or rel <= tol:
         return None
-    return f"rel_error {rel:.3g} over tolerance {tol:.3g} at {sample.checked}"  # NaN fails too
+    return f"rel_error {rel:.3g} over tolerance {tol:.3g} at {outcome.checked}"  # NaN fails too
 
 
 def _arm_rows(
-    rows: RowBuilder, arm: str, outcomes: list[tuple[int, Sample | SampleError, Window]], checkpoint: str
+    rows: RowBuilder,
+    arm: str,
+    loads: Loads,
+    load_extra: dict[str, str],
+    steady: SteadyResult | SampleError | None,
+    checkpoint: str,
 ) -> Status:
-    samples = [(rep, s, w) for rep, s, w in outcomes if isinstance(s, Sample)]
-    errors = [(rep, s) for rep, s, _ in outcomes if isinstance(s, SampleError)]
-    if errors and errors[0][1].unsupported and not samples:
-        _outcome_rows(rows, arm, -1, errors[0][1].message, Status.UNSUPPORTED)
+    if loads.error is not None and loads.error.unsupported and not loads.samples:
+        _outcome_rows(rows, arm, -1, loads.error.message, Status.UNSUPPORTED)
         return Status.UNSUPPORTED
-    digests = sorted({s.greedy_digest for _, s, _ in samples})
-    error = errors[0][1].message if errors else None
-    checked = next((s for _, s, _ in samples if s.rel_error is not None), None)
-    error = (checked and _check_error(checked)) or error
-    # Greedy output that differs between samples of one arm is recorded, not failed: each sample
+    outcome = steady.arms.get(arm) if isinstance(steady, SteadyResult) else None
+    errors = [e.message for e in (loads.error, steady if isinstance(steady, SampleError) else None) if e]
+    if outcome is not None and outcome.unsupported:
+        errors.append(outcome.unsupported)
+    error = (outcome and _check_error(outcome)) or (errors[0] if errors else None)
+    status = Status.FAILED if error else Status.OK
+    common = {"checkpoint": checkpoint}
+    digests = sorted(set(outcome.digests)) if outcome else []
+    if digests:
+        common["greedy_digest"] = max(digests, key=outcome.digests.count) if outcome else ""
+    # Greedy output that differs between windows of one arm is recorded, not failed: each decode
     # row keeps its own digest, and every row of the arm lists them all (`greedy_digests`), so the
     # same-output criterion calls the point AMBIGUOUS (an unstable reference) and a reader sees it.
-    # The layer check above is what says the arm computes the right thing; on a CUDA GPU every
-    # arm, MLX's affine included, can give different digests in fresh sample processes (bfloat16
-    # GEMMs are not bitwise reproducible across processes there, and random weights make near-ties).
-    unstable = {"greedy_digests": ",".join(digests)} if len(digests) > 1 else {}
-    status = Status.FAILED if error else Status.OK
-    if checked is not None:
-        extra = _extra(checked, checkpoint) | {"tolerance": repr(checked.tolerance), "layer": checked.checked}
-        extra |= unstable
-        value = checked.rel_error
-        rows.add(arm, "rel_error", value, "ratio", status=status, error=error, route=checked.route, extra=extra)
-    for rep, s, window in samples:
-        extra = _extra(s, checkpoint) | unstable
-        for metric, unit in METRICS:
-            value = getattr(s, metric)
-            rows.add(
-                arm,
-                metric,
-                value,
-                unit,
-                sample=rep,
-                status=status,
-                error=error,
-                route=s.route,
-                extra=extra,
-                window=window,
-            )
-    if errors:
-        _outcome_rows(rows, arm, errors[0][0], errors[0][1].message, Status.FAILED)
+    # The layer check is what says the arm computes the right thing.
+    if len(digests) > 1:
+        common["greedy_digests"] = ",".join(digests)
+    for round_, sample, window in loads.samples:
+        extra = common | load_extra | {"mlx_device": sample.device, "sample_process": sample.process}
+        extra |= {f"load_{part}_s": f"{seconds:.4g}" for part, seconds in sample.parts.items()}
+        for metric, unit in LOAD_METRICS:
+            value = getattr(sample, metric)
+            rows.add(arm, metric, value, unit, sample=round_, status=status, error=error, route=sample.route,
+                     extra=extra, window=window)  # fmt: skip
+    if outcome is not None and outcome.rel_error is not None:
+        extra = common | {"tolerance": repr(outcome.tolerance), "layer": outcome.checked}
+        if isinstance(steady, SteadyResult):
+            extra["mlx_device"] = steady.device
+        rows.add(arm, "rel_error", outcome.rel_error, "ratio", status=status, error=error, route=outcome.route,
+                 extra=extra)  # fmt: skip
+    if loads.error is not None:
+        _outcome_rows(rows, arm, -1, loads.error.message, Status.FAILED, LOAD_METRICS)
+    if isinstance(steady, SteadyResult) and outcome is not None and not outcome.unsupported:
+        units = dict(STEADY_METRICS)
+        for timed in (t for t in steady.timed if t.arm == arm):
+            extra = common | {"mlx_device": steady.device} | timed.extra | steady.extras[timed.metric][arm]
+            rows.add(arm, timed.metric, timed.value, units[timed.metric], sample=timed.round, status=status,
+                     error=error, route=outcome.route, extra=extra, window=timed.window)  # fmt: skip
+    elif loads.samples or error:
+        _outcome_rows(rows, arm, -1, error or "not measured at steady state", Status.FAILED, STEADY_METRICS)
     return status

@@ -1,153 +1,120 @@
-"""One sample of the `model` case, in a process of its own: load, warm up, prefill, decode, check.
+"""The `model` case's own processes: a cold load of one arm, the steady-state rounds, a checkpoint.
 
-`workers.job.model` asks for each sample with `python -m workers.job.model_sample sample REQUEST`
-(forked from the job's fork server, or a fresh interpreter) and reads the `Sample` back from the
-line marked `RESULT_MARK`; `write` generates a checkpoint the same way. MLX is imported only in
-that process, never by the module's import: the parent imports this module for its types.
+`workers.job.model` runs `python -m workers.job.model_sample VERB REQUEST` (forked from the job's
+fork server, or a fresh interpreter) and reads the answer back from the line marked
+`RESULT_MARK`:
+
+* `load`: one cold load of one arm into a process with no MLX state (`LoadSample`): its seconds
+  and their parts (`kernels.model.LOAD_PARTS`), then one untimed prefill of the prompt and a few
+  decode steps, so that the process's peak memory is that of the arm loaded and running;
+* `steady`: every arm loaded in this one process, checked, then prefill and decode rounds
+  (`workers.job.steady`);
+* `write`: generate a checkpoint.
+
+MLX is imported only in that process, never by this module's import: the parent imports it for
+its types.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kernels import mlx_lm_classes
+from workers.contract import JobSpec
 
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 RESULT_MARK = "ORCHESTRATE-MODEL-SAMPLE "
+PEAK_DECODE_STEPS = 2  # decode steps after the load's prefill: the cache grows, as in use
 
 
 @dataclass(frozen=True)
-class SampleRequest:
-    """What the fresh process is asked to measure (sent to it as JSON)."""
+class LoadRequest:
+    """One cold load (sent to the fresh process as JSON)."""
 
     checkpoint: str
     arm: str
     prompt_tokens: int
-    decode_tokens: int
-    warmup: int
     seed: int
-    check: bool  # also check the loaded layers against the NVFP4 reference (once per arm)
 
 
 @dataclass
-class Sample:
-    """What one fresh process measured for one arm."""
+class LoadSample:
+    """What one fresh process measured for one arm's cold load."""
 
     load_seconds: float
-    prefill_tok_s: float
-    decode_tok_s: float
-    peak_memory_bytes: float
-    greedy_digest: str
+    parts: dict[str, float]  # seconds of each part of the load (`kernels.model.LOAD_PARTS`)
+    peak_memory_bytes: float  # since the process began: loaded, one prefill and a few decode steps
     route: str
     device: str
-    rel_error: float | None = None  # the worst checked layer against the reference
-    tolerance: float | None = None
-    checked: str = ""  # which layer was worst, of how many
     started_at: float = 0.0  # wall-clock time the process began measuring (after its start-up)
     imports_seconds: float = 0.0  # MLX, mlx-lm's model classes and ours, before the load
-    warmup_seconds: float = 0.0
-    timed_seconds: float = 0.0  # the timed prefill and decode
-    check_seconds: float = 0.0  # the layer check against the reference
-    process: str = ""  # how the sample's process was started (set by the parent)
+    run_seconds: float = 0.0  # the untimed prefill and decode steps after the load
+    process: str = ""  # how the process was started (set by the parent)
 
 
-def greedy_digest(token_ids: list[int]) -> str:
-    """A short, stable digest of a greedy token sequence."""
-    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
-
-
-def measure_sample(req: SampleRequest) -> Sample:
-    """Load, warm up, prefill and decode once in this process (meant to be a fresh one).
-
-    With `req.check`, after everything is measured (peak memory included), the loaded layers are
-    checked against the NVFP4 reference (`kernels.model.check_layers`).
-    """
+def measure_load(req: LoadRequest) -> LoadSample:
+    """Load `req.arm` cold in this process (meant to be a fresh one), then run it once untimed."""
     started_at, t_imports = time.time(), time.perf_counter()
     # MLX and our decoders are imported here, in the sample's own process, and timed as its imports
     import mlx.core as mx
 
-    from kernels.model import check_layers, load_decoder
+    from kernels.model import load_decoder
 
     make_prompt_cache = mlx_lm_classes.import_models("cache").make_prompt_cache
-
     imports_seconds = time.perf_counter() - t_imports
-    prompt_tokens, decode_tokens = req.prompt_tokens, req.decode_tokens
     mx.reset_peak_memory()
     t0 = time.perf_counter()
     loaded = load_decoder(Path(req.checkpoint), req.arm)
-    mx.synchronize()
-    load_seconds = time.perf_counter() - t0
-    model = loaded.model
-    prompt = mx.array(np.random.default_rng(req.seed).integers(0, loaded.vocab, prompt_tokens), dtype=mx.int32)
-
-    def prefill(cache: list[Any]) -> mx.array:
-        for start in range(0, prompt_tokens, PREFILL_STEP):
-            logits = model(prompt[None, start : start + PREFILL_STEP], cache=cache)
-            if start + PREFILL_STEP < prompt_tokens:
-                mx.eval([c.state for c in cache])
-        token = mx.argmax(logits[0, -1])
+    load_seconds = time.perf_counter() - t0  # load_decoder ends synchronised
+    ids = np.random.default_rng(req.seed).integers(0, loaded.vocab, req.prompt_tokens)
+    cache = make_prompt_cache(loaded.model)
+    token = mx.argmax(loaded.model(mx.array(ids, dtype=mx.int32)[None], cache=cache)[:, -1, :], axis=-1)
+    for _ in range(PEAK_DECODE_STEPS):
         mx.eval(token)
-        return token
-
-    def decode(token: mx.array, cache: list[Any], steps: int) -> list[int]:
-        tokens = [token]
-        for _ in range(steps):
-            token = mx.argmax(model(token.reshape(1, 1), cache=cache)[0, -1])
-            mx.eval(token)  # one token at a time, as a chat user waits for it
-            tokens.append(token)
-        return np.array(mx.stack(tokens)).astype(np.int64).tolist()
-
-    t_warm = time.perf_counter()
-    for _ in range(req.warmup):
-        cache = make_prompt_cache(model)
-        decode(prefill(cache), cache, min(decode_tokens, 4))
-    warmup_seconds = time.perf_counter() - t_warm
-    cache = make_prompt_cache(model)
-    mx.synchronize()
-    t0 = time.perf_counter()
-    first = prefill(cache)
-    mx.synchronize()
-    prefill_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ids = decode(first, cache, decode_tokens)
-    mx.synchronize()
-    decode_seconds = time.perf_counter() - t0
-    sample = Sample(
+        token = mx.argmax(loaded.model(token[None], cache=cache)[:, -1, :], axis=-1)
+    mx.eval(token)
+    return LoadSample(
         load_seconds=load_seconds,
-        prefill_tok_s=prompt_tokens / prefill_seconds,
-        decode_tok_s=decode_tokens / decode_seconds if decode_tokens else 0.0,
+        parts=loaded.parts,
         peak_memory_bytes=float(mx.get_peak_memory()),
-        greedy_digest=greedy_digest(ids),
         route=loaded.route,
         device=str(mx.default_device()),
         started_at=started_at,
         imports_seconds=imports_seconds,
-        warmup_seconds=warmup_seconds,
-        timed_seconds=prefill_seconds + decode_seconds,
+        run_seconds=time.perf_counter() - t0 - load_seconds,
     )
-    if req.check:
-        t_check = time.perf_counter()
-        check = check_layers(model, Path(req.checkpoint), req.arm, np.random.default_rng(req.seed))
-        if check.layers:
-            sample.rel_error, sample.tolerance = check.rel_error, check.tolerance
-            sample.checked = f"{check.layer} (worst of {check.layers})"
-        sample.check_seconds = time.perf_counter() - t_check
-    return sample
+
+
+@dataclass(frozen=True)
+class SteadyRequest:
+    """The steady-state rounds of a job (sent as JSON; the job travels as its own JSON)."""
+
+    job: str
+    checkpoint: str
+    arms: list[str]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _steady(req: SteadyRequest) -> dict[str, Any]:
+    t_imports = time.perf_counter()
+    from workers.job.steady import measure_steady  # MLX: in this process only
+
+    imports = time.perf_counter() - t_imports
+    job = JobSpec.model_validate_json(req.job)
+    return asdict(measure_steady(job, Path(req.checkpoint), req.arms, req.params, imports))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m workers.job.model_sample write|sample SPEC_JSON`."""
+    """`python -m workers.job.model_sample write|load|steady SPEC_JSON`."""
     parser = argparse.ArgumentParser(prog="python -m workers.job.model_sample")
-    parser.add_argument("verb", choices=("write", "sample"))
+    parser.add_argument("verb", choices=("write", "load", "steady"))
     parser.add_argument("spec", help="the request, as JSON")
     args = parser.parse_args(argv)
     spec = json.loads(args.spec)
@@ -156,10 +123,13 @@ def main(argv: list[str] | None = None) -> int:
 
         write_checkpoint(DecoderConfig(**spec["config"]), int(spec["seed"]), Path(spec["dest"]))
         return 0
+    if args.verb == "steady":
+        print(RESULT_MARK + json.dumps(_steady(SteadyRequest(**spec))), flush=True)
+        return 0
     from kernels.model import ArmUnsupported  # MLX: in this process only
 
     try:
-        sample = measure_sample(SampleRequest(**spec))
+        sample = measure_load(LoadRequest(**spec))
     except ArmUnsupported as exc:
         print(RESULT_MARK + json.dumps({"unsupported": str(exc)}), flush=True)
         return 0
