@@ -77,17 +77,22 @@ class Settle:
             or nothing known of the spread).
         on_edge: the estimate sits on the edge: no sample count settles it.
         change: the estimate as a relative change (`-0.031`), for the edge's message.
+        half_width: the interval's relative half-width now, for the edge's message.
     """
 
     more: int | None
     on_edge: bool = False
     change: float = math.nan
+    half_width: float = math.nan
 
     def edge_note(self) -> str | None:
         """Why no sample count settles it, when the estimate sits on the edge (else None)."""
         if not self.on_edge:
             return None
-        return f"the estimate ({self.change:+.1%}) sits on the band's edge: no sample count settles it"
+        return (
+            f"the estimate ({self.change:+.1%}, ±{self.half_width:.1%}) sits on the band's edge: "
+            "no sample count can be planned to settle it"
+        )
 
     def describe(self) -> str | None:
         """`about 12 more samples per side would settle it`, the edge's note, or None."""
@@ -117,6 +122,6 @@ def samples_to_settle(
     distance = abs(point - edge)
     target = distance if precision is None else math.log1p(precision)
     if distance < EDGE_SHARE * half or distance < (0.0 if precision is None else target):
-        return Settle(None, on_edge=True, change=change)
+        return Settle(None, on_edge=True, change=change, half_width=math.expm1(half))
     needed = PLAN_MARGIN * n * (half / target) ** 2
     return Settle(max(math.ceil(needed) - n, 1), change=change)

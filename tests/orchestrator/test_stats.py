@@ -337,7 +337,9 @@ def _topped_up(
         assert c.more_samples is not None and c.more_samples >= 1
         a2, b2 = abba_job(rng, c.more_samples, noise, effect=effect)
         more_keys = list(range(n + c.more_samples))
-        again = stats.compare_samples(np.r_[a, a2], np.r_[b, b2], metric="seconds", seed=i, a_keys=more_keys, b_keys=more_keys)
+        again = stats.compare_samples(
+            np.r_[a, a2], np.r_[b, b2], metric="seconds", seed=i, a_keys=more_keys, b_keys=more_keys
+        )
         distance = abs(abs(math.log(c.ratio.ratio)) - math.log1p(c.threshold))
         targets.append(precision if precision is not None else math.expm1(distance))
         reached.append(precision_of(again))
@@ -356,8 +358,8 @@ def test_the_suggested_samples_reach_the_target_half_width(effect: float, noise:
     """'About N more samples would settle it' plans for a half-width: the sweep's precision, or
     the distance from the estimate to the band edge. Drawing the N suggested samples per side
     (10 samples to start, 2-5 % noise, the truth off the edge) reaches that half-width at least
-    80 % of the time, and then mostly settles the verdict."""
-    ambiguous, targets, reached = _topped_up(effect, noise, target)
+    80 % of the time."""
+    _, targets, reached = _topped_up(effect, noise, target)
     assert len(reached) >= 30, len(reached)
     hits = sum(r <= t for r, t in zip(reached, targets, strict=True)) / len(reached)
     assert hits >= 0.8, hits
