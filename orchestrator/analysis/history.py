@@ -321,11 +321,6 @@ def _finding(
     )
 
 
-def judge(key: SeriesKey, current: RunPoint, baseline: list[RunPoint], *, threshold: float = THRESHOLD) -> Finding:
-    """The verdict on `current` after `baseline` runs of the same level (the last of `detect`)."""
-    return detect(key, [*baseline, current], threshold=threshold)[-1]
-
-
 def findings_for_run(
     table: pa.Table,
     run_id: str,
@@ -401,60 +396,3 @@ def report_markdown(sweep: str, run_id: str, findings: list[Finding]) -> str:
         lines += ["", "Environment changes (not blamed on a commit; each series goes on from a new level):", ""]
         lines += [f"- {f.series.label()}: {f.describe()}" for f in changed]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------- trend and plot
-
-PREFERRED_METRICS = ("decode_tok_s", "prefill_tok_s", "tflop_per_s", "gb_per_s", "seconds")
-_SPARK = "▁▂▃▄▅▆▇█"
-
-
-def default_metric(table: pa.Table, case: str) -> str | None:
-    """The metric `orchestrate history CASE` shows when none is given."""
-    rows = table.filter(pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))
-    metrics = set(pc.unique(rows["metric"]).to_pylist()) - IGNORED_METRICS
-    for metric in PREFERRED_METRICS:
-        if metric in metrics:
-            return metric
-    return min(metrics) if metrics else None
-
-
-def sparkline(values: list[float]) -> str:
-    """A one-line trend of run medians (▁ lowest, █ highest)."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return ""
-    lo, hi = min(finite), max(finite)
-    span = hi - lo or 1.0
-    return "".join(_SPARK[round((v - lo) / span * (len(_SPARK) - 1))] if math.isfinite(v) else " " for v in values)
-
-
-@dataclass(frozen=True)
-class Trend:
-    """One series over its runs, with the runs where it changed."""
-
-    series: SeriesKey
-    points: list[RunPoint]
-    findings: list[Finding]
-
-    @property
-    def changes(self) -> list[Finding]:
-        """Regressions, improvements and environment changes (each where it was flagged)."""
-        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT, ENVIRONMENT_CHANGE)]
-
-
-def trends(
-    table: pa.Table,
-    case: str,
-    metric: str,
-    *,
-    window: int = WINDOW,
-    threshold: float = THRESHOLD,
-    reference: str | None = None,
-) -> list[Trend]:
-    """Every series of one case and metric, per device and host, with its change points: each
-    arm's own and each arm's ratio to the reference arm (`series_of`)."""
-    return [
-        Trend(key, pts, detect(key, pts, window=window, threshold=threshold))
-        for key, pts in series_of(table, case=case, metric=metric, reference=reference).items()
-    ]

@@ -15,8 +15,8 @@ p-value is then floored at 1 / (draws + 1), the least a finite set of draws can 
 since the half-width at a few blocks is itself uncertain). The target is the sweep's precision
 when it has one, else the distance from the estimate to the band edge it straddles. Where that
 distance is under `EDGE_SHARE` of the half-width, or under the precision target, the estimate
-sits on the edge: no sample count settles it (the old power calculation, plugging the estimate
-in as the truth, asked for thousands of samples there, and mostly noise), and `Settle` says so.
+sits on the edge: a plan there is mostly noise (taking the estimate for the truth, it asks for
+thousands of samples that settle nothing), so no count is given and `Settle` says so.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LEVEL = 0.95
 # Reaching a target half-width needs the half-width now, itself estimated from a few blocks: by
 # simulation (tests) planning on 1.5x the scaled count reaches the target 85-95 % of the time from
 # 10 samples at 2-5 % noise (about two thirds from 6); on the scaled count alone, about half.

@@ -10,8 +10,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.analysis.history import RATIO_UNIT, THRESHOLD, WINDOW, Trend, default_metric, sparkline, trends
+from orchestrator.analysis.history import RATIO_UNIT, THRESHOLD, WINDOW
 from orchestrator.analysis.selection import choose_sweep
+from orchestrator.analysis.trends import Trend, default_metric, sparkline, trends
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn, warn_broken

@@ -23,10 +23,8 @@ from orchestrator.analysis.history import (
     RATIO_UNIT,
     REGRESSION,
     Finding,
-    Trend,
-    default_metric,
-    trends,
 )
+from orchestrator.analysis.trends import Trend, default_metric, trends
 from orchestrator.report.plots import HistoryLine, HistoryPanel, history_chart, history_figure
 from orchestrator.report.style import ArmStyles, save_png
 from orchestrator.report.tables import Cell, TableView

@@ -26,9 +26,9 @@ from orchestrator.analysis.history import (
     regressions,
     report_markdown,
     series_of,
-    trends,
     unjudged,
 )
+from orchestrator.analysis.trends import trends
 from orchestrator.commands.history import history_records
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore

@@ -366,10 +366,10 @@ def test_the_suggested_samples_reach_the_target_half_width(effect: float, noise:
 
 
 def test_an_estimate_on_the_band_edge_is_said_to_be_there() -> None:
-    """A true change of exactly 3 % at a 3 % band, 5 % noise: no sample count settles it. The old
-    plan (the estimate taken for the truth) asked for a median 126 and a 90th percentile of
-    thousands of samples; now a good share are said to sit on the edge, and the rest ask for a
-    bounded number (at most 1.5 x 16 x n, by the edge share)."""
+    """A true change of exactly 3 % at a 3 % band, 5 % noise: no sample count settles it. A plan
+    that takes the estimate for the truth asks for a median 126 and a 90th percentile of
+    thousands of samples here; a good share are said to sit on the edge instead, and the rest ask
+    for a bounded number (at most 1.5 x 16 x n, by the edge share)."""
     ambiguous, _, _ = _topped_up(0.03, 0.05, None, sims=200)
     on_edge = [c for c in ambiguous if c.settle is not None and c.settle.on_edge]
     asks = [c.more_samples for c in ambiguous if c.more_samples is not None]
