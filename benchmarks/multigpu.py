@@ -38,10 +38,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from orchestrator.analysis.stats import compare_samples, seed_for, summarize
+from orchestrator.analysis.stats import compare_samples, summarize
 from orchestrator.specs.sweep import load_sweep
 from orchestrator.store.fragments import ResultStore
 from workers.contract import META_JOB_SECONDS, META_PHASES
+from workers.contract.precision import seed_for
 
 TARGET = 0.9  # of N x one GPU's throughput
 METRICS = ("prefill_tok_s", "seconds")

@@ -34,6 +34,7 @@ from orchestrator.analysis.groups import Point
 from orchestrator.analysis.samples import SampleSet, grouped_samples
 from orchestrator.analysis.stats import Comparison, Summary
 from orchestrator.errors import InputError
+from workers.contract.precision import seed_for
 
 # The seeds' order: prefill, decode, memory, load; then the kernel metrics.
 METRIC_ORDER = (
@@ -269,7 +270,7 @@ def compare_results(
             row = by_row[rkey] = CompareRow(case_name, point, dict(zip(row_dims, dims, strict=True)))
         row.samples[(metric, side)] = group
         # one seed per group of samples (not per metric): seconds and tok/s of the same samples agree
-        row.values[(metric, side)] = stats.summarize(group.values, seed=stats.seed_for(rkey, side), resamples=resamples)
+        row.values[(metric, side)] = stats.summarize(group.values, seed=seed_for(rkey, side), resamples=resamples)
         cbase = case_base[case_name]
         against = samples.get((case_name, point, dims, metric, cbase))
         if side != cbase and against is not None:
@@ -278,10 +279,11 @@ def compare_results(
                 against.values,
                 metric=metric,
                 threshold=threshold,
-                seed=stats.seed_for(rkey, side, cbase),
+                seed=stats.comparison_seed(case_name, point, dims, side, cbase),
                 resamples=resamples,
                 a_keys=group.pair_keys(),
                 b_keys=against.pair_keys(),
+                precision=group.target_with(against),
             )
     controlled, fdr_control = control_fdr(comparisons, lambda key: (key[0], key[2]))
     for (rkey, metric, side), c in controlled.items():

@@ -26,7 +26,8 @@ from orchestrator.analysis import groups, same_output, stats
 from orchestrator.analysis.commits import head_rows
 from orchestrator.analysis.fdr import benjamini_hochberg
 from orchestrator.analysis.groups import Point
-from orchestrator.analysis.power import NORMAL, samples_to_clear
+from orchestrator.analysis.power import Settle, past_p_value
+from orchestrator.analysis.samples import grouped_samples
 from orchestrator.analysis.stats import Comparison
 from orchestrator.analysis.verdicts import CriterionVerdict, MissingPoint, Outcome, PointResult, exit_code_for, overall
 from orchestrator.errors import EXIT_OK, InputError
@@ -39,17 +40,18 @@ from orchestrator.store.fragments import ResultStore
 from workers.contract import Status
 
 
-def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, int | None, str | None]:
-    """PASS, FAIL or AMBIGUOUS for one comparison against the criterion's bounds, with the samples
-    per arm that would settle an AMBIGUOUS one (a power calculation, `stats.samples_to_clear`)
-    and why there is no verdict where there is none (`n=3: too few to judge`)."""
+def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, Settle | None, str | None]:
+    """PASS, FAIL or AMBIGUOUS for one comparison against the criterion's bounds, with what more
+    samples per arm would do for an AMBIGUOUS one (`stats.settle_of` against the bound it
+    straddles, at the sweep's precision when the rows carry one) and why there is no verdict
+    where there is none (`n=3: too few to judge`, or the estimate sitting on the bound)."""
     if comparison.verdict is stats.Verdict.TOO_FEW:
-        return Outcome.AMBIGUOUS, comparison.more_samples, comparison.note
+        return Outcome.AMBIGUOUS, comparison.settle, comparison.note
     ratio = comparison.ratio
     lo, hi = ratio.ci_low, ratio.ci_high
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return Outcome.AMBIGUOUS, None, None
-    outcomes: list[tuple[Outcome, int | None]] = []
+    outcomes: list[tuple[Outcome, Settle | None]] = []
     for bound, passes, fails in (
         (criterion.min_ratio, lo >= (criterion.min_ratio or 0), hi < (criterion.min_ratio or 0)),
         (criterion.max_ratio, hi <= (criterion.max_ratio or 0), lo > (criterion.max_ratio or 0)),
@@ -61,23 +63,20 @@ def judge_ratio(comparison: Comparison, criterion: Criterion) -> tuple[Outcome, 
         elif fails:
             outcomes.append((Outcome.FAIL, None))
         else:
-            distance = abs(math.log(ratio.ratio / bound)) if ratio.ratio > 0 else math.nan
-            outcomes.append((Outcome.AMBIGUOUS, samples_to_clear(distance, comparison.log_se, ratio.n)))
+            outcomes.append((Outcome.AMBIGUOUS, stats.settle_of(comparison, bound=bound)))
     for wanted in (Outcome.FAIL, Outcome.AMBIGUOUS):
-        for outcome, more in outcomes:
+        for outcome, settle in outcomes:
             if outcome is wanted:
-                return outcome, more, None
+                return outcome, settle, settle.edge_note() if settle else None
     return Outcome.PASS, None, None
 
 
 def fail_p_value(comparison: Comparison, criterion: Criterion) -> float:
-    """One-sided p-value of "the bound holds" at a failing point (normal tail at the bootstrap's se)."""
-    r, se = comparison.ratio.ratio, comparison.log_se
-    bound = criterion.min_ratio if criterion.min_ratio is not None else criterion.max_ratio
-    if not (r > 0 and bound and math.isfinite(se)):
-        return math.nan
-    past = abs(math.log(r / bound))
-    return 0.0 if se <= 0 else NORMAL.cdf(-past / se)
+    """Two-sided p-value of "the ratio lies within the criterion's bounds", read off the bootstrap
+    draws behind the interval (`power.past_p_value`): below 0.05 exactly at a failing point."""
+    lower = math.log(criterion.min_ratio) if criterion.min_ratio else -math.inf
+    upper = math.log(criterion.max_ratio) if criterion.max_ratio else math.inf
+    return past_p_value(comparison.draws, lower, upper)
 
 
 def expected_points(sweep: SweepSpec, criterion: Criterion, baseline: str) -> list[tuple[str, list[str], Point]]:
@@ -145,7 +144,10 @@ def evaluate_ratio(table: pa.Table, sweep: SweepSpec, criterion: Criterion, resa
     if baseline is None:
         raise InputError(f"criteria {criterion.name!r}: no baseline arm (set `baseline` in the sweep or criterion)")
     expected = expected_points(sweep, criterion, baseline)
-    samples = groups.keyed_sample_groups(table)
+    samples = {
+        groups.GroupKey(*key): group
+        for key, group in grouped_samples(table, ["device", "case_name", "params", "arm", "metric"])
+    }
     seen_devices = sorted(set(table["device"].to_pylist())) if table.num_rows else []
     # Every row (clean or not) of each (device, case, point): to tell a missing point from one
     # that does not measure this metric (decode_tok_s only exists at tokens=1).
@@ -164,16 +166,17 @@ def evaluate_ratio(table: pa.Table, sweep: SweepSpec, criterion: Criterion, resa
             a, b = samples.get(key_a), samples.get(key_b)
             if a and b:
                 c = stats.compare_samples(
-                    a[0],
-                    b[0],
+                    a.values,
+                    b.values,
                     metric=criterion.metric,
-                    seed=stats.seed_for(device, case_name, point, criterion.arm, baseline),
+                    seed=stats.comparison_seed(case_name, point, (device,), criterion.arm, baseline),
                     resamples=resamples,
-                    a_keys=a[1],
-                    b_keys=b[1],
+                    a_keys=a.pair_keys(),
+                    b_keys=b.pair_keys(),
+                    precision=a.target_with(b),
                 )
-                outcome, more, note = judge_ratio(c, criterion)
-                verdict.points.append(PointResult(device, case_name, point, c.ratio, outcome, more, note))
+                outcome, settle, note = judge_ratio(c, criterion)
+                verdict.points.append(PointResult(device, case_name, point, c.ratio, outcome, settle, note))
                 comparisons.append(c)
                 continue
             measured_elsewhere = rows_here and all(r["status"] == "ok" and not r["contended"] for r in rows_here)

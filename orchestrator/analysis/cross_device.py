@@ -24,6 +24,7 @@ from orchestrator.analysis.compare import point_sort_key
 from orchestrator.analysis.groups import Point
 from orchestrator.analysis.samples import grouped_samples
 from orchestrator.analysis.stats import Summary
+from workers.contract.precision import seed_for
 
 PEAK_COLUMNS = {"gb_per_s": "peak_copy_gb_s", "tflop_per_s": "peak_tflop_s"}
 
@@ -78,7 +79,7 @@ def cross_device(table: pa.Table, *, resamples: int = stats.RESAMPLES) -> list[C
         if metric not in PEAK_COLUMNS:
             continue
         key = groups.GroupKey(device, case_name, point, arm, metric)
-        summary = stats.summarize(group.values, seed=stats.seed_for(key), resamples=resamples)
+        summary = stats.summarize(group.values, seed=seed_for(key), resamples=resamples)
         peak = peaks.get(device, {}).get(PEAK_COLUMNS[metric])
         fraction = summary.median / peak if peak else None
         row = rows.setdefault((case_name, point, arm, metric), CrossDeviceRow(case_name, point, arm, metric, {}))

@@ -3,9 +3,11 @@
 A comparison table of 50 points x 6 arms is 250 tests: at 95 % each, pure noise alone gives a
 dozen FASTER/SLOWER verdicts. `control_fdr` keeps a FASTER/SLOWER only where Benjamini and
 Hochberg's step-up procedure at q = 5 %, over every comparison of the table, rejects "the change
-lies within the band" (p-values from `orchestrator.analysis.stats.band_p_value`); metrics derived from the
-same samples (`seconds`, `prefill_tok_s`, `gb_per_s`, ...) are one hypothesis, not four. The
-rest become AMBIGUOUS, with the samples that would settle them; `FdrControl.describe` is the line
+lies within the band" (p-values read off each comparison's own bootstrap draws,
+`orchestrator.analysis.power.past_p_value`: p < 0.05 exactly where the 95 % interval lies past the
+band, so a table of one comparison keeps every verdict it had); metrics derived from the same
+samples (`seconds`, `prefill_tok_s`, `gb_per_s`, ...) are one hypothesis, not four. The
+rest become AMBIGUOUS, with what more samples would do for them; `FdrControl.describe` is the line
 the table prints about it.
 """
 
@@ -16,8 +18,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from orchestrator.analysis.power import samples_to_settle
-from orchestrator.analysis.stats import Comparison, Verdict
+from orchestrator.analysis.stats import Comparison, Verdict, settle_of
 
 FDR_Q = 0.05
 
@@ -97,8 +98,9 @@ def control_fdr(
                 kept += first
             else:
                 demoted += first
-                more = samples_to_settle(math.log(c.speedup.ratio), c.log_se, c.speedup.n, c.threshold)
+                settle = settle_of(c)
                 note = f"p={c.p_value:.2g}: not significant once {len(names)} comparisons are controlled"
-                c = replace(c, verdict=Verdict.AMBIGUOUS, more_samples=more, note=note)
+                note = "; ".join(filter(None, (note, settle.edge_note())))
+                c = replace(c, verdict=Verdict.AMBIGUOUS, settle=settle, note=note)
         out[key] = c
     return out, FdrControl(q, len(names), kept, demoted)

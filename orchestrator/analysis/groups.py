@@ -1,22 +1,24 @@
 """Stored rows as groups of samples: what `orchestrator.analysis.stats` compares.
 
-A group is one (device, case, point, arm, metric), optionally kept apart per run and code
-version; its samples come in row order, each with the key that pairs it with the other arms'
-samples of the same job (`PairKey`). Only clean rows count: status ok, not contended, not
-throttled, a finite value. Which way each metric is better (`higher_is_better`) and which are
-exact numbers (`EXACT_METRICS`) is said here too, once for every reader of the groups.
+A group is one (device, case, point, arm, metric) (`GroupKey`; grouped in DuckDB by
+`orchestrator.analysis.samples`), each sample with the key that pairs it with the other arms'
+samples of the same job, (run, job, sample). Only clean rows count: status ok, not contended,
+not throttled, a finite value. Samples of two arms pair on their key and fall into ABBA blocks (`paired_samples`,
+`block_values`). Which way each metric is better (`higher_is_better`) and which are exact numbers
+(`EXACT_METRICS`) is said here too, once for every reader of the groups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from workers.contract import Status
+from workers.contract.precision import ROUNDS_PER_BLOCK
 
 # Metrics where a smaller value is the better one; every other metric is a rate (higher is better).
 LOWER_IS_BETTER = frozenset(
@@ -70,33 +72,43 @@ class GroupKey:
     code_version: str | None = None
 
 
-PairKey = tuple[str, str, int]  # (run_id, job_key, sample): arms of one job pair on it
-KeyedSamples = tuple[list[float], list[PairKey]]
+def block_of(key: Hashable) -> Hashable:
+    """The ABBA block of a pairing key: (run, job, sample) -> (run, job, sample // 2)."""
+    if isinstance(key, tuple) and key and isinstance(key[-1], int | np.integer):
+        return (*key[:-1], key[-1] // ROUNDS_PER_BLOCK)
+    if isinstance(key, int | np.integer):
+        return key // ROUNDS_PER_BLOCK
+    return key
 
 
-def keyed_sample_groups(table: pa.Table, *, split_runs: bool = False) -> dict[GroupKey, KeyedSamples]:
-    """Clean samples by group, in row order, each with its pairing key (`compare_samples`)."""
-    rows = clean_rows(table)
-    names = ("device", "case_name", "params", "arm", "metric", "value", "run_id", "code_version", "job_key", "sample")
-    cols: dict[str, list[Any]] = {name: rows[name].to_pylist() for name in names}
-    out: dict[GroupKey, KeyedSamples] = {}
-    for i in range(rows.num_rows):
-        key = GroupKey(
-            cols["device"][i],
-            cols["case_name"][i],
-            point_of(cols["params"][i]),
-            cols["arm"][i],
-            cols["metric"][i],
-            cols["run_id"][i] if split_runs else None,
-            cols["code_version"][i] if split_runs else None,
-        )
-        values, keys = out.setdefault(key, ([], []))
-        values.append(float(cols["value"][i]))
-        sample = cols["sample"][i]
-        keys.append((str(cols["run_id"][i]), str(cols["job_key"][i]), -1 if sample is None else int(sample)))
-    return out
+def block_values(keys: Sequence[Hashable], d: np.ndarray) -> np.ndarray:
+    """Per ABBA block, the mean of its pairs' log ratios `d`, blocks in key order.
+
+    `workers.contract.precision.block_log_ratios` for pairs of several runs and jobs: pairs keyed
+    (run, job, sample) fall in block (run, job, sample // 2).
+    """
+    sums: dict[Hashable, list[float]] = {}
+    for k, v in zip(keys, d, strict=True):
+        sums.setdefault(block_of(k), []).append(float(v))
+    return np.asarray([sum(vs) / len(vs) for _, vs in sorted(sums.items(), key=lambda kv: _order(kv[0]))])
 
 
-def sample_groups(table: pa.Table, *, split_runs: bool = False) -> dict[GroupKey, list[float]]:
-    """Clean samples by group. `split_runs` keeps runs and code versions apart."""
-    return {key: values for key, (values, _) in keyed_sample_groups(table, split_runs=split_runs).items()}
+def _order(key: Hashable) -> tuple[str, Hashable]:
+    """A sort key for pairing keys of any one kind (tuples or numbers compare among themselves)."""
+    return (type(key).__name__, key)
+
+
+def paired_samples(
+    a: np.ndarray, b: np.ndarray, a_keys: Sequence[Hashable] | None, b_keys: Sequence[Hashable] | None
+) -> tuple[list[Hashable], np.ndarray, np.ndarray] | None:
+    """The samples of `a` and `b` that share a pairing key, ordered by key (None: no keys)."""
+    if a_keys is None or b_keys is None:
+        return None
+    partner = {k: v for k, v in zip(b_keys, b, strict=True)}
+    matched = sorted(
+        ((k, v, partner[k]) for k, v in zip(a_keys, a, strict=True) if k in partner), key=lambda m: _order(m[0])
+    )
+    if not matched:
+        return None
+    keys, pa_, pb_ = zip(*matched, strict=True)
+    return list(keys), np.asarray(pa_), np.asarray(pb_)

@@ -9,7 +9,7 @@ rates measured by simulation):
 
 * regression / improvement: one night far past the level, or 2-3 nights together past it, by
   more than the night-to-night noise allows (a t test on the noise of the last `window` nights,
-  so a noisy series needs a bigger step) and by more than `threshold` (5 %). The finding names
+  so a noisy series needs a bigger step) and by more than `threshold` (2 %). The finding names
   the run and commit where the change began (`since_run`, `since_commit`); the new level is the
   baseline from then on, so a step is flagged once, and one bad night that returns is flagged
   at most once (not as a regression and then an improvement);
@@ -18,6 +18,10 @@ rates measured by simulation):
   on the run's commit, and the series goes on from a new level instead of starting over;
 * steady, or no-history while there are too few nights to know the noise (7).
 
+Besides each arm's own series, each arm has a ratio series to the reference arm (the sweep's
+baseline; `series_of`): a board's clock or heat moves both arms of a job and cancels in the
+ratio, whose nights scatter less, so a 3 % step stands out of it.
+
 Why not an interval of the ratio of medians against a few earlier runs: that interval only knows
 the noise within a night, while nights differ by more (clocks, heat, neighbours); over 30 stable
 nights with 2-3 % night-to-night noise, 46-94 % of series raised an alarm that way.
@@ -25,6 +29,7 @@ nights with 2-3 % night-to-night noise, 46-94 % of series raised an alarm that w
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 from collections import defaultdict
@@ -37,7 +42,8 @@ import pyarrow.compute as pc
 
 from orchestrator.analysis import changepoints
 from orchestrator.analysis.commits import head_rows
-from orchestrator.analysis.groups import higher_is_better
+from orchestrator.analysis.compare import default_baseline
+from orchestrator.analysis.groups import block_values, higher_is_better
 from workers.contract import Status
 
 WINDOW = changepoints.WINDOW
@@ -59,6 +65,7 @@ ENVIRONMENT = {
     "memory_bytes": "memory",
 }
 
+RATIO_UNIT = "x"  # the unit of a ratio series (`native/affine`, `1.023 x`): see `series_of`
 REGRESSION = "regression"
 IMPROVEMENT = "improvement"
 STEADY = "steady"
@@ -140,14 +147,22 @@ def _params_key(entries: Any) -> str:
 
 
 def series_of(
-    table: pa.Table, *, case: str | None = None, metric: str | None = None
+    table: pa.Table, *, case: str | None = None, metric: str | None = None, reference: str | None = None
 ) -> dict[SeriesKey, list[RunPoint]]:
     """Group clean rows into series of run points, each series in time order.
+
+    Besides each arm's own series, every arm measured in the same jobs as the reference arm has a
+    **ratio series** (`arm/reference`, unit `x`): per run, the arm's ABBA block ratios to the
+    reference (`orchestrator.analysis.groups.block_values`), whose median is the run's ratio. A
+    board's clock or heat moves both arms of a job alike and cancels in the ratio, so its nights
+    scatter less than either arm's own and a smaller change stands out.
 
     Args:
         table: rows in the contract's schema (e.g. `read_rows(store, sweep=...)`).
         case: keep one case (matched against `case_name`, then `case`).
         metric: keep one metric.
+        reference: the arm the ratios are to (a sweep's baseline); None: `affine` where a case has
+            it, else its first arm (`orchestrator.analysis.compare.default_baseline`).
     """
     table = head_rows(table)  # a commit comparison's BASE rows share HEAD's run: only HEAD is the run's point
     mask = pc.and_(pc.equal(table["status"], Status.OK.value), pc.invert(pc.fill_null(table["contended"], False)))
@@ -167,9 +182,12 @@ def series_of(
         "started_at",
         "commit",
         "value",
+        "job_key",
+        "sample",
         *ENVIRONMENT,
     ]
     points: dict[SeriesKey, dict[str, RunPoint]] = defaultdict(dict)
+    paired: dict[SeriesKey, dict[str, dict[tuple[str, str, int], float]]] = defaultdict(lambda: defaultdict(dict))
     for row in table.filter(mask).select(cols).to_pylist():
         value = row["value"]
         if (metric is None and row["metric"] in IGNORED_METRICS) or value is None or not math.isfinite(value):
@@ -189,8 +207,42 @@ def series_of(
             point = points[key][row["run_id"]] = RunPoint(row["run_id"], row["started_at"], row["commit"], [], env)
         point.started_at = min(point.started_at, row["started_at"])
         point.values.append(float(value))
+        sample = -1 if row["sample"] is None else int(row["sample"])
+        paired[key][row["run_id"]][(row["run_id"], str(row["job_key"]), sample)] = float(value)
+    points.update(_ratio_series(points, paired, reference))
     ordered = sorted(points, key=lambda k: (k.label(), k.host))
     return {k: sorted(points[k].values(), key=lambda p: (p.started_at, p.run_id)) for k in ordered}
+
+
+def _ratio_series(
+    points: dict[SeriesKey, dict[str, RunPoint]],
+    paired: dict[SeriesKey, dict[str, dict[tuple[str, str, int], float]]],
+    reference: str | None,
+) -> dict[SeriesKey, dict[str, RunPoint]]:
+    """Each arm's series over the reference arm's, per run from the samples the two share a job and
+    sample index with (see `series_of`)."""
+    arms: dict[SeriesKey, list[str]] = defaultdict(list)
+    for key in points:
+        arms[dataclasses.replace(key, arm="")].append(key.arm)
+    out: dict[SeriesKey, dict[str, RunPoint]] = {}
+    for where, names in arms.items():
+        ref = default_baseline(names, reference)
+        ref_key = dataclasses.replace(where, arm=ref)
+        for arm in names:
+            if arm == ref:
+                continue
+            key = dataclasses.replace(where, arm=arm)
+            ratio_key = dataclasses.replace(where, arm=f"{arm}/{ref}", unit=RATIO_UNIT)
+            for run_id, mine in paired[key].items():
+                theirs = paired[ref_key].get(run_id, {})
+                shared = sorted(k for k in mine if k in theirs and mine[k] > 0 and theirs[k] > 0)
+                if not shared:
+                    continue
+                logs = np.log([mine[k] for k in shared]) - np.log([theirs[k] for k in shared])
+                ratios = [float(v) for v in np.exp(block_values(shared, logs))]
+                p = points[key][run_id]
+                out.setdefault(ratio_key, {})[run_id] = RunPoint(run_id, p.started_at, p.commit, ratios, p.environment)
+    return out
 
 
 def environment_change(before: dict[str, str], after: dict[str, str]) -> str | None:
@@ -269,22 +321,25 @@ def _finding(
     )
 
 
-def judge(key: SeriesKey, current: RunPoint, baseline: list[RunPoint], *, threshold: float = THRESHOLD) -> Finding:
-    """The verdict on `current` after `baseline` runs of the same level (the last of `detect`)."""
-    return detect(key, [*baseline, current], threshold=threshold)[-1]
-
-
 def findings_for_run(
-    table: pa.Table, run_id: str, *, window: int = WINDOW, threshold: float = THRESHOLD
+    table: pa.Table,
+    run_id: str,
+    *,
+    window: int = WINDOW,
+    threshold: float = THRESHOLD,
+    reference: str | None = None,
 ) -> list[Finding]:
     """The verdicts on one run: every series it measured, against that series' own history.
 
     Args:
         table: the sweep's stored rows (all runs; each host's series are its own).
         run_id: the run to judge (usually the one that just finished).
+        window: nights that estimate the noise.
+        threshold: the smallest relative change worth a call.
+        reference: the arm of the ratio series (`series_of`; the sweep's baseline).
     """
     out = []
-    for key, points in series_of(table).items():
+    for key, points in series_of(table, reference=reference).items():
         if not any(p.run_id == run_id for p in points):
             continue
         for finding in detect(key, points, window=window, threshold=threshold):
@@ -341,53 +396,3 @@ def report_markdown(sweep: str, run_id: str, findings: list[Finding]) -> str:
         lines += ["", "Environment changes (not blamed on a commit; each series goes on from a new level):", ""]
         lines += [f"- {f.series.label()}: {f.describe()}" for f in changed]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------- trend and plot
-
-PREFERRED_METRICS = ("decode_tok_s", "prefill_tok_s", "tflop_per_s", "gb_per_s", "seconds")
-_SPARK = "▁▂▃▄▅▆▇█"
-
-
-def default_metric(table: pa.Table, case: str) -> str | None:
-    """The metric `orchestrate history CASE` shows when none is given."""
-    rows = table.filter(pc.or_(pc.equal(table["case_name"], case), pc.equal(table["case"], case)))
-    metrics = set(pc.unique(rows["metric"]).to_pylist()) - IGNORED_METRICS
-    for metric in PREFERRED_METRICS:
-        if metric in metrics:
-            return metric
-    return min(metrics) if metrics else None
-
-
-def sparkline(values: list[float]) -> str:
-    """A one-line trend of run medians (▁ lowest, █ highest)."""
-    finite = [v for v in values if math.isfinite(v)]
-    if not finite:
-        return ""
-    lo, hi = min(finite), max(finite)
-    span = hi - lo or 1.0
-    return "".join(_SPARK[round((v - lo) / span * (len(_SPARK) - 1))] if math.isfinite(v) else " " for v in values)
-
-
-@dataclass(frozen=True)
-class Trend:
-    """One series over its runs, with the runs where it changed."""
-
-    series: SeriesKey
-    points: list[RunPoint]
-    findings: list[Finding]
-
-    @property
-    def changes(self) -> list[Finding]:
-        """Regressions, improvements and environment changes (each where it was flagged)."""
-        return [f for f in self.findings if f.verdict in (REGRESSION, IMPROVEMENT, ENVIRONMENT_CHANGE)]
-
-
-def trends(
-    table: pa.Table, case: str, metric: str, *, window: int = WINDOW, threshold: float = THRESHOLD
-) -> list[Trend]:
-    """Every series of one case and metric, per device and host, with its change points."""
-    return [
-        Trend(key, pts, detect(key, pts, window=window, threshold=threshold))
-        for key, pts in series_of(table, case=case, metric=metric).items()
-    ]

@@ -3,7 +3,8 @@
 `grouped_samples(rows, keys)` groups the clean rows of an Arrow table (status ok, not contended, a
 finite value; see `orchestrator.analysis.groups.clean_rows`) by the named columns and returns, per group,
 its values ordered by (run, job, sample) together with each value's `sample` index, `job_key`
-and `run_id`: two arms measured in one job (ABBA-interleaved) pair up by (job_key, sample). The
+and `run_id`: two arms measured in one job (ABBA-interleaved) pair up by (job_key, sample); and
+the precision its rows were sampled to (`extra.precision`), which plans further samples. The
 first row of each group keeps its position, so sides can be listed in the order they were
 measured (a sweep's arm order) rather than alphabetically.
 """
@@ -33,10 +34,16 @@ class SampleSet:
     unit: str
     code_versions: tuple[str, ...]  # distinct, sorted
     commits: tuple[str, ...]  # distinct external commits (command cases), sorted
+    precision: float | None = None  # the tightest target half-width its rows were sampled to (`extra.precision`)
 
     def pair_keys(self) -> list[tuple[str, str, int]]:
         """Each value's pairing key, (run, job, sample): arms of one job share it (`stats.compare_samples`)."""
         return [(str(r), str(j), int(s)) for r, j, s in zip(self.run_ids, self.job_keys, self.samples, strict=True)]
+
+    def target_with(self, other: SampleSet) -> float | None:
+        """The precision target of a comparison of this group with `other`: the tighter of the two."""
+        targets = [p for p in (self.precision, other.precision) if p is not None]
+        return min(targets) if targets else None
 
     def one(self, what: tuple[str, ...]) -> str | None:
         """The single value of a distinct tuple, or None when there are none or several."""
@@ -52,7 +59,8 @@ SELECT {keys},
     min(_row) AS first_row,
     any_value(unit) AS unit,
     list_sort(list_distinct(list(code_version))) AS code_versions,
-    list_sort(list_distinct(list("commit"))) AS commits
+    list_sort(list_distinct(list("commit"))) AS commits,
+    min(try_cast(map_extract(extra, 'precision')[1] AS DOUBLE)) AS "precision"
 FROM grouped GROUP BY ALL ORDER BY first_row
 """
 
@@ -82,7 +90,7 @@ def grouped_samples(rows: pa.Table, keys: Sequence[str]) -> list[tuple[tuple[Any
     out = []
     for record in con.sql(GROUP_SQL.format(keys=listed)).fetchall():
         key = tuple(groups.point_of(v) if k == "params" else v for k, v in zip(keys, record, strict=False))
-        values, samples, job_keys, run_ids, first, unit, versions, commits = record[len(keys) :]
+        values, samples, job_keys, run_ids, first, unit, versions, commits, precision = record[len(keys) :]
         out.append(
             (
                 key,
@@ -95,6 +103,7 @@ def grouped_samples(rows: pa.Table, keys: Sequence[str]) -> list[tuple[tuple[Any
                     unit or "",
                     tuple(v for v in versions if v is not None),
                     tuple(c for c in commits if c is not None),
+                    None if precision is None else float(precision),
                 ),
             )
         )

@@ -9,13 +9,22 @@ resample jittered by h = IQR / 1.349 / sqrt(n), Silverman and Young's remedy for
 lumpy bootstrap distribution): by simulation it covers 91-96 % at n = 5..30 under normal and
 heavy-tailed noise, where the plain percentile interval dips to 89 %. 2000 resamples.
 
-**Comparisons are paired where the samples are.** Arms of one job are measured interleaved in
-ABBA order (`workers.job.measure`), so sample i of arm A and sample i of the baseline were taken side
-by side: the comparison is the median of the per-pair log ratios, bootstrapped over pairs. Drift
-across the job (clocks, heat, a neighbour) cancels in each pair; treated as independent samples
-it widens both sides' intervals (an 8 % drift made identical arms AMBIGUOUS 91 % of the time).
-Samples without a partner (another run, another device) are compared unpaired: the difference
-of the two sides' log medians, each side resampled on its own.
+**Comparisons are paired where the samples are, in ABBA blocks.** Arms of one job are measured
+interleaved in ABBA order (`workers.job.measure`), so sample i of arm A and sample i of the
+baseline were taken side by side: they pair by (run, job, sample). Two consecutive rounds form a
+block (A B, B A; `workers.contract.precision`), keyed (run, job, sample // 2); a block's value is
+the mean of its pairs' log ratios, which cancels whatever the first slot of a round gains or
+loses, and the comparison is the median of the block values with the smoothed-bootstrap interval
+over blocks (`precision.median_interval`: the worker stops sampling on the same interval). With
+an odd number of rounds the median of per-pair ratios keeps a 3 % slot effect as a bias of
+1.5-2 %; the block statistic keeps under a third of that (the lone last round is a block of its
+own; the worker's adaptive sampling ends on whole blocks; tests). Drift across the job (clocks, heat, a
+neighbour) cancels in each pair; treated as independent samples it widens both sides' intervals
+(an 8 % drift made identical arms AMBIGUOUS 91 % of the time). Samples without a partner
+(another run, another device) are compared unpaired: the difference of the two sides' log
+medians, each side resampled on its own. Either way the samples are put in a canonical order
+(pairs by key, unpaired values sorted) before the bootstrap, so the same samples give the same
+interval whatever order a reader hands them over in (`compare` and `check` agree).
 
 **One seed per group of samples.** Everything is computed on the oriented log ratio (> 0: `a` is
 better), and the bootstrap is seeded by the group, not the metric, so `seconds`, `prefill_tok_s`,
@@ -26,33 +35,36 @@ better), and the bootstrap is seeded by the group, not the metric, so `seconds`,
 
 * FASTER / SLOWER: the whole interval lies past the band (the change is larger than `t`);
 * SAME: the whole interval lies inside the band (any change is smaller than `t`);
-* AMBIGUOUS: the interval reaches across an edge of the band; `more_samples` is a power
-  calculation: about how many samples per side give an 80 % chance of an interval off that edge;
-* TOO FEW: fewer than `MIN_SAMPLES` (5) per side, where an interval covers 50-78 % instead of
-  95 % (`n=3: too few to judge`). Metrics measured once per arm by construction (`EXACT_METRICS`:
-  peak memory, relative error) are compared as exact numbers instead.
+* AMBIGUOUS: the interval reaches across an edge of the band; `settle` says about how many
+  samples per side bring the interval to the target half-width, or that the estimate sits on
+  the edge (`orchestrator.analysis.power.samples_to_settle`);
+* TOO FEW: fewer than `MIN_SAMPLES` (5) samples per side, where an interval covers 50-78 %
+  instead of 95 % (`n=3: too few to judge`). The count is of samples (a sweep's minimum
+  repetitions); the interval itself rests on the blocks they make (5 samples: 3 blocks).
+  Metrics measured once per arm by construction (`EXACT_METRICS`: peak memory, relative error)
+  are compared as exact numbers instead.
 
 **A table of comparisons** is a family of tests: `orchestrator.analysis.fdr.control_fdr` keeps a
 FASTER/SLOWER only where Benjamini-Hochberg at q = 5 % over the table rejects "the change lies
-within the band" (`band_p_value`). **Heavy tails** (a few samples far from the rest, as on a shared
+within the band", with p-values read off the same bootstrap draws as the interval
+(`orchestrator.analysis.power.past_p_value`: p < 0.05 exactly when the interval lies past the
+band). **Heavy tails** (a few samples far from the rest, as on a shared
 GPU) are counted per group (`Summary.outliers`), as hyperfine warns, never silently absorbed.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
 
-from orchestrator.analysis.groups import EXACT_METRICS, higher_is_better
-from orchestrator.analysis.power import LEVEL, NORMAL, band_p_value, samples_to_settle
+from orchestrator.analysis.groups import EXACT_METRICS, Point, block_values, higher_is_better, paired_samples
+from orchestrator.analysis.power import Settle, past_p_value, samples_to_settle
+from workers.contract.precision import LEVEL, RESAMPLES, median_interval, seed_for, smoothed_medians
 
-RESAMPLES = 2000
-CHUNK_VALUES = 1 << 22  # bootstrap draws held at once (32 MiB of float64)
 THRESHOLD = 0.03
 MIN_SAMPLES = 5
 # A sample is an outlier more than 2x (or under half) the group's median, or with a modified
@@ -116,59 +128,40 @@ class Comparison:
         speedup: the ratio turned so that > 1 is better (inverted for times and memory).
         verdict: see the module docstring.
         threshold: the relevance threshold `t`.
-        more_samples: AMBIGUOUS / TOO FEW: about how many more samples per side settle it.
+        settle: AMBIGUOUS / TOO FEW: what more samples would do (`power.Settle`).
         p_value: two-sided, for "the change lies within the band" (nan: exact or too few).
         note: why there is no verdict (`n=3: too few to judge`, or FDR's demotion).
-        log_se: the bootstrap standard error of the log ratio.
+        precision: the target relative half-width the samples were taken to, if any (plans `settle`).
+        draws: the sorted bootstrap draws of the raw log ratio `log(a / b)` behind the interval
+            (empty: exact); every p-value of this comparison is read off them.
     """
 
     ratio: Ratio
     speedup: Ratio
     verdict: Verdict
     threshold: float
-    more_samples: int | None
+    settle: Settle | None
     p_value: float = math.nan
     note: str | None = None
-    log_se: float = math.nan
+    draws: np.ndarray = field(default_factory=lambda: np.empty(0), compare=False, repr=False)
+    precision: float | None = None
+
+    @property
+    def more_samples(self) -> int | None:
+        """About how many more samples per side settle it (None: settled, or on the band's edge)."""
+        return self.settle.more if self.settle else None
 
 
-def seed_for(*key: object) -> int:
-    """A stable seed from a group key (same data, same interval, every time)."""
-    return zlib.crc32(repr(key).encode())
+def comparison_seed(case_name: str, point: Point, dims: tuple[str, ...], side: str, baseline: str) -> int:
+    """The bootstrap seed of one comparison (`side` against `baseline` at a case's point, on the
+    row's other dimensions, e.g. the device): the same for every metric of its samples, and the
+    same for `compare` and `check`, so the two give one interval and one p-value."""
+    return seed_for((case_name, point, tuple(dims)), side, baseline)
 
 
 def _clean_values(values: Iterable[float]) -> np.ndarray:
     arr = np.asarray(list(values) if not isinstance(values, np.ndarray) else values, dtype=np.float64)
     return arr[np.isfinite(arr)]
-
-
-def smoothed_medians(values: np.ndarray, rng: np.random.Generator, resamples: int = RESAMPLES) -> np.ndarray:
-    """Medians of `resamples` smoothed bootstrap resamples of `values` (one vectorised draw).
-
-    Each resampled value is jittered by a normal of sd IQR / 1.349 / sqrt(n): the interval of the
-    median then covers close to its level at small n (see the module docstring).
-    """
-    n = len(values)
-    q1, q3 = np.quantile(values, [0.25, 0.75])
-    h = (q3 - q1) / 1.349 / math.sqrt(n)
-    out = np.empty(resamples)
-    step = max(1, CHUNK_VALUES // n)  # bounded memory for long series
-    for start in range(0, resamples, step):
-        rows = min(step, resamples - start)
-        draws = values[rng.integers(0, n, size=(rows, n))]
-        if h > 0:
-            draws = draws + h * rng.standard_normal((rows, n))
-        out[start : start + rows] = row_medians(draws)
-    return out
-
-
-def row_medians(draws: np.ndarray) -> np.ndarray:
-    """`np.median(draws, axis=1)` of finite draws, value for value, by a sort: 5x faster on a bootstrap's short rows."""
-    n = draws.shape[1]
-    ordered = np.sort(draws, axis=1)
-    if n % 2:
-        return ordered[:, n // 2]
-    return (ordered[:, n // 2 - 1] + ordered[:, n // 2]) / 2
 
 
 def count_outliers(values: Iterable[float]) -> int:
@@ -222,10 +215,11 @@ class LogRatio:
     point: float
     lo: float
     hi: float
-    se: float  # bootstrap standard error: the interval's width over 2 x 1.96
     n_a: int
     n_b: int
     paired: bool
+    blocks: int = 0  # ABBA blocks the paired interval rests on (0: unpaired)
+    draws: np.ndarray = field(default_factory=lambda: np.empty(0), compare=False, repr=False)  # sorted
 
     @property
     def n(self) -> int:
@@ -236,20 +230,6 @@ class LogRatio:
 def _oriented_logs(values: np.ndarray, higher: bool) -> np.ndarray:
     """log values, negated for lower-is-better metrics: > 0 differences always mean better."""
     return np.log(values) if higher else -np.log(values)
-
-
-def _pairs(
-    a: np.ndarray, b: np.ndarray, a_keys: Sequence[Hashable] | None, b_keys: Sequence[Hashable] | None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The samples of `a` and `b` that share a pairing key, in `a`'s order (None: no keys)."""
-    if a_keys is None or b_keys is None:
-        return None
-    partner = {k: v for k, v in zip(b_keys, b, strict=True)}
-    matched = [(v, partner[k]) for k, v in zip(a_keys, a, strict=True) if k in partner]
-    if not matched:
-        return None
-    pa_, pb_ = zip(*matched, strict=True)
-    return np.asarray(pa_), np.asarray(pb_)
 
 
 def log_ratio(
@@ -263,17 +243,18 @@ def log_ratio(
     a_keys: Sequence[Hashable] | None = None,
     b_keys: Sequence[Hashable] | None = None,
 ) -> LogRatio:
-    """The oriented log ratio of `a` over `b`, paired where the keys pair them.
+    """The oriented log ratio of `a` over `b`, paired in ABBA blocks where the keys pair them.
 
     Args:
-        a, b: samples in sample order (non-finite and non-positive values are dropped).
+        a, b: samples (non-finite and non-positive values are dropped); their order is not used.
         higher: the metric's orientation (`higher_is_better`).
         seed: seeds the bootstrap: pass the same seed for every metric of the same samples.
         resamples: bootstrap resamples.
         level: confidence level.
-        a_keys, b_keys: each sample's pairing key (e.g. run, job and sample index); samples whose
-            key appears on both sides are pairs. Paired when at least `MIN_SAMPLES` pairs exist,
-            or every sample of the smaller side has its partner.
+        a_keys, b_keys: each sample's pairing key, (run, job, sample); samples whose key appears
+            on both sides are pairs, and pairs of one (run, job, sample // 2) are a block. Paired
+            when at least `MIN_SAMPLES` pairs exist, or every sample of the smaller side has its
+            partner.
     """
     xa, xb = np.asarray(list(a), dtype=np.float64), np.asarray(list(b), dtype=np.float64)
     ok_a, ok_b = np.isfinite(xa) & (xa > 0), np.isfinite(xb) & (xb > 0)
@@ -281,20 +262,21 @@ def log_ratio(
     keys_b = None if b_keys is None else [k for k, ok in zip(b_keys, ok_b, strict=True) if ok]
     xa, xb = xa[ok_a], xb[ok_b]
     if len(xa) == 0 or len(xb) == 0:
-        return LogRatio(math.nan, math.nan, math.nan, math.nan, len(xa), len(xb), False)
-    rng = np.random.default_rng(seed)
-    alpha = (1 - level) / 2
-    pairs = _pairs(xa, xb, keys_a, keys_b)
+        return LogRatio(math.nan, math.nan, math.nan, len(xa), len(xb), False)
+    pairs = paired_samples(xa, xb, keys_a, keys_b)
     if pairs is not None and (len(pairs[0]) >= MIN_SAMPLES or len(pairs[0]) == min(len(xa), len(xb))):
-        d = _oriented_logs(pairs[0], higher) - _oriented_logs(pairs[1], higher)
-        point, paired, n_a, n_b = float(np.median(d)), True, len(d), len(d)
-        draws = smoothed_medians(d, rng, resamples)
-    else:
-        ua, ub = _oriented_logs(xa, higher), _oriented_logs(xb, higher)
-        point, paired, n_a, n_b = float(np.median(ua) - np.median(ub)), False, len(xa), len(xb)
-        draws = smoothed_medians(ua, rng, resamples) - smoothed_medians(ub, rng, resamples)
+        keys, pa_, pb_ = pairs
+        blocks = block_values(keys, _oriented_logs(pa_, higher) - _oriented_logs(pb_, higher))
+        interval = median_interval(blocks, seed=seed, resamples=resamples, level=level)
+        draws = np.sort(interval.draws)
+        lo, hi = (interval.lo, interval.hi) if len(blocks) > 1 else (interval.point, interval.point)
+        return LogRatio(interval.point, lo, hi, len(pa_), len(pb_), True, len(blocks), draws)
+    ua, ub = np.sort(_oriented_logs(xa, higher)), np.sort(_oriented_logs(xb, higher))
+    rng = np.random.default_rng(seed)
+    draws = np.sort(smoothed_medians(ua, rng, resamples) - smoothed_medians(ub, rng, resamples))
+    alpha = (1 - level) / 2
     lo, hi = (float(v) for v in np.quantile(draws, [alpha, 1 - alpha]))
-    return LogRatio(point, lo, hi, (hi - lo) / (2 * NORMAL.inv_cdf(1 - alpha)), n_a, n_b, paired)
+    return LogRatio(float(np.median(ua) - np.median(ub)), lo, hi, len(xa), len(xb), False, 0, draws)
 
 
 def _as_ratio(log: LogRatio, higher: bool) -> tuple[Ratio, Ratio]:
@@ -304,20 +286,6 @@ def _as_ratio(log: LogRatio, higher: bool) -> tuple[Ratio, Ratio]:
         return speedup, speedup
     raw = Ratio(math.exp(-log.point), math.exp(-log.hi), math.exp(-log.lo), log.n_a, log.n_b, log.paired)
     return raw, speedup
-
-
-def ratio_of_medians(
-    a: Iterable[float],
-    b: Iterable[float],
-    *,
-    seed: int = 0,
-    resamples: int = RESAMPLES,
-    level: float = LEVEL,
-) -> Ratio:
-    """`a / b` for two independent sets of samples: the ratio of their (log) medians, each side
-    resampled on its own."""
-    raw, _ = _as_ratio(log_ratio(a, b, seed=seed, resamples=resamples, level=level), True)
-    return raw
 
 
 def classify(log: LogRatio, threshold: float = THRESHOLD) -> Verdict:
@@ -344,21 +312,23 @@ def compare_samples(
     resamples: int = RESAMPLES,
     a_keys: Sequence[Hashable] | None = None,
     b_keys: Sequence[Hashable] | None = None,
+    precision: float | None = None,
 ) -> Comparison:
     """Compare side `a` with side `b` (the baseline) on one metric (see the module docstring).
 
     Args:
-        a: clean samples of the compared side, in sample order.
+        a: clean samples of the compared side.
         b: clean samples of the baseline.
         metric: decides the orientation (times and memory: lower is better) and exactness.
         threshold: the smallest relative change that matters.
         seed: seeds the bootstrap: one seed per group of samples, not per metric.
         resamples: bootstrap resamples.
         a_keys, b_keys: pairing keys per sample (`log_ratio`); None: unpaired.
+        precision: the sweep's target relative half-width, if it has one (`power.samples_to_settle`).
 
     Returns:
-        The raw ratio, the oriented speedup, the verdict and, when AMBIGUOUS or TOO FEW, about
-        how many more samples per side would settle it.
+        The raw ratio, the oriented speedup, the verdict and, when AMBIGUOUS or TOO FEW, what more
+        samples would do.
     """
     higher = higher_is_better(metric)
     xa, xb = _clean_values(a), _clean_values(b)
@@ -366,20 +336,31 @@ def compare_samples(
         return _exact(float(np.median(xa)), float(np.median(xb)), len(xa), len(xb), higher, threshold)
     log = log_ratio(a, b, higher=higher, seed=seed, resamples=resamples, a_keys=a_keys, b_keys=b_keys)
     raw, speedup = _as_ratio(log, higher)
+    raw_draws = log.draws if higher else -log.draws[::-1]
     if log.n < MIN_SAMPLES:
+        settle = Settle(MIN_SAMPLES - log.n)
         return Comparison(
-            raw,
-            speedup,
-            Verdict.TOO_FEW,
-            threshold,
-            MIN_SAMPLES - log.n,
-            note=f"n={log.n}: too few to judge",
-            log_se=log.se,
+            raw, speedup, Verdict.TOO_FEW, threshold, settle, note=f"n={log.n}: too few to judge", draws=raw_draws
         )
     verdict = classify(log, threshold)
-    more = samples_to_settle(log.point, log.se, log.n, threshold) if verdict is Verdict.AMBIGUOUS else None
-    p = band_p_value(log.point, log.se, threshold)
-    return Comparison(raw, speedup, verdict, threshold, more, p_value=p, log_se=log.se)
+    edge = math.log1p(threshold)
+    p = past_p_value(log.draws, -edge, edge)
+    c = Comparison(raw, speedup, verdict, threshold, None, p, draws=raw_draws, precision=precision)
+    if verdict is not Verdict.AMBIGUOUS:
+        return c
+    settle = settle_of(c)
+    return replace(c, settle=settle, note=settle.edge_note())
+
+
+def settle_of(c: Comparison, *, bound: float | None = None) -> Settle:
+    """What more samples would do for an open comparison: against `bound` (a raw ratio a criterion
+    straddles), else the band edge nearest its estimate (`power.samples_to_settle`)."""
+    r = c.ratio
+    if not (r.ratio > 0 and r.ci_low > 0 and r.ci_high > 0):
+        return Settle(None)
+    point = math.log(r.ratio)
+    edge = math.log(bound) if bound else math.copysign(math.log1p(c.threshold), point)
+    return samples_to_settle(point, math.log(r.ci_low), math.log(r.ci_high), r.n, edge, c.precision)
 
 
 def _exact(a: float, b: float, n_a: int, n_b: int, higher: bool, threshold: float) -> Comparison:
@@ -389,5 +370,5 @@ def _exact(a: float, b: float, n_a: int, n_b: int, higher: bool, threshold: floa
     turned = point if higher or not point else 1 / point
     speedup = Ratio(turned, turned, turned, n_a, n_b)
     log = math.log(turned) if turned > 0 and math.isfinite(turned) else math.nan
-    verdict = classify(LogRatio(log, log, log, 0.0, n_a, n_b, False), threshold)
-    return Comparison(raw, speedup, verdict, threshold, None, log_se=0.0)
+    verdict = classify(LogRatio(log, log, log, n_a, n_b, False), threshold)
+    return Comparison(raw, speedup, verdict, threshold, None)

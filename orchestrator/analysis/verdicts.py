@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from orchestrator.analysis.groups import Point
+from orchestrator.analysis.power import Settle
 from orchestrator.analysis.stats import Ratio
 from orchestrator.errors import EXIT_AMBIGUOUS, EXIT_CRITERION_FAILED, EXIT_OK
 from orchestrator.specs.criterion import Criterion
@@ -34,8 +35,13 @@ class PointResult:
     point: Point
     ratio: Ratio
     outcome: Outcome
-    more_samples: int | None = None
-    note: str | None = None  # why there is no verdict (too few samples, multiplicity)
+    settle: Settle | None = None  # what more samples per arm would do for an AMBIGUOUS point
+    note: str | None = None  # why there is no verdict (too few samples, on the bound, multiplicity)
+
+    @property
+    def more_samples(self) -> int | None:
+        """About how many more samples per arm settle it (None: settled, or on the bound)."""
+        return self.settle.more if self.settle else None
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, sparkline, trends
+from orchestrator.analysis.history import RATIO_UNIT, THRESHOLD, WINDOW
 from orchestrator.analysis.selection import choose_sweep
+from orchestrator.analysis.trends import Trend, default_metric, sparkline, trends
 from orchestrator.commands.options import format_option, output_option, results_option
 from orchestrator.errors import InputError
 from orchestrator.report.console import console, grid, print_fitted, print_wide, verdict_text, warn, warn_broken
@@ -80,6 +81,7 @@ def history_table(items: list[Trend], title: str, *, compact: bool = False) -> T
     rows = []
     for t in items:
         first, last = t.points[0].median, t.points[-1].median
+        unit = t.series.unit if t.series.unit == RATIO_UNIT else unit_of(t.series.metric, t.series.unit)
         flagged = Text(", ").join(
             verdict_text(f.verdict, f"{f.verdict} {(f.since_commit or f.commit or f.run_id)[:10]} x{f.ratio:.3f}")
             for f in t.changes
@@ -91,8 +93,8 @@ def history_table(items: list[Trend], title: str, *, compact: bool = False) -> T
                 t.series.arm,
                 t.series.params,
                 str(len(t.points)),
-                format_value(first, unit_of(t.series.metric, t.series.unit)),
-                format_value(last, unit_of(t.series.metric, t.series.unit)),
+                format_value(first, unit),
+                format_value(last, unit),
                 f"{(last / first - 1):+.1%}",
                 sparkline([p.median for p in t.points]),
                 flagged if t.changes else "-",
@@ -118,7 +120,9 @@ def register(app: typer.Typer) -> None:
         output: Path | None = output_option(),
         results: Path = results_option(),
     ) -> None:
-        """Show how a case's metric moved across runs, per device and host, with regressions marked."""
+        """Show how a case's metric moved across runs, per device and host, with regressions marked:
+        each arm's own series and its ratio to the baseline arm (`native/affine`), which a board's
+        clock moves less."""
         store = ResultStore(results)
         if sweep is not None:  # a file's or a stored name; the note says when the two disagree
             choice = choose_sweep(store, sweep)

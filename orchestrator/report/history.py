@@ -20,12 +20,11 @@ from markupsafe import Markup
 from orchestrator.analysis.history import (
     ENVIRONMENT_CHANGE,
     IMPROVEMENT,
+    RATIO_UNIT,
     REGRESSION,
     Finding,
-    Trend,
-    default_metric,
-    trends,
 )
+from orchestrator.analysis.trends import Trend, default_metric, trends
 from orchestrator.report.plots import HistoryLine, HistoryPanel, history_chart, history_figure
 from orchestrator.report.style import ArmStyles, save_png
 from orchestrator.report.tables import Cell, TableView
@@ -70,7 +69,9 @@ def history_view(table: pa.Table, styles: ArmStyles, uid: Callable[[], str], *, 
     for case in sorted(set(table["case_name"].to_pylist())):
         for metric in _metrics(table, case):
             for t in trends(table, case, metric):
-                if len(t.points) >= 2:
+                # the charts draw each arm's own medians in the arms' colours; the ratio series
+                # are judged by the nightly run and shown by `orchestrate history`
+                if len(t.points) >= 2 and t.series.unit != RATIO_UNIT:
                     by_host.setdefault((t.series.device, t.series.host), {}).setdefault(case, []).append(t)
     if not by_host:
         return None
@@ -100,8 +101,8 @@ def history_panels(items: list[Trend], *, by_host: bool = False) -> list[History
     panels: dict[tuple[str, ...], HistoryPanel] = {}
     for t in items:
         s = t.series
-        title = f"{metric_label(s.metric)}, {s.params}"
-        key: tuple[str, ...] = (s.metric, s.params)
+        title = f"{metric_label(s.metric)}{' ratio to the baseline' if s.unit == RATIO_UNIT else ''}, {s.params}"
+        key: tuple[str, ...] = (s.metric, s.params, s.unit)
         if by_host:
             key, title = (s.device, s.host, *key), f"{s.device} on {s.host or 'an unnamed host'}: {title}"
         panel = panels.setdefault(key, HistoryPanel(title, s.metric, []))

@@ -201,7 +201,7 @@ def criterion_details(v: CriterionVerdict) -> list[str]:
     for p in v.points:
         if p.outcome is not Outcome.PASS:
             r = p.ratio
-            more = f", ~{p.more_samples} more samples" if p.more_samples else ""
+            more = f", ~{p.more_samples} more samples" if p.more_samples else f" ({p.note})" if p.note else ""
             lines.append(
                 f"{p.outcome.value} {_short_label(v, p)}: {r.ratio:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] "
                 f"n={r.n_a}/{r.n_b}{more}"

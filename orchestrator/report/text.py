@@ -74,8 +74,11 @@ def format_comparison(metric: str, c: Comparison, *, interval: bool = True, hint
     elif interval:
         text += f" [{r.ci_low:.2f},{r.ci_high:.2f}]"
     text += f" {verdict_label(c.verdict, metric)}"
-    if hint and c.verdict is Verdict.AMBIGUOUS and c.more_samples:
-        text += f" (~{c.more_samples} more samples)"
+    if hint and c.verdict is Verdict.AMBIGUOUS and c.settle is not None:
+        if c.settle.on_edge:
+            text += " (on the band's edge)"
+        elif c.more_samples:
+            text += f" (~{c.more_samples} more samples)"
     return text
 
 
@@ -169,9 +172,10 @@ def _ratio(table: CaseTable, row: CompareRow, metric: str, side: str, where: str
 
 
 def _footnote(table: CaseTable, c: Comparison | None, where: str) -> str:
-    if c is None or c.verdict is not Verdict.AMBIGUOUS or not c.more_samples:
+    said = c.settle.describe() if c is not None and c.verdict is Verdict.AMBIGUOUS and c.settle else None
+    if said is None:
         return ""
-    table.notes.append(f"{where}: about {c.more_samples} more samples per side would settle it")
+    table.notes.append(f"{where}: {said}")
     return f" ({len(table.notes)})"
 
 

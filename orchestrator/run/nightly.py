@@ -7,7 +7,8 @@ A run
    once (exit 75) and says which pid holds it since when;
 2. runs the sweep with `force` (the ref of a command case is resolved afresh; resume must not
    skip a job whose key has not changed while the repo's branch moved);
-3. judges the run against the history of the same host fingerprint (`orchestrator.analysis.history`),
+3. judges the run against the history of the same host fingerprint (`orchestrator.analysis.history`:
+   each arm's series and its ratio to the sweep's baseline arm),
    writes `reports/NAME/RUN.md` and exits 1 when something regressed or a job failed, 4 when a
    series was measured only under contention (foreign GPU users: not judged), else 0;
 4. compacts the sweep's partitions dated `compact_after` (2) or more days ago (`orchestrator.store.compact`;
@@ -111,7 +112,9 @@ def run_now(name: str, *, progress: Any = None) -> NightlyResult:
         store = ResultStore(sched.results)
         summary = run_sweep(spec, inventory, store, sweep_where=sched.sweep, force=True, progress=progress)
         table = read_rows(store, sweep=spec.name)
-        findings = findings_for_run(table, summary.run_id, window=sched.window, threshold=sched.threshold)
+        findings = findings_for_run(
+            table, summary.run_id, window=sched.window, threshold=sched.threshold, reference=spec.baseline
+        )
         failed = [
             f"{o.job.device} {o.job.case_name} {o.job.params}: {o.error}"
             for o in summary.outcomes

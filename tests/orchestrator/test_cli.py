@@ -229,8 +229,11 @@ def test_history_draws_a_png_only_when_asked(store_root: Path, orchestrate_bin: 
     drawn = orchestrate(orchestrate_bin, "history", "qmm", "-r", str(store_root), "--png", str(png), cwd=work)
     assert drawn.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG"
     records = json.loads(orchestrate(orchestrate_bin, "history", "qmm", "-r", str(store_root), "-f", "json").stdout)
-    assert len(records) == 6 * 2 and {r["run_id"] for r in records} == {
+    assert len(records) == (6 + 3) * 2 and {r["run_id"] for r in records} == {
         "20261130T020000Z-aaaa",
         "20261201T020000Z-bbbb",
     }
-    assert all(r["unit"] == "seconds" and r["n"] == 4 for r in records)
+    own = [r for r in records if "/" not in r["arm"]]
+    assert len(own) == 12 and all(r["unit"] == "seconds" and r["n"] == 4 for r in own)
+    ratios = [r for r in records if "/" in r["arm"]]  # each arm to the baseline, per ABBA block of 2 samples
+    assert {r["arm"] for r in ratios} == {"native/affine"} and all(r["unit"] == "x" and r["n"] == 2 for r in ratios)

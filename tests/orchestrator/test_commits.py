@@ -55,8 +55,9 @@ def test_compare_by_commit_puts_head_against_base_and_finds_a_slower_commit(rel_
     assert found["native"].verdict is Verdict.SLOWER  # a 20 % drop is found at 2-10 % noise
     assert 0.7 < found["native"].ratio.ratio < 0.9
     assert found["affine"].verdict is not Verdict.SLOWER and found["affine"].verdict is not Verdict.FASTER
-    if rel_noise <= 0.02:
-        assert found["affine"].verdict is Verdict.SAME
+    if rel_noise <= 0.02:  # 10 samples make 5 ABBA blocks: the unchanged arm is known to a few percent
+        r = found["affine"].ratio
+        assert 0.96 < r.ci_low < 1 < r.ci_high < 1.04
 
 
 def test_no_effect_is_rarely_called_a_difference() -> None:

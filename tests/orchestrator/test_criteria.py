@@ -3,6 +3,7 @@ exit codes, and the `where` language (parsed, never evaluated as Python)."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from pathlib import Path
@@ -13,7 +14,9 @@ import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.analysis.compare import compare_results
 from orchestrator.analysis.criteria import KINDS, evaluate_criteria, render_verdicts, validate_criteria
+from orchestrator.analysis.stats import Verdict
 from orchestrator.analysis.verdicts import Outcome, exit_code_for
 from orchestrator.errors import EXIT_CONTENDED, InputError
 from orchestrator.specs.sweep import Criterion, SweepSpec, load_sweep
@@ -117,14 +120,68 @@ def test_a_clear_gap_fails_and_the_failing_point_is_named() -> None:
 
 
 def test_a_gap_at_the_threshold_is_ambiguous_with_a_sample_estimate() -> None:
-    verdicts = evaluate_criteria(seed_rows(prefill_ratio={4096: 0.97, 8192: 1.1}, noise=0.02, n=5), sweep())
+    rows = seed_rows(prefill_ratio={4096: 0.97, 8192: 1.1}, noise=0.02, n=5, seed=1)
+    verdicts = evaluate_criteria(rows, sweep())
     prefill = verdicts[0]
     assert prefill.outcome is Outcome.AMBIGUOUS
     (amb,) = [p for p in prefill.points if p.outcome is Outcome.AMBIGUOUS]
     assert amb.ratio.ci_low < 0.97 < amb.ratio.ci_high
-    assert amb.more_samples is not None and amb.more_samples >= 1
+    # planned for the half-width that clears the bound: n x (half-width / distance)^2 x 1.5
+    lo, hi, r = (math.log(x) for x in (amb.ratio.ci_low, amb.ratio.ci_high, amb.ratio.ratio))
+    planned = 1.5 * 5 * ((hi - lo) / 2 / abs(r - math.log(0.97))) ** 2
+    assert amb.more_samples == math.ceil(planned) - 5
     assert exit_code_for(verdicts) == 4
     assert "more samples" in render_verdicts(verdicts)
+
+
+def test_an_estimate_on_the_bound_says_no_sample_count_settles_it() -> None:
+    verdicts = evaluate_criteria(seed_rows(prefill_ratio={4096: 0.975, 8192: 1.1}, noise=0.02, n=6), sweep())
+    (amb,) = [p for p in verdicts[0].points if p.outcome is Outcome.AMBIGUOUS]
+    assert amb.ratio.ci_low < 0.97 < amb.ratio.ci_high and abs(amb.ratio.ratio / 0.97 - 1) < 0.005
+    assert amb.settle is not None and amb.settle.on_edge and amb.more_samples is None
+    assert "sits on the band's edge: no sample count can be planned to settle it" in render_verdicts(verdicts)
+
+
+def test_compare_and_check_reach_the_same_verdict_on_the_same_rows() -> None:
+    """One table, 60 points whose true gap lies between -7 % and +1 % (many near the 3 % edge),
+    2 % noise, samples paired in ABBA blocks: `compare` at a 3 % band and a criterion `>= 1/1.03`
+    (the band's lower edge) see one interval and one p-value per point, and SLOWER is FAIL,
+    SAME or FASTER is PASS, AMBIGUOUS below is AMBIGUOUS, after multiplicity control on both sides
+    (it demotes some SLOWER verdicts here, on both sides alike)."""
+    rng = np.random.default_rng(32)
+    tokens = [64 * (i + 1) for i in range(60)]
+    gaps = rng.uniform(-0.07, 0.01, len(tokens))
+    tables = []
+    for t, gap in zip(tokens, gaps, strict=True):
+        values = {
+            "native": {"prefill_tok_s": noisy(rng, 100 * (1 + gap), 0.02, 10)},
+            "affine": {"prefill_tok_s": noisy(rng, 100.0, 0.02, 10)},
+        }
+        tables.append(job_table(values, params={"tokens": t, "n": 64, "k": 64}))
+    table = concat(tables)
+    edge = 1 / 1.03
+    spec = sweep([{"name": "band", "metric": "prefill_tok_s", "arm": "native", "min_ratio": edge}])
+    spec.cases[0].params["tokens"] = tokens
+    (verdict,) = evaluate_criteria(table, spec)
+    checked = {dict(p.point)["tokens"]: p for p in verdict.points}
+    compared = {
+        dict(row.point)["tokens"]: row.comparisons[("prefill_tok_s", "native")]
+        for row in compare_results(table, baseline="affine", threshold=0.03, metrics=["prefill_tok_s"]).rows
+    }
+    assert checked.keys() == compared.keys() and len(checked) == 60
+    expected = {Verdict.SLOWER: Outcome.FAIL, Verdict.SAME: Outcome.PASS, Verdict.FASTER: Outcome.PASS}
+    seen = set()
+    for t, c in compared.items():
+        p = checked[t]
+        assert (p.ratio.ratio, p.ratio.ci_low, p.ratio.ci_high) == (c.ratio.ratio, c.ratio.ci_low, c.ratio.ci_high)
+        if c.verdict is Verdict.AMBIGUOUS:
+            want = Outcome.AMBIGUOUS if c.ratio.ci_low < edge else Outcome.PASS  # below: open; above: passes
+        else:
+            want = expected[c.verdict]
+        assert p.outcome is want, (t, c.verdict, p.outcome, c.ratio, c.note, p.note)
+        seen.add(c.verdict)
+    assert {Verdict.SLOWER, Verdict.SAME, Verdict.AMBIGUOUS} <= seen  # the points really straddle the edge
+    assert any(c.note and c.note.startswith("p=") for c in compared.values())  # the control was exercised
 
 
 def test_missing_and_failed_points_are_named_not_passed() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from orchestrator.analysis.history import (
     ENVIRONMENT_CHANGE,
     IMPROVEMENT,
     NO_HISTORY,
+    RATIO_UNIT,
     REGRESSION,
     STEADY,
     RunPoint,
@@ -26,9 +28,12 @@ from orchestrator.analysis.history import (
     series_of,
     unjudged,
 )
+from orchestrator.analysis.trends import trends
+from orchestrator.commands.history import history_records
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.orchestrator.bench_repo import bench_script, git
+from tests.orchestrator.synthetic_rows import concat, job_table, noisy
 from workers.command.job import run_command_job
 from workers.contract import HostFingerprint, JobContext, JobSpec, RowBuilder
 
@@ -249,3 +254,74 @@ def test_an_environment_change_is_reported_as_such_and_the_series_goes_on() -> N
     # the same drop without a change of environment is a regression of that night's commit
     plain = detect(KEY, points(medians))
     assert plain[10].verdict == REGRESSION and plain[10].since_commit == "c10"
+
+
+def ratio_nights(
+    rng: np.random.Generator, nights: int, noise: float, step_at: int | None = None, step: float = 0.0
+) -> list[RunPoint]:
+    """Nights of a ratio series: 10 block ratios a night (0.5 % within the night) around a level
+    that moves `noise` from night to night, `step` lower from night `step_at` on."""
+    out = []
+    for i in range(nights):
+        level = math.exp(noise * rng.standard_normal()) * (1 - step if step_at is not None and i >= step_at else 1)
+        values = list(level * np.exp(0.005 * rng.standard_normal(10)))
+        out.append(RunPoint(f"r{i:03d}", T0 + dt.timedelta(days=i), f"c{i}", values, {}))
+    return out
+
+
+RATIO_KEY = SeriesKey("cuda", "host", "qmm", "native/affine", "tokens=512", "prefill_tok_s", RATIO_UNIT)
+NIGHT_SERIES = 1000
+
+
+def test_a_three_percent_step_at_one_percent_noise_is_found_within_three_nights() -> None:
+    """Through `detect` (what the nightly run and `orchestrate history` call): after 60 nights at
+    1 % night-to-night noise, a 3 % step is flagged on its first, second or third night >= 90 %
+    of the time (at the old 5 % threshold: 7-10 %)."""
+    rng = np.random.default_rng(3)
+    found = 0
+    for _ in range(NIGHT_SERIES):
+        findings = detect(RATIO_KEY, ratio_nights(rng, 63, 0.01, step_at=60, step=0.03))
+        found += any(f.verdict == REGRESSION for f in findings[60:])
+    assert found / NIGHT_SERIES >= 0.9, found / NIGHT_SERIES
+
+
+def test_sixty_stable_nights_at_one_percent_noise_are_rarely_flagged() -> None:
+    """The other side of the 3 % threshold: at most 6 % of stable 60-night series get any call."""
+    rng = np.random.default_rng(60)
+    flagged = sum(
+        any(f.verdict in (REGRESSION, IMPROVEMENT) for f in detect(RATIO_KEY, ratio_nights(rng, 60, 0.01)))
+        for _ in range(NIGHT_SERIES)
+    )
+    assert flagged / NIGHT_SERIES <= 0.06, flagged / NIGHT_SERIES
+
+
+def test_the_ratio_to_the_baseline_arm_sees_a_step_that_the_board_clock_hides() -> None:
+    """Both arms move together by 4 % from night to night (the board's clock); native's own speed
+    drops 3 % at night 40. Its own series cannot tell that from the clock; its ratio to affine
+    (ABBA blocks of one job, the clock cancelled) flags the night it happened, and
+    `orchestrate history` lists the ratio series beside the arms' own."""
+    rng = np.random.default_rng(41)
+    tables = []
+    for night in range(44):
+        clock = math.exp(0.04 * rng.standard_normal())
+        native = 100 * clock * (0.97 if night >= 40 else 1.0)
+        values = {
+            "native": {"prefill_tok_s": noisy(rng, native * math.exp(0.01 * rng.standard_normal()), 0.01, 10)},
+            "affine": {"prefill_tok_s": noisy(rng, 100 * clock, 0.01, 10)},
+        }
+        started = T0 + dt.timedelta(days=night)
+        tables.append(job_table(values, params={"tokens": 512}, run_id=f"r{night:02d}", started_at=started))
+    table = concat(tables)
+    by_arm = {t.series.arm: t for t in trends(table, "qmm", "prefill_tok_s")}
+    assert set(by_arm) == {"native", "affine", "native/affine"}
+    ratio = by_arm["native/affine"]
+    assert ratio.series.unit == RATIO_UNIT and len(ratio.points) == 44
+    assert ratio.points[0].median == pytest.approx(1.0, abs=0.03) and len(ratio.points[0].values) == 5  # blocks
+    (step,) = ratio.changes
+    assert step.verdict == REGRESSION and step.since_run == "r40" and step.run_id in ("r40", "r41", "r42")
+    assert step.ratio == pytest.approx(0.97, abs=0.015)
+    assert not by_arm["native"].changes  # 3 % inside the clock's 4 % scatter
+    # the nightly run judges the ratio series with the arms' own
+    assert {f.series.arm for f in findings_for_run(table, step.run_id)} == set(by_arm)
+    shown = history_records([ratio])
+    assert set(shown["arm"].to_pylist()) == {"native/affine"} and set(shown["unit"].to_pylist()) == {"x"}

@@ -12,8 +12,10 @@ import scipy.stats as ss
 
 from orchestrator.analysis import fdr, groups, stats
 from orchestrator.analysis.compare import compare_results
+from orchestrator.analysis.samples import grouped_samples
 from orchestrator.analysis.stats import Verdict
 from tests.orchestrator.synthetic_rows import concat, job_table
+from workers.contract import precision
 
 SIMS = 200
 KEYS = list(range(10))
@@ -84,7 +86,7 @@ def test_degenerate_groups() -> None:
     one = stats.summarize([4.0])
     assert (one.n, one.median, one.ci_low, one.ci_high) == (1, 4.0, 4.0, 4.0)
     assert stats.summarize([1.0, float("nan"), 3.0]).n == 2  # non-finite values never count
-    r = stats.ratio_of_medians([2.0], [4.0])
+    r = stats.compare_samples([2.0], [4.0]).ratio
     assert (r.ratio, r.ci_low, r.ci_high) == (0.5, 0.5, 0.5)
 
 
@@ -113,7 +115,7 @@ def test_significance_agrees_with_mann_whitney() -> None:
         for i in range(40):
             a = rng.normal(1 + effect, 0.01, 30)
             b = rng.normal(1.0, 0.01, 30)
-            r = stats.ratio_of_medians(a, b, seed=i)
+            r = stats.compare_samples(a, b, seed=i).ratio  # no pairing keys: two independent samples
             ours = r.ci_low > 1 or r.ci_high < 1
             theirs = ss.mannwhitneyu(a, b).pvalue < 0.05
             if clear:
@@ -132,12 +134,10 @@ def test_clean_rows_drop_failed_contended_and_missing_values() -> None:
     table = concat([good, failed, contended, nan])
     clean = groups.clean_rows(table)
     assert sorted(clean["value"].to_pylist()) == [1.0, 1.1, 1.2, 7.0]
-    by_group = groups.sample_groups(table)
-    (key,) = by_group
-    assert key.point == (("k", "64"), ("n", "64"), ("tokens", "512"))
-    assert sorted(by_group[key]) == [1.0, 1.1, 1.2, 7.0]
-    split = groups.sample_groups(table, split_runs=True)
-    assert {k.run_id for k in split} == {"run1", "r4"}
+    ((key, group),) = grouped_samples(table, ["device", "case_name", "params", "arm", "metric"])
+    assert key[2] == (("k", "64"), ("n", "64"), ("tokens", "512"))
+    assert sorted(group.values) == [1.0, 1.1, 1.2, 7.0]
+    assert set(group.run_ids) == {"run1", "r4"} and group.precision is None
 
 
 def test_bootstrap_is_fast() -> None:
@@ -181,11 +181,12 @@ def test_a_change_below_the_threshold_is_not_called_slower(noise: float) -> None
 
 
 def test_a_real_effect_with_heavy_tails_is_still_found() -> None:
-    """A 10 % slowdown with 10 % of samples 3x (so a fifth of the pairs hit): the median of the
-    pairs stands. (At n = 10, three or more spoiled pairs happen often enough to leave a quarter
-    of such comparisons AMBIGUOUS; the heavy-tail flag says why.)"""
-    rates = verdict_rates(n=20, noise=0.02, drift=0.08, effect=0.10, tail=0.1)
-    assert rates[Verdict.SLOWER] >= 0.9, rates
+    """A 10 % slowdown with 10 % of samples 3x (so a fifth of the pairs and a third of the ABBA
+    blocks hit): the median of the blocks stands. A block averages its two pairs, so one spoiled
+    pair spoils it: at 10 blocks (20 samples) half of such comparisons stay AMBIGUOUS, at 20
+    blocks few do; the heavy-tail flag says why, and a precision target samples on."""
+    rates = verdict_rates(n=40, noise=0.02, drift=0.08, effect=0.10, tail=0.1)
+    assert rates[Verdict.SLOWER] >= 0.85, rates
 
 
 def _seed1_like_job(rng: np.random.Generator, point: int, effect: float, noise: float) -> object:
@@ -237,8 +238,9 @@ def test_fewer_than_five_samples_are_too_few_to_judge() -> None:
 @pytest.mark.parametrize("tail", [0.0, 0.1])
 @pytest.mark.parametrize("n", [5, 10, 20])
 def test_paired_intervals_cover_the_true_ratio_from_five_samples(n: int, tail: float) -> None:
-    """At n >= 5 the paired interval covers a known 4 % slowdown about 95 % of the time (>= 90 %
-    here, normal and heavy-tailed noise); below 5 it cannot, which is why those say TOO FEW."""
+    """From 10 samples (5 ABBA blocks) the paired interval covers a known 4 % slowdown about 95 %
+    of the time (>= 90 % here, normal and heavy-tailed noise); at 5 samples (3 blocks) >= 80 %;
+    below 5 it cannot, which is why those say TOO FEW (and why a precision stop needs 8 blocks)."""
     rng = np.random.default_rng(n)
     keys = list(range(n))
     covered = 0
@@ -246,7 +248,7 @@ def test_paired_intervals_cover_the_true_ratio_from_five_samples(n: int, tail: f
         a, b = abba_job(rng, n, 0.03, drift=0.08, effect=0.04, tail=tail)
         r = stats.compare_samples(a, b, metric="seconds", seed=i, a_keys=keys, b_keys=keys).ratio
         covered += r.ci_low <= 1.04 <= r.ci_high
-    assert covered / SIMS >= 0.9, covered / SIMS
+    assert covered / SIMS >= (0.8 if n < 10 else 0.9), covered / SIMS
 
 
 def test_benjamini_hochberg_agrees_with_scipy() -> None:
@@ -314,28 +316,105 @@ def test_false_discoveries_stay_under_five_percent_with_real_effects_in_the_tabl
     assert found / real >= 0.6  # control costs some power, not all of it
 
 
-@pytest.mark.parametrize(("effect", "noise"), [(0.06, 0.03), (0.0, 0.02), (0.10, 0.05)])
-def test_more_samples_settle_an_ambiguous_comparison_at_least_80_percent_of_the_time(
-    effect: float, noise: float
-) -> None:
-    """'About N more samples would settle it' is a power calculation: drawing N more per side
-    settles (no longer AMBIGUOUS) at least 80 % of the comparisons that were ambiguous."""
+def _topped_up(
+    effect: float, noise: float, precision: float | None, n: int = 10, sims: int = 150
+) -> tuple[list[stats.Comparison], list[float], list[float]]:
+    """AMBIGUOUS comparisons of `n` paired samples, and for each one not on the edge, the target
+    half-width it planned for and the half-width reached after drawing its `more` samples per side."""
     rng = np.random.default_rng(12)
-    ambiguous = settled = 0
-    for i in range(150):
-        a, b = abba_job(rng, 5, noise, effect=effect)
-        c = stats.compare_samples(a, b, metric="seconds", seed=i, a_keys=KEYS[:5], b_keys=KEYS[:5])
+    ambiguous, targets, reached = [], [], []
+    keys = list(range(n))
+    for i in range(sims):
+        a, b = abba_job(rng, n, noise, effect=effect)
+        c = stats.compare_samples(a, b, metric="seconds", seed=i, a_keys=keys, b_keys=keys, precision=precision)
         if c.verdict is not Verdict.AMBIGUOUS:
             continue
+        ambiguous.append(c)
+        assert c.settle is not None
+        if c.settle.on_edge:
+            assert c.more_samples is None and c.note is not None and "edge" in c.note
+            continue
         assert c.more_samples is not None and c.more_samples >= 1
-        ambiguous += 1
-        more = min(c.more_samples, 3000)
-        a2, b2 = abba_job(rng, more, noise, effect=effect)
-        keys = list(range(5 + more))
-        again = stats.compare_samples(np.r_[a, a2], np.r_[b, b2], metric="seconds", seed=i, a_keys=keys, b_keys=keys)
-        settled += again.verdict is not Verdict.AMBIGUOUS
-    assert ambiguous >= 30
-    assert settled / ambiguous >= 0.8, f"only {settled}/{ambiguous} settled with the suggested samples"
+        a2, b2 = abba_job(rng, c.more_samples, noise, effect=effect)
+        more_keys = list(range(n + c.more_samples))
+        again = stats.compare_samples(
+            np.r_[a, a2], np.r_[b, b2], metric="seconds", seed=i, a_keys=more_keys, b_keys=more_keys
+        )
+        distance = abs(abs(math.log(c.ratio.ratio)) - math.log1p(c.threshold))
+        targets.append(precision if precision is not None else math.expm1(distance))
+        reached.append(precision_of(again))
+    return ambiguous, targets, reached
+
+
+def precision_of(c: stats.Comparison) -> float:
+    """The relative half-width of a comparison's interval."""
+    return precision.relative_half_width(math.log(c.ratio.ci_low), math.log(c.ratio.ci_high))
+
+
+@pytest.mark.parametrize(
+    ("effect", "noise", "target"), [(0.06, 0.03, None), (0.0, 0.02, None), (0.10, 0.05, None), (0.0, 0.02, 0.01)]
+)
+def test_the_suggested_samples_reach_the_target_half_width(effect: float, noise: float, target: float | None) -> None:
+    """'About N more samples would settle it' plans for a half-width: the sweep's precision, or
+    the distance from the estimate to the band edge. Drawing the N suggested samples per side
+    (10 samples to start, 2-5 % noise, the truth off the edge) reaches that half-width at least
+    80 % of the time."""
+    _, targets, reached = _topped_up(effect, noise, target)
+    assert len(reached) >= 30, len(reached)
+    hits = sum(r <= t for r, t in zip(reached, targets, strict=True)) / len(reached)
+    assert hits >= 0.8, hits
+
+
+def test_an_estimate_on_the_band_edge_is_said_to_be_there() -> None:
+    """A true change of exactly 3 % at a 3 % band, 5 % noise: no sample count settles it. A plan
+    that takes the estimate for the truth asks for a median 126 and a 90th percentile of
+    thousands of samples here; a good share are said to sit on the edge instead, and the rest ask
+    for a bounded number (at most 1.5 x 16 x n, by the edge share)."""
+    ambiguous, _, _ = _topped_up(0.03, 0.05, None, sims=200)
+    on_edge = [c for c in ambiguous if c.settle is not None and c.settle.on_edge]
+    asks = [c.more_samples for c in ambiguous if c.more_samples is not None]
+    assert len(ambiguous) >= 150
+    assert len(on_edge) / len(ambiguous) >= 0.3, len(on_edge) / len(ambiguous)
+    assert max(asks) <= 24 * 10 and np.percentile(asks, 90) <= 200, np.percentile(asks, [50, 90])
+    with_target = _topped_up(0.03, 0.02, 0.01, sims=100)[0]
+    assert sum(c.settle is not None and c.settle.on_edge for c in with_target) / len(with_target) >= 0.5
+
+
+@pytest.mark.parametrize("rounds", [5, 7, 9])
+def test_abba_blocks_remove_a_first_slot_effect_at_odd_round_counts(rounds: int) -> None:
+    """Identical arms, the first slot of every round 3 % slower, 1 % noise, an odd number of ABBA
+    rounds: the median of per-round ratios keeps much of the slot effect (the arm that went first
+    more often looks slower); the median of ABBA blocks keeps at most a third of that, well under
+    1 % (what it keeps comes from the lone last round, a block of its own; adaptive sampling
+    ends on whole blocks)."""
+    rng = np.random.default_rng(rounds)
+    keys = list(range(rounds))
+    blocks, per_round = [], []
+    for i in range(SIMS):
+        a_first = np.arange(rounds) % 2 == 0  # ABBA: the arm leads even rounds, the baseline odd ones
+        a = np.where(a_first, 1.03, 1.0) * (1 + 0.01 * rng.standard_normal(rounds))
+        b = np.where(a_first, 1.0, 1.03) * (1 + 0.01 * rng.standard_normal(rounds))
+        c = stats.compare_samples(a, b, metric="seconds", seed=i, a_keys=keys, b_keys=keys)
+        blocks.append(c.ratio.ratio)
+        per_round.append(float(np.exp(np.median(np.log(a) - np.log(b)))))
+    kept, before = abs(np.median(blocks) - 1), np.median(per_round) - 1
+    assert before > 0.01, before  # what the blocks take away
+    assert kept < 0.007 and kept < before / 3, (kept, before)
+
+
+def test_the_p_value_and_the_verdict_never_disagree() -> None:
+    """The p-value is read off the interval's own bootstrap draws: p < 0.05 exactly where the
+    interval lies past the band (FASTER or SLOWER), for paired and unpaired samples near the edges."""
+    rng = np.random.default_rng(32)
+    moved = 0
+    for i in range(300):
+        n = int(rng.integers(5, 16))
+        a, b = abba_job(rng, n, float(rng.uniform(0.01, 0.05)), effect=float(rng.uniform(-0.08, 0.08)))
+        keys = list(range(n)) if i % 2 else None
+        c = stats.compare_samples(a, b, metric="seconds", seed=i, a_keys=keys, b_keys=keys)
+        assert (c.p_value < 0.05) == (c.verdict in MOVED), (c.verdict, c.p_value, c.ratio)
+        moved += c.verdict in MOVED
+    assert 30 <= moved <= 270  # both kinds of verdict were tested
 
 
 @pytest.mark.parametrize("noise", [0.02, 0.05, 0.10])
@@ -364,4 +443,4 @@ def test_row_medians_are_numpys_medians_value_for_value() -> None:
     for n in (1, 2, 3, 4, 5, 12, 13, 30, 101):
         draws = rng.standard_normal((500, n)) * 10.0 ** rng.integers(-6, 6, size=(500, 1)) + 1000.0
         draws[::7, : max(1, n // 2)] = draws[::7, :1]  # ties, as resampling makes them
-        assert np.array_equal(stats.row_medians(draws), np.median(draws, axis=1)), n
+        assert np.array_equal(precision.row_medians(draws), np.median(draws, axis=1)), n
