@@ -11,7 +11,7 @@ import pytest
 
 from kernels.registry import ArmPath, Workload
 from orchestrator.analysis.compare import compare_results
-from orchestrator.analysis.groups import clean_rows, keyed_sample_groups
+from orchestrator.analysis.samples import grouped_samples
 from orchestrator.report.summary import left_out
 from tests.workers.fake_pynvml import FakeGpu, FakeNvml
 from workers.contract import GpuPin, JobContext, JobSpec, LockSettings, RowBuilder
@@ -154,8 +154,8 @@ def test_each_round_records_the_state_and_throttled_rounds_are_not_clean(nvml: F
         4: {("hw_power_brake_slowdown", "true")},
         5: {("gpu_idle", "false")},
     }
-    groups = keyed_sample_groups(clean_rows(table))
-    kept = {key.arm: sorted(s for _, _, s in keys) for key, (_, keys) in groups.items() if key.metric == "seconds"}
+    groups = grouped_samples(table, ["arm", "metric"])
+    kept = {arm: sorted(int(s) for s in group.samples) for (arm, metric), group in groups if metric == "seconds"}
     assert kept == {"affine": [0, 2, 3, 5], "native": [0, 2, 3, 5]}
     result = compare_results(table, baseline="affine", metrics=["seconds"])
     (row,) = result.rows
