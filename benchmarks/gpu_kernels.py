@@ -133,7 +133,7 @@ def write_jobs(folder: Path, code_version: str) -> list[Path]:
             arms=arms,
             device="h200",
             backend="cuda",
-            host="h200-lent",
+            host="h200-host",
             repetitions=10,
             warmup=3,
             seed=int(key[:8], 16),
