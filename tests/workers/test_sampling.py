@@ -165,3 +165,10 @@ def test_a_throttled_round_is_left_out_of_the_rule_but_counted_as_taken() -> Non
             rounds.drop(r)
     assert 2 * MIN_BLOCKS - 1 not in rounds.values["base"] and 2 * MIN_BLOCKS - 1 not in rounds.values["twice"]
     assert rounds.rounds_taken() >= 2 * MIN_BLOCKS and rounds.reason is StopReason.PRECISION
+
+
+def test_a_point_stopped_before_it_could_stop_on_precision_still_says_how_wide_it_is() -> None:
+    rounds = Rounds(_job(reps=6, precision=0.01, baseline="base", max_seconds=0.001), ["base", "twice"])
+    _simulate(rounds, np.random.default_rng(7), 1.5, 0.05, pause=0.002)
+    assert rounds.reason is StopReason.BUDGET and rounds.rounds_taken() == 6  # 3 blocks: too few to stop on
+    assert 0.01 < float(rounds.extras("twice")["half_width"]) < 1  # the rows still report the interval's width

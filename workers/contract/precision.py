@@ -174,9 +174,11 @@ def median_interval(values: np.ndarray, *, seed: int = 0, resamples: int = RESAM
     return Interval(point, lo, hi, n, draws)
 
 
-def paired_half_width(rounds: Sequence[int], a: Sequence[float], b: Sequence[float], *, seed: int = 0) -> float:
-    """The relative half-width of `a`'s ratio to `b` from paired rounds (nan: under `MIN_BLOCKS`)."""
+def paired_half_width(
+    rounds: Sequence[int], a: Sequence[float], b: Sequence[float], *, seed: int = 0, min_blocks: int = MIN_BLOCKS
+) -> float:
+    """The relative half-width of `a`'s ratio to `b` from paired rounds (nan: under `min_blocks`)."""
     d = block_log_ratios(rounds, a, b)
-    if len(d) < MIN_BLOCKS:
+    if len(d) < max(min_blocks, 2):
         return math.nan
     return median_interval(d, seed=seed).half_width

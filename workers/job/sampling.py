@@ -25,6 +25,7 @@ from typing import Any
 from workers.contract import JobSpec
 from workers.contract.precision import (
     DEFAULT_MAX_ROUNDS,
+    MIN_BLOCKS,
     ROUNDS_PER_BLOCK,
     StopReason,
     Target,
@@ -86,15 +87,19 @@ class Rounds:
             return []
         return [a for a in self.values if a != self.baseline and a not in self.excluded]
 
-    def measure_widths(self) -> dict[str, float]:
-        """Every compared arm's relative half-width to the baseline now."""
+    def measure_widths(self, min_blocks: int = MIN_BLOCKS) -> dict[str, float]:
+        """Every compared arm's relative half-width to the baseline now (nan under `min_blocks`)."""
         base = self.values.get(self.baseline or "", {})
         out = {}
         for arm in self.compared():
             mine = self.values[arm]
             rounds = sorted(set(mine) & set(base))
             out[arm] = paired_half_width(
-                rounds, [mine[r] for r in rounds], [base[r] for r in rounds], seed=seed_for(arm, self.metric)
+                rounds,
+                [mine[r] for r in rounds],
+                [base[r] for r in rounds],
+                seed=seed_for(arm, self.metric),
+                min_blocks=min_blocks,
             )
         self.widths = out
         return out
@@ -118,8 +123,8 @@ class Rounds:
             round_ += 1
             self.next_round = round_
         self.seconds = time.perf_counter() - start
-        if self.target.adaptive:
-            self.measure_widths()
+        if self.target.adaptive:  # what the rows report: an interval from 2 blocks on, too few to stop on
+            self.measure_widths(min_blocks=2)
 
     def extras(self, arm: str) -> dict[str, str]:
         """What a timed row of `arm` says about how its point's sampling ended."""
