@@ -78,7 +78,8 @@ def sweep_text(
     inline = ", ".join(f"{k} = {_toml_value(v)}" for k, v in point.items())
     for i in range(jobs):
         lines += ["", "[[cases]]", f'case = "{case}"', f'name = "{case}-r{i}"']
-        lines += [f"arms = {_toml_value(arms or entry.arm_names())}", f"params = {{ {inline} }}"]
+        own = [a for a in entry.arm_names() if a not in entry.arm_paths()]  # an A/A copy adds no GPU work
+        lines += [f"arms = {_toml_value(arms or own)}", f"params = {{ {inline} }}"]
     return "\n".join(lines) + "\n"
 
 

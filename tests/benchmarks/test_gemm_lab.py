@@ -113,7 +113,12 @@ def test_the_qmm_check_sweep_is_the_nvfp4_prefill_sweeps_qmm_case() -> None:
     check = load_sweep(str(Path(__file__).parents[2] / "benchmarks" / "qmm-check.toml"))
     builtin = next(case for case in load_sweep("nvfp4-prefill").cases if case.case == "qmm")
     assert [case.model_dump() for case in check.cases] == [builtin.model_dump()]
-    assert check.repetitions == load_sweep("nvfp4-prefill").repetitions
+    prefill = load_sweep("nvfp4-prefill")
+    assert (check.repetitions, check.precision, check.max_seconds) == (
+        prefill.repetitions,
+        prefill.precision,
+        prefill.max_seconds,
+    )
 
 
 def test_the_rounds_give_every_path_the_same_mean_place() -> None:
