@@ -289,7 +289,7 @@ def measure_steady(
     # the latency rides on the decode rounds: it says how they ended, with its own interval
     latency_rounds.reason = decode_rounds.reason
     if latency_rounds.target.adaptive:
-        latency_rounds.measure_widths()
+        latency_rounds.measure_widths(min_blocks=2)  # as `Rounds` reports a finished point
     extras["decode_tok_s"] = {a: decode_rounds.extras(a) for a in live}
     extras["token_latency_ms"] = {a: latency_rounds.extras(a) for a in live}
     _phase(phases, "timed", mark)
