@@ -46,17 +46,21 @@ def print_result(out: Console, result: BisectResult, rerun: str) -> None:
     what = f"{t.metric} of {t.case.label} {t.arm} {t.point_text()} on {t.device}".replace("  ", " ")
     good, bad = result.good[:12], result.bad[:12]
     if result.outcome == "no-regression":
-        out.print(f"no regression between GOOD {good} and BAD {bad}: {what} within the band", markup=False)
+        out.print(
+            f"no regression between GOOD {good} and BAD {bad}: {what} within the band", markup=False, soft_wrap=True
+        )
     elif result.outcome == "found" and result.first_bad:
         line = result.lines.get(result.first_bad, "")
-        out.print(f"first bad commit: {result.first_bad} {line}", markup=False)
-        out.print(f"  {what}: BAD / GOOD {result.change:.3f}", markup=False)
+        out.print(f"first bad commit: {result.first_bad} {line}", markup=False, soft_wrap=True)
+        out.print(f"  {what}: BAD / GOOD {result.change:.3f}", markup=False, soft_wrap=True)
     elif result.outcome == "range":
-        out.print(f"the first bad commit is one of {len(result.candidates)}: {result.reason}", markup=False)
+        out.print(
+            f"the first bad commit is one of {len(result.candidates)}: {result.reason}", markup=False, soft_wrap=True
+        )
         for commit in result.candidates:
-            out.print(f"  {commit} {result.lines.get(commit, '')}", markup=False)
+            out.print(f"  {commit} {result.lines.get(commit, '')}", markup=False, soft_wrap=True)
     else:
-        out.print(f"no answer: {result.reason}", markup=False)
+        out.print(f"no answer: {result.reason}", markup=False, soft_wrap=True)
     rows = []
     for step in result.steps:
         verdict = f"{step.verdict} ({step.note})" if step.note else str(step.verdict)
@@ -69,8 +73,9 @@ def print_result(out: Console, result: BisectResult, rerun: str) -> None:
         f"{result.measured} commits measured, {len(result.steps) - result.measured} skipped, "
         f"in {result.wall_seconds:.1f} s; rows: orchestrate compare --sweep {result.name} --by commit --all-runs",
         markup=False,
+        soft_wrap=True,
     )
-    out.print(f"rerun: {rerun}", markup=False)
+    out.print(f"rerun: {rerun}", markup=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -101,7 +106,7 @@ def register(app: typer.Typer) -> None:
         view = ProgressView()
         out = console()
         job = Bisection(spec, target, span, load_inventory(inventory), store, threshold, seconds, view,
-                        say=lambda line: out.print(line, markup=False))  # fmt: skip
+                        say=lambda line: out.print(line, markup=False, soft_wrap=True))  # fmt: skip
         try:
             result = run_bisect(job, fresh=force)
         finally:
@@ -111,7 +116,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(128 + result.interrupted)
         more = {"case": case, "inventory": str(inventory) if inventory else None, "budget": budget,
                 "threshold": None if threshold == THRESHOLD else str(threshold), "results": str(results)}  # fmt: skip
-        rerun = rerun_command(sweep, good, bad, point=target.point_text() if point else "", arm=target.arm,
+        rerun = rerun_command(sweep, good, bad, point=point or "", arm=target.arm,
                               metric=target.metric, device=target.device, **more)  # fmt: skip
         print_result(out, result, rerun)
         if result.outcome not in ("found", "no-regression"):
