@@ -19,6 +19,7 @@ as far from the edge as one that carries none of it.
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from orchestrator.analysis.commits import extra_value
+from orchestrator.analysis.history import IMPROVEMENT, REGRESSION, Trend
 from orchestrator.analysis.stats import LogRatio, Verdict, classify
 from workers.contract.precision import MIN_BLOCKS, block_log_ratios, median_interval, seed_for
 
@@ -159,3 +161,43 @@ def judge_step(step: Evidence, change: Change) -> StepVerdict:
     if far < change.edge:
         return StepVerdict.GOOD
     return StepVerdict.UNDECIDED
+
+
+def bisect_command(sweep: str, good: str, bad: str, *, point: str, arm: str, metric: str, device: str,
+                   **more: str | None) -> str:  # fmt: skip
+    """The `orchestrate bisect ...` line for these arguments (shell-quoted; `more`: other options)."""
+    args = ["orchestrate", "bisect", "--sweep", sweep, "--good", good, "--bad", bad]
+    if point:
+        args += ["--point", point]
+    args += ["--arm", arm, "--metric", metric, "--device", device]
+    for name, value in more.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", value]
+    return shlex.join(args)
+
+
+def history_bisect_lines(items: list[Trend], rows: pa.Table) -> list[str]:
+    """`bisect: orchestrate bisect ...` for each regression or improvement the history flags where
+    its rows carry engine commits: GOOD the commit of the night before the change, BAD the night's."""
+    sweep_of = dict(zip(rows["run_id"].to_pylist(), rows["sweep"].to_pylist(), strict=True))
+    lines = []
+    for trend in items:
+        points = sorted(trend.points, key=lambda p: p.started_at)
+        for finding in trend.changes:
+            if finding.verdict not in (REGRESSION, IMPROVEMENT) or not finding.since_commit:
+                continue
+            runs = [p.run_id for p in points]
+            if finding.since_run not in runs or finding.since_run not in sweep_of:
+                continue
+            before = points[: runs.index(finding.since_run)]
+            good = before[-1].commit if before else None
+            if not good or good == finding.since_commit:
+                continue
+            s = trend.series
+            command = bisect_command(sweep_of[finding.since_run], good, finding.since_commit,
+                                     point=s.params.replace(" ", ","), arm=s.arm, metric=s.metric, device=s.device,
+                                     case=s.case_name)  # fmt: skip
+            line = f"bisect the {finding.verdict} of {s.device} {s.case_name} {s.arm} {s.params}: {command}"
+            if line not in lines:  # hosts of one kind flag the same step
+                lines.append(line)
+    return lines

@@ -8,14 +8,14 @@ a range, 128 + the signal when interrupted (the same command resumes).
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
-from orchestrator.analysis.bisection import StepVerdict
+from orchestrator.analysis.bisection import StepVerdict, bisect_command
+from orchestrator.analysis.selection import choose_sweep
 from orchestrator.analysis.stats import THRESHOLD
 from orchestrator.commands.options import results_option
 from orchestrator.commands.run import ProgressView, parse_duration, results_root
@@ -24,20 +24,6 @@ from orchestrator.run.bisect import Bisection, BisectResult, run_bisect
 from orchestrator.run.bisect_target import choose_target, commit_range
 from orchestrator.specs.sweep import load_inventory, load_sweep
 from orchestrator.store.fragments import ResultStore
-
-
-def rerun_command(
-    sweep: str, good: str, bad: str, *, point: str, arm: str, metric: str, device: str, **more: str | None
-) -> str:
-    """The `orchestrate bisect ...` line for these arguments (shell-quoted; `more`: other options)."""
-    args = ["orchestrate", "bisect", "--sweep", sweep, "--good", good, "--bad", bad]
-    if point:
-        args += ["--point", point]
-    args += ["--arm", arm, "--metric", metric, "--device", device]
-    for name, value in more.items():
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", value]
-    return shlex.join(args)
 
 
 def print_result(out: Console, result: BisectResult, rerun: str) -> None:
@@ -99,10 +85,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the first commit of a regression: each step the midpoint against GOOD, in one lock window."""
         seconds = None if budget is None else parse_duration(budget, "--budget")
-        spec = load_sweep(sweep)
+        store = ResultStore(results_root(results))
+        spec = choose_sweep(store, sweep).spec or load_sweep(sweep)  # a stored name: the definition that ran
         target = choose_target(spec, case=case, point=point, arm=arm, metric=metric, device=device)
         span = commit_range(target.case, good, bad)
-        store = ResultStore(results_root(results))
         view = ProgressView()
         out = console()
         job = Bisection(spec, target, span, load_inventory(inventory), store, threshold, seconds, view,
@@ -116,7 +102,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(128 + result.interrupted)
         more = {"case": case, "inventory": str(inventory) if inventory else None, "budget": budget,
                 "threshold": None if threshold == THRESHOLD else str(threshold), "results": str(results)}  # fmt: skip
-        rerun = rerun_command(sweep, good, bad, point=point or "", arm=target.arm,
+        rerun = bisect_command(sweep, good, bad, point=point or "", arm=target.arm,
                               metric=target.metric, device=target.device, **more)  # fmt: skip
         print_result(out, result, rerun)
         if result.outcome not in ("found", "no-regression"):

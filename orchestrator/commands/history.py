@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.analysis.bisection import history_bisect_lines
 from orchestrator.analysis.history import THRESHOLD, WINDOW, Trend, default_metric, sparkline, trends
 from orchestrator.analysis.selection import choose_sweep
 from orchestrator.commands.options import format_option, output_option, results_option
@@ -141,6 +142,8 @@ def register(app: typer.Typer) -> None:
                     print_fitted(out, [history_table(items, title), history_table(items, title, compact=True)])
                 else:
                     print_wide(out, history_table(items, title))
+                for line in history_bisect_lines(items, table):
+                    out.print(line, markup=False, soft_wrap=True)
             else:
                 write_table(history_records(items), fmt, stream)
         if png is not None:

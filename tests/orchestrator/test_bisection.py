@@ -8,13 +8,23 @@ rule at 16 rounds a job (the fewest a bisection step takes), over 300 simulated 
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from orchestrator.analysis.bisection import Change, Evidence, StepVerdict, evidence, judge_range, judge_step
+from orchestrator.analysis.bisection import (
+    Change,
+    Evidence,
+    StepVerdict,
+    evidence,
+    history_bisect_lines,
+    judge_range,
+    judge_step,
+)
+from orchestrator.analysis.history import RunPoint, SeriesKey, Trend, detect
 from orchestrator.analysis.stats import Verdict
 from orchestrator.run.bisect import MAX_JOBS, _next
 
@@ -136,3 +146,22 @@ def test_the_next_commit_is_the_untried_one_nearest_the_middle() -> None:
     assert _next(commits, -1, 14, set()) == 6
     assert _next(commits, -1, 14, {"c6"}) == 7  # a skipped midpoint: its nearest neighbour
     assert _next(commits, 6, 8, {"c7"}) is None  # nothing left between: the range stands
+
+
+def test_history_prints_the_bisect_command_of_a_flagged_step_with_the_two_nights_commits() -> None:
+    key = SeriesKey("gfx1151", "strix", "bench-decode", "native", "prompt_tokens=512", "decode_tok_s", "tok/s")
+    t0 = dt.datetime(2026, 11, 1, 2, tzinfo=dt.UTC)
+    medians = [13.1] * 10 + [12.5] * 3  # 4.6 % slower from night 10 on
+    nights = [
+        RunPoint(f"r{i:02d}", t0 + dt.timedelta(days=i), f"c{i}", [m * (1 + 0.004 * s) for s in (-1, -0.5, 0, 0.5, 1)])
+        for i, m in enumerate(medians)
+    ]
+    trend = Trend(key, nights, detect(key, nights, threshold=0.03))
+    rows = pa.table({"run_id": [p.run_id for p in nights], "sweep": ["mlxcel-prefill"] * len(nights)})
+    assert history_bisect_lines([trend, trend], rows) == [  # hosts of one kind flagging one step: one line
+        "bisect the regression of gfx1151 bench-decode native prompt_tokens=512: orchestrate bisect --sweep "
+        "mlxcel-prefill --good c9 --bad c10 --point prompt_tokens=512 --arm native --metric decode_tok_s "
+        "--device gfx1151 --case bench-decode"
+    ]
+    kernel = [RunPoint(p.run_id, p.started_at, None, p.values) for p in nights]  # no engine commit: no line
+    assert history_bisect_lines([Trend(key, kernel, detect(key, kernel, threshold=0.03))], rows) == []
