@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -250,6 +251,8 @@ def run_bisect(b: Bisection, *, fresh: bool = False) -> BisectResult:
         _bisect(b, commits, result, t0)
     except Stopped as stop:
         result.interrupted = stop.signum
+    except KeyboardInterrupt:  # between two jobs: what settled is stored, as when a job is stopped
+        result.interrupted = signal.SIGINT
     result.wall_seconds = time.perf_counter() - t0
     return result
 

@@ -107,14 +107,32 @@ class Lab:
             [ORCHESTRATE, *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=self.root
         )
 
+    def bisect_args(self, good: str, bad: str) -> list[str]:
+        return [
+            ORCHESTRATE, "bisect", "--sweep", str(self.sweep), "--good", good, "--bad", bad, "--point",
+            "prompt_tokens=512", "--arm", "native", "--metric", "decode_tok_s", "--device", "beta", "--inventory",
+            str(self.inventory), "--results", str(self.results),
+        ]  # fmt: skip
+
     def bisect(self, good: str, bad: str) -> tuple[subprocess.CompletedProcess[str], float]:
         t0 = time.perf_counter()
-        out = self.orchestrate(
-            "bisect", "--sweep", str(self.sweep), "--good", good, "--bad", bad, "--point", "prompt_tokens=512",
-            "--arm", "native", "--metric", "decode_tok_s", "--device", "beta", "--inventory", str(self.inventory),
-            "--results", str(self.results),
-        )  # fmt: skip
+        out = self.orchestrate(*self.bisect_args(good, bad)[1:])
         return out, time.perf_counter() - t0
+
+    def interrupted_bisect(self, good: str, bad: str, steps: int) -> tuple[int, str]:
+        """Ctrl-C once the bisection starts measuring its `steps + 1`-th commit: (exit code, stdout)."""
+        env = {**self.env, "COLUMNS": "250"}
+        proc = subprocess.Popen(self.bisect_args(good, bad), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=self.root)  # fmt: skip
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if len({ln.split()[1] for ln in seen if ln.startswith("measuring ")}) > steps:  # distinct commits
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=300)
+        return proc.returncode, "".join(seen) + rest
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +178,12 @@ def evidence_rows(stdout: str) -> dict[str, str]:
 
 def test_bisect_names_the_planted_commit_on_the_named_kind_and_skips_one_that_does_not_build(lab: Lab) -> None:
     c = lab.commits
+    # stopped by Ctrl-C while it measures its third commit (BAD settled, c7 skipped), then resumed
+    code, stopped = lab.interrupted_bisect(c[0], c[15], steps=2)
+    assert code == 130 and "run the same command to resume" in stopped, stopped
     out, seconds = lab.bisect(c[0], c[15])
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "resuming bisection" in out.stdout and "2 commits settled" in out.stdout, out.stdout
     assert f"first bad commit: {c[PLANTED]} c{PLANTED} (t <t@e>, " in out.stdout
     table = evidence_rows(out.stdout)
     measured = [commit for commit, line in table.items() if " skipped" not in line]
@@ -178,7 +200,7 @@ def test_bisect_names_the_planted_commit_on_the_named_kind_and_skips_one_that_do
     assert f"--good {c[0]} --bad {c[15]}" in rerun and "--device beta" in rerun
     name = re.search(r"orchestrate compare --sweep (\S+) --by commit --all-runs", out.stdout)
     assert name is not None
-    print(f"bisect: {len(measured)} commits measured, {len(table) - len(measured)} skipped, {seconds:.1f} s")
+    print(f"bisect, resumed: {len(measured)} commits measured, {len(table) - len(measured)} skipped, {seconds:.1f} s")
 
     # every step's rows are one bisection's, measured on the beta host alone, GOOD beside each commit
     rows = read_rows(ResultStore(lab.results), sweep=name.group(1)).to_pylist()
