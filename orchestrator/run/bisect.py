@@ -217,7 +217,8 @@ def _settle(b: Bisection, commit: str, decide: Callable[[Evidence], StepVerdict]
         tries += 1
         if failure is not None:
             if not ev.jobs and not b.state["verdicts"]:
-                raise InputError(f"bisect: the first step, GOOD against BAD {commit[:12]}, failed: {failure}")
+                why = first_line(failure, 300)
+                raise InputError(f"bisect: the first step, GOOD against BAD {commit[:12]}, failed: {why}")
             verdict, note = StepVerdict.SKIPPED, first_line(failure)
             break
         ev = _rows_evidence(b, commit)

@@ -26,7 +26,10 @@ from orchestrator.analysis.bisection import (
 )
 from orchestrator.analysis.history import RunPoint, SeriesKey, Trend, detect
 from orchestrator.analysis.stats import Verdict
+from orchestrator.errors import InputError
 from orchestrator.run.bisect import MAX_JOBS, _next
+from orchestrator.run.bisect_target import choose_target
+from orchestrator.specs.sweep import load_sweep
 
 GOOD, MID = "a" * 40, "b" * 40
 NOISE = 0.02
@@ -165,3 +168,18 @@ def test_history_prints_the_bisect_command_of_a_flagged_step_with_the_two_nights
     ]
     kernel = [RunPoint(p.run_id, p.started_at, None, p.values) for p in nights]  # no engine commit: no line
     assert history_bisect_lines([Trend(key, kernel, detect(key, kernel, threshold=0.03))], rows) == []
+
+
+def test_the_target_defaults_come_from_the_sweeps_criteria_and_single_values() -> None:
+    sweep = load_sweep("mlxcel-prefill")
+    target = choose_target(sweep, metric="decode_tok_s", point="prompt_tokens=2048")
+    assert (target.case.label, target.arm, target.metric, target.device) == ("bench-decode", "native",
+                                                                              "decode_tok_s", "m1-ultra")  # fmt: skip
+    assert target.point == {"checkpoint": "~/mlxcel/models/gemma-4-31b-it-nvfp4", "prompt_tokens": 2048}
+    assert choose_target(sweep, point="prompt_tokens=512").metric == "prefill_tok_s"  # the first criterion's
+    with pytest.raises(InputError, match=r"give prompt_tokens= one of 512, 1024, 2048, 4096, 8192, 16384"):
+        choose_target(sweep, metric="decode_tok_s")
+    with pytest.raises(InputError, match="measures prompt_tokens at"):
+        choose_target(sweep, metric="decode_tok_s", point="prompt_tokens=500")
+    with pytest.raises(InputError, match="no command case"):
+        choose_target(load_sweep("smoke"))
