@@ -21,6 +21,7 @@ from orchestrator.commands.options import results_option
 from orchestrator.commands.run import ProgressView, parse_duration, results_root
 from orchestrator.report.console import console, grid
 from orchestrator.run.bisect import Bisection, BisectResult, run_bisect
+from orchestrator.run.bisect_kernel import kernel_target
 from orchestrator.run.bisect_target import choose_target, commit_range
 from orchestrator.specs.sweep import load_inventory, load_sweep
 from orchestrator.store.fragments import ResultStore
@@ -76,6 +77,11 @@ def register(app: typer.Typer) -> None:
         metric: str | None = typer.Option(None, "--metric", "-m", help="e.g. decode_tok_s (default: the criteria's)"),
         device: str | None = typer.Option(None, "--device", help="the device kind to measure on"),
         inventory: Path | None = typer.Option(None, "--inventory", "-i", help="host inventory TOML"),
+        repo: str | None = typer.Option(
+            None,
+            "--repo",
+            help="kernel cases: this project's repository as hosts reach it (default: this checkout)",
+        ),
         results: Path = results_option(),
         budget: str | None = typer.Option(
             None, "--budget", metavar="DURATION", help="the whole bisection's time (90s, 10m, 1h30m)"
@@ -88,10 +94,13 @@ def register(app: typer.Typer) -> None:
         store = ResultStore(results_root(results))
         spec = choose_sweep(store, sweep).spec or load_sweep(sweep)  # a stored name: the definition that ran
         target = choose_target(spec, case=case, point=point, arm=arm, metric=metric, device=device)
+        inv = load_inventory(inventory)
+        if target.case.case != "command":  # a kernel case: this project's commits
+            target = kernel_target(spec, target, inv, repo)
         span = commit_range(target.case, good, bad)
         view = ProgressView()
         out = console()
-        job = Bisection(spec, target, span, load_inventory(inventory), store, threshold, seconds, view,
+        job = Bisection(spec, target, span, inv, store, threshold, seconds, view,
                         say=lambda line: out.print(line, markup=False, soft_wrap=True))  # fmt: skip
         try:
             result = run_bisect(job, fresh=force)
@@ -100,7 +109,7 @@ def register(app: typer.Typer) -> None:
         if result.interrupted:
             print(f"interrupted: run the same command to resume {result.name}", file=sys.stderr, flush=True)
             raise typer.Exit(128 + result.interrupted)
-        more = {"case": case, "inventory": str(inventory) if inventory else None, "budget": budget,
+        more = {"case": case, "repo": repo, "inventory": str(inventory) if inventory else None, "budget": budget,
                 "threshold": None if threshold == THRESHOLD else str(threshold), "results": str(results)}  # fmt: skip
         rerun = bisect_command(sweep, good, bad, point=point or "", arm=target.arm,
                               metric=target.metric, device=target.device, **more)  # fmt: skip

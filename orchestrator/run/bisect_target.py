@@ -1,5 +1,6 @@
 """What a bisection follows, and over which commits: one point, arm and metric of one command case
-on one device kind, and the engine's commits from GOOD (excluded) to BAD.
+(or kernel case: `orchestrator.run.bisect_kernel`) on one device kind, and the commits of its
+repository from GOOD (excluded) to BAD.
 
 Defaults come from the sweep: the metric and arm of its first ratio criterion (of the metric, where
 `--metric` is given), that criterion's case, the case's single value of each axis, the device kind
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kernels import registry
 from orchestrator.errors import InputError
 from orchestrator.specs.case import CaseEntry
 from orchestrator.specs.sweep import SweepSpec
@@ -54,9 +56,10 @@ def _criterion(sweep: SweepSpec, metric: str | None) -> tuple[str | None, str | 
 
 
 def _case(sweep: SweepSpec, named: str | None, point: dict[str, str]) -> CaseEntry:
-    commands = [c for c in sweep.cases if c.case == "command"]
+    kinds = (registry.CaseKind.COMMAND, registry.CaseKind.KERNEL)
+    commands = [c for c in sweep.cases if registry.CASES[c.case].kind in kinds]
     if not commands:
-        raise InputError(f"sweep {sweep.name!r} has no command case: bisect builds an engine at each commit")
+        raise InputError(f"sweep {sweep.name!r} has no command or kernel case: bisect builds code at each commit")
     if named is not None:
         hits = [c for c in commands if c.label == named]
         if hits:

@@ -181,5 +181,10 @@ def test_the_target_defaults_come_from_the_sweeps_criteria_and_single_values() -
         choose_target(sweep, metric="decode_tok_s")
     with pytest.raises(InputError, match="measures prompt_tokens at"):
         choose_target(sweep, metric="decode_tok_s", point="prompt_tokens=500")
-    with pytest.raises(InputError, match="no command case"):
-        choose_target(load_sweep("smoke"))
+    with pytest.raises(InputError, match=r"name the case with --case \(one of qmm, moe-gather, mlp\)"):
+        choose_target(load_sweep("smoke"), metric="seconds")  # kernel cases (not `model`): which one is asked
+    with pytest.raises(InputError, match="--arm: case 'qmm' has arms native, affine"):
+        choose_target(load_sweep("smoke"), case="qmm", metric="seconds")
+    smoke = choose_target(load_sweep("smoke"), case="qmm", metric="seconds", arm="native", device="cpu",
+                          point="tokens=32")  # fmt: skip
+    assert (smoke.case.case, smoke.point) == ("qmm", {"tokens": 32, "n": 256, "k": 512, "dtype": "float32"})
