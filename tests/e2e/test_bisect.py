@@ -5,7 +5,9 @@ node started by `orchestrate cluster up`. The engine (`tests/engine_repo.py`, a 
 workspace) has 16 commits: decode 5 % slower from `c10` on, `c7` does not compile, and every speed
 it reports carries noise with a 2 % standard deviation. The bisection runs on `beta` alone, builds
 and measures each tested commit against GOOD in one lock window there, skips `c7` and names `c10`
-in at most log2(16) + 2 measured commits; a range before the regression has none.
+in at most log2(16) + 2 measured commits; a range before the regression has none. A kernel case
+is bisected over commits of this project (a clone of this checkout with a slower `qmm` planted),
+each sample that commit's own worker on the kernel job.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import BIN, child_env
-from tests.engine_repo import CARGO, EngineRepo, Knobs, cargo_env, make_checkpoint
+from tests.engine_repo import CARGO, EngineRepo, Knobs, cargo_env, git, make_checkpoint
 from tests.sshd_hosts import SshLab, free_port, require_sshd, start_lab
 
 pytestmark = [
@@ -39,6 +41,7 @@ pytestmark = [
 
 HOSTS = {"a1": ("127.0.0.2", "alpha"), "b1": ("127.0.0.3", "beta")}
 ORCHESTRATE = str(BIN / "orchestrate")
+ROOT = Path(__file__).resolve().parents[2]  # this project: the repository its kernel cases measure
 PLANTED, BROKEN = 10, 7
 SWEEP = """name = "decode-nightly"
 devices = ["alpha", "beta"]
@@ -85,9 +88,9 @@ def inventory_toml(root: Path, lab: SshLab, port: int) -> str:
             f'device = "{kind}"',
             f'workdir = "{root / name}"',
             f'lock = "{root / name / "gpu.lock"}"',
-            # each host its own HOME (its build cache); cargo's toolchain from this machine
+            # each host its own HOME (its build cache), cargo's toolchain and this checkout's workers
             f'env = {{ HOME = "{root / name}", RUSTUP_HOME = "{cargo["RUSTUP_HOME"]}", '
-            f'CARGO_HOME = "{cargo["CARGO_HOME"]}", PATH = "{cargo["PATH"]}" }}',
+            f'CARGO_HOME = "{cargo["CARGO_HOME"]}", PATH = "{cargo["PATH"]}", PYTHONPATH = "{ROOT}" }}',
         ]
     return "\n".join(lines) + "\n"
 
@@ -227,3 +230,53 @@ def test_bisect_says_no_regression_where_the_range_has_none(lab: Lab) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"no regression between GOOD {c[0][:12]} and BAD {c[6][:12]}" in out.stdout
     assert list(evidence_rows(out.stdout)) == [c[6][:12]]  # BAD alone was measured
+
+
+KERNEL_SWEEP = """name = "kernel-nightly"
+devices = ["alpha", "beta"]
+repetitions = 3
+warmup = 1
+
+[[cases]]
+case = "qmm"
+arms = ["native", "affine"]
+params = { tokens = 1, n = 256, k = 512, dtype = "float32" }
+"""
+NATIVE = 'return lambda x: mx.quantized_matmul(x, wq, scales, transpose=True, mode="nvfp4")'
+
+
+def test_bisect_a_kernel_case_over_this_projects_commits(lab: Lab) -> None:
+    project = lab.root / "project"
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(ROOT), str(project)], check=True)
+    good = head.stdout.strip()
+    git(project, "checkout", "-q", "-b", "nightly", good)
+    qmm = project / "kernels" / "qmm.py"
+    assert NATIVE in qmm.read_text()
+    # the same product four times over: the same output, four times the work
+    qmm.write_text(qmm.read_text().replace(NATIVE, NATIVE.replace("return lambda x: ", "return lambda x: sum(")
+                                           + " for _ in range(4)) / 4"))  # fmt: skip
+    git(project, "commit", "-q", "-am", "qmm: native four times")
+    planted = git(project, "rev-parse", "HEAD")
+    (project / "NOTES").write_text("a note\n")
+    git(project, "add", "NOTES")
+    git(project, "commit", "-q", "-m", "notes")
+    bad = git(project, "rev-parse", "HEAD")
+    sweep = lab.root / "kernel-nightly.toml"
+    sweep.write_text(KERNEL_SWEEP)
+    out = lab.orchestrate(
+        "bisect", "--sweep", str(sweep), "--good", good, "--bad", bad, "--arm", "native", "--metric", "seconds",
+        "--device", "beta", "--repo", str(project), "--inventory", str(lab.inventory), "--results", str(lab.results),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"first bad commit: {planted} qmm: native four times (t <t@e>, " in out.stdout
+    table = evidence_rows(out.stdout)
+    assert set(table) == {planted[:12], bad[:12]}  # BAD, then the midpoint: the planted commit
+    ratio = re.search(r"\s(\d\.\d{3}) \[", table[planted[:12]])
+    assert ratio is not None and 2.5 < float(ratio.group(1)) < 6  # seconds: about 4x
+    name = re.search(r"orchestrate compare --sweep (\S+) --by commit --all-runs", out.stdout)
+    assert name is not None
+    rows = read_rows(ResultStore(lab.results), sweep=name.group(1)).to_pylist()
+    assert {(r["device"], r["host"]) for r in rows} == {("beta", "b1")}
+    timed = {r["commit"] for r in rows if r["metric"] == "seconds" and r["status"] == "ok"}
+    assert timed == {good, planted, bad}
