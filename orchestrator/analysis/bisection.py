@@ -144,6 +144,13 @@ class Change:
         return cls(1 if bad.log > 0 else -1, edge)
 
 
+def enough(edge: float) -> float:
+    """The half-width past which more samples of an undecided commit are not taken: a quarter of the
+    edge. An interval that narrow and still reaching across the edge is a commit whose change is
+    about the edge's size (part of the flagged change, or a step of a slow drift)."""
+    return math.expm1(edge) / 4
+
+
 def judge_range(bad: Evidence, threshold: float) -> Verdict:
     """BAD against GOOD: SLOWER/FASTER (past the band: something to bisect), SAME (nothing), AMBIGUOUS."""
     if bad.blocks < MIN_BLOCKS:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.analysis.bisection import Change, Evidence, StepVerdict, evidence, judge_range, judge_step
+from orchestrator.analysis.bisection import Change, Evidence, StepVerdict, enough, evidence, judge_range, judge_step
 from orchestrator.analysis.stats import THRESHOLD, Verdict
 from orchestrator.errors import InputError
 from orchestrator.run.bisect_target import CommitRange, Target
@@ -267,7 +267,7 @@ def _bisect(b: Bisection, commits: list[str], result: BisectResult, t0: float) -
             range_verdict["v"], StepVerdict.BAD
         )
 
-    top = _settle(b, b.span.bad, first, b.threshold / 2, t0)
+    top = _settle(b, b.span.bad, first, enough(math.log1p(b.threshold)), t0)
     result.steps.append(top)
     result.change = top.evidence.ratio
     if top.verdict is StepVerdict.GOOD:
@@ -280,7 +280,7 @@ def _bisect(b: Bisection, commits: list[str], result: BisectResult, t0: float) -
     lo, hi = -1, len(commits) - 1
     skipped: set[str] = set()
     while (mid := _next(commits, lo, hi, skipped)) is not None:
-        step = _settle(b, commits[mid], lambda ev: judge_step(ev, change), math.expm1(change.edge) / 2, t0)
+        step = _settle(b, commits[mid], lambda ev: judge_step(ev, change), enough(change.edge), t0)
         result.steps.append(step)
         if step.verdict is StepVerdict.GOOD:
             lo = mid
