@@ -68,11 +68,11 @@ def print_result(out: Console, result: BisectResult, rerun: str) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("bisect")
     def bisect(
-        sweep: str = typer.Option(..., "--sweep", "-s", help="built-in sweep name or sweep TOML path"),
-        good: str = typer.Option(..., "--good", help="a ref of the engine before the change"),
-        bad: str = typer.Option(..., "--bad", help="a ref of the engine with the change"),
+        sweep: str = typer.Option(..., "--sweep", "-s", help="a sweep: built-in or stored name, or TOML path"),
+        good: str = typer.Option(..., "--good", help="a git ref before the change (the case's repo)"),
+        bad: str = typer.Option(..., "--bad", help="a git ref with the change"),
         point: str | None = typer.Option(None, "--point", help="the point to follow, e.g. prompt_tokens=512"),
-        case: str | None = typer.Option(None, "--case", help="the command case (default: the criteria's)"),
+        case: str | None = typer.Option(None, "--case", help="the command or kernel case (default: the criteria's)"),
         arm: str | None = typer.Option(None, "--arm", help="the arm to follow (default: the criteria's)"),
         metric: str | None = typer.Option(None, "--metric", "-m", help="e.g. decode_tok_s (default: the criteria's)"),
         device: str | None = typer.Option(None, "--device", help="the device kind to measure on"),
