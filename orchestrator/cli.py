@@ -34,6 +34,7 @@ VERBS = {
     "report": "orchestrator.commands.report",
     "schedule": "orchestrator.commands.schedule",
     "history": "orchestrator.commands.history",
+    "bisect": "orchestrator.commands.bisect",
     "cluster": "orchestrator.commands.cluster",
     "collect": "orchestrator.commands.collect",
     "plan": "orchestrator.commands.plan",

@@ -60,6 +60,8 @@ class Knobs:
     greedy: str = "Paris. It is the largest city in France, on the Seine."
     route_greedy: str | None = None  # the route's text where it differs from the opt-out's
     tests_pass: bool = True
+    builds: bool = True  # False: the core crate does not compile at this commit
+    noise: float = 0.01  # each reported speed's relative noise: uniform within ±noise
     guard_hold: bool = True  # False: a commit older than `rocm_gpu_guard.sh --hold`
     mlx_commit: str = "81ba1c6a"  # the MLX pin the engine reports in bench_decode.sh's rows
     rocm_overlay: str = "75915908"  # the MLX ROCm overlay commit (its ROCm rows' column)
@@ -112,12 +114,12 @@ pub fn off(name: &str) -> bool { env_is(name, &["0", "false", "off", "no"]) }
 
 pub struct Speed { pub prefill: f64, pub decode: f64, pub peak_gb: f64, pub load_s: f64 }
 
-/// About 1 % of noise, different in every process.
+/// Uniform noise within ±NOISE, different in every process.
 fn noise() -> f64 {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() as u64;
     let mut x = nanos ^ ((std::process::id() as u64) << 32) ^ 0x9E37_79B9_7F4A_7C15;
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
-    1.0 + ((x % 2001) as f64 / 1000.0 - 1.0) * 0.01
+    1.0 + ((x % 2001) as f64 / 1000.0 - 1.0) * NOISE
 }
 
 pub fn speed(prompt_tokens: usize) -> Speed {
@@ -390,9 +392,11 @@ class EngineRepo:
             f"pub const ROUTE_GREEDY: &str = {_rust_str(k.route_greedy or k.greedy)};\n"
             f"pub const AFFINE_GREEDY: &str = {_rust_str(affine)};\n"
             f"pub const TESTS_PASS: bool = {str(k.tests_pass).lower()};\n"
+            f"pub const NOISE: f64 = {float(k.noise)!r};\n"
+            + ("" if k.builds else 'compile_error!("broken at this commit");\n')
         )
         git(self.path, "add", "-A")
-        git(self.path, "commit", "-q", "-m", message)
+        git(self.path, "commit", "-q", "--allow-empty", "-m", message)  # a commit may leave the engine as it was
         return git(self.path, "rev-parse", "HEAD")
 
 

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.analysis.bisection import history_bisect_lines
 from orchestrator.analysis.history import RATIO_UNIT, THRESHOLD, WINDOW
 from orchestrator.analysis.selection import choose_sweep
 from orchestrator.analysis.trends import Trend, default_metric, sparkline, trends
@@ -145,6 +146,8 @@ def register(app: typer.Typer) -> None:
                     print_fitted(out, [history_table(items, title), history_table(items, title, compact=True)])
                 else:
                     print_wide(out, history_table(items, title))
+                for line in history_bisect_lines(items, table):
+                    out.print(line, markup=False, soft_wrap=True)
             else:
                 write_table(history_records(items), fmt, stream)
         if png is not None:

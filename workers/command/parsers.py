@@ -11,6 +11,8 @@ A command case names its parser with `parse`, either a string or a table with `k
   `{ kind = "engine-bench", select = { path = "cli" } }`. `{ kind = "prefixed-json", prefix =
   "[x]" }`: JSON objects behind any prefix; other lines are ignored.
 * `"json-lines"`: every line that starts with `{` is a JSON object (`select` filters here too).
+* `"workers-rows"`: the rows `python -m workers run JOB --out FILE` wrote, each metric's median
+  (`workers.command.job_rows`: a kernel case bisected over this project's commits).
 * `{ kind = "regex", patterns = { decode_tok_s = 'Decode: .*\\((?P<value>[\\d.]+) tok/s' },
   units = { decode_tok_s = "tok/s" }, text = '(?s)<out>(.*)</out>' }`: named regular expressions,
   one per metric; every match is one value, the `value` group (or the first group) its number.
@@ -32,6 +34,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from workers.command.job_rows import parse_job_rows
 from workers.command.mlxcel import parse_bench_decode, parse_bench_decode_csv, parse_generate
 from workers.command.parsed import Measurement, OutputParseError, OutputSkipped, ParsedOutput, unit_for
 
@@ -185,6 +188,7 @@ def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
         "bench-decode": parse_bench_decode,
         "bench-decode-csv": parse_bench_decode_csv,
         "mlxcel-generate": parse_generate,
+        "workers-rows": parse_job_rows,
     }
     if kind in fixed:
         return fixed[kind]
@@ -219,10 +223,19 @@ def _from_table(spec: dict[str, Any]) -> Callable[[str], ParsedOutput]:
     raise ValueError(f"parse.kind: {kind!r} is not one of {', '.join(KINDS)}")
 
 
-KINDS = ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines", "prefixed-json", "regex")
+KINDS = (
+    "bench-decode",
+    "bench-decode-csv",
+    "mlxcel-generate",
+    "engine-bench",
+    "json-lines",
+    "prefixed-json",
+    "regex",
+    "workers-rows",
+)
 NAMED = {
     name: {"kind": name}
-    for name in ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines")
+    for name in ("bench-decode", "bench-decode-csv", "mlxcel-generate", "engine-bench", "json-lines", "workers-rows")
 }
 
 
@@ -231,7 +244,7 @@ def parser_for(spec: str | dict[str, Any] | None) -> Callable[[str], ParsedOutpu
 
     Args:
         spec: a built-in name (`bench-decode`, `bench-decode-csv`, `mlxcel-generate`,
-            `engine-bench`, `json-lines`) or a table with `kind`; None means `json-lines`.
+            `engine-bench`, `json-lines`, `workers-rows`) or a table with `kind`; None means `json-lines`.
 
     Raises:
         ValueError: an unknown name or kind, or a table that misses what its kind needs.
