@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.job.spool import fragment_name, parse_fragment_name, spool_root, spooled_fragments
+from workers.job.spool import fragment_name, parse_fragment_name, spool_root
 
 
 def test_fragment_names_round_trip_with_dashes_in_the_run_id() -> None:
@@ -24,14 +24,3 @@ def test_spool_root_prefers_the_nodes_setting(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.delenv("ORCHESTRATE_SPOOL")
     assert spool_root("/job/dir") == Path("/job/dir")
     assert spool_root(None) == Path.home() / ".orchestrate" / "spool"
-
-
-def test_spooled_fragments_skips_temp_files_and_job_files(tmp_path: Path) -> None:
-    run = tmp_path / "sweep" / "r-1"
-    run.mkdir(parents=True)
-    keep = run / fragment_name("r-1", "aaaa")
-    keep.write_bytes(b"")
-    (run / "aaaa.json").write_text("{}")
-    (run / f".{keep.name}.x1.tmp").write_bytes(b"")
-    assert spooled_fragments(tmp_path) == [keep]
-    assert spooled_fragments(tmp_path / "missing") == []

@@ -40,10 +40,3 @@ def parse_fragment_name(name: str) -> tuple[str, str] | None:
     if not sep or not run_id or not job_key:
         return None
     return run_id, job_key
-
-
-def spooled_fragments(root: Path) -> list[Path]:
-    """Every finished fragment under a spool root (temp files of a write in progress excluded)."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.rglob(f"{PREFIX}*{SUFFIX}") if parse_fragment_name(p.name))
