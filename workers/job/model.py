@@ -159,25 +159,41 @@ def _answer(proc: ChildResult, timeout: float) -> dict[str, Any] | SampleError:
     return SampleError(_child_error(proc))
 
 
+def _ask(
+    verb: str, request: LoadRequest | SteadyRequest, env: dict[str, str], timeout: float
+) -> tuple[dict[str, Any] | SampleError, float, str]:
+    """A fresh process's answer to `verb REQUEST`, the seconds it took as asked, and how it was
+    started; a process that gave no answer is charged to the job's `sample_other` phase."""
+    asked = time.time()
+    proc = _child([verb, json.dumps(asdict(request))], env, timeout)
+    spent = time.time() - asked
+    out = _answer(proc, timeout)
+    if isinstance(out, SampleError):
+        phases.current().add("sample_other", spent)
+    return out, spent, proc.how
+
+
+def _charge(parts: dict[str, float], spent: float) -> None:
+    """A process's phases to the job, what they leave of `spent` as `sample_other`."""
+    account = phases.current()
+    for name, seconds in (parts | {"sample_other": spent - sum(parts.values())}).items():
+        account.add(name, seconds)
+
+
 def _cold_load(job: JobSpec, req: LoadRequest, timeout: float) -> LoadSample | SampleError:
     """One cold load in a fresh process; its time is split into the job's phases: the process's
     start and imports, the load, the untimed run after it (`warmup`), and the rest."""
     asked = time.time()
-    proc = _child(["load", json.dumps(asdict(req))], job.arm_env.get(req.arm, {}), timeout)
-    spent = time.time() - asked
-    out = _answer(proc, timeout)
-    account = phases.current()
+    out, spent, how = _ask("load", req, job.arm_env.get(req.arm, {}), timeout)
     if isinstance(out, SampleError):
-        account.add("sample_other", spent)
         return out
-    sample = LoadSample(**{**out, "process": proc.how})
+    sample = LoadSample(**{**out, "process": how})
     parts = {
         "sample_start": max(sample.started_at - asked, 0.0) + sample.imports_seconds,
         "load": sample.load_seconds,
         "warmup": sample.run_seconds,
     }
-    for name, seconds in (parts | {"sample_other": spent - sum(parts.values())}).items():
-        account.add(name, seconds)
+    _charge(parts, spent)
     return sample
 
 
@@ -189,13 +205,8 @@ def _steady(
     if len(envs) > 1:
         return SampleError("the arms set different environments: steady-state rounds need every arm in one process")
     req = SteadyRequest(job=job.model_dump_json(), checkpoint=str(path), arms=arms, params=params)
-    asked = time.time()
-    proc = _child(["steady", json.dumps(asdict(req))], job.arm_env.get(arms[0], {}), timeout)
-    spent = time.time() - asked
-    out = _answer(proc, timeout)
-    account = phases.current()
+    out, spent, _ = _ask("steady", req, job.arm_env.get(arms[0], {}), timeout)
     if isinstance(out, SampleError):
-        account.add("sample_other", spent)
         return out
     result = SteadyResult(
         timed=[Timed(**{**t, "window": tuple(t["window"])}) for t in out["timed"]],
@@ -204,8 +215,7 @@ def _steady(
         phases=out["phases"],
         device=out["device"],
     )
-    for name, seconds in (result.phases | {"sample_other": spent - sum(result.phases.values())}).items():
-        account.add(name, seconds)
+    _charge(result.phases, spent)
     return result
 
 
