@@ -14,7 +14,8 @@ from orchestrator.analysis.compare import compare_results
 from orchestrator.analysis.samples import grouped_samples
 from orchestrator.report.summary import left_out
 from tests.workers.fake_pynvml import FakeGpu, FakeNvml
-from workers.contract import GpuPin, JobContext, JobSpec, LockSettings, RowBuilder
+from tests.workers.tiny_job import tiny_job
+from workers.contract import GpuPin, JobContext, JobSpec, RowBuilder
 from workers.host.device_state import DeviceState, DeviceStateReader, decode_reasons
 from workers.host.fingerprint import host_fingerprint
 from workers.job.measure import measure_workload
@@ -96,21 +97,7 @@ def test_an_unsupported_query_leaves_only_its_field_out(nvml: FakeNvml) -> None:
 
 
 def _job(backend: str, reps: int) -> JobSpec:
-    return JobSpec(
-        run_id="r",
-        sweep="t",
-        job_key="k",
-        case="qmm",
-        case_name="qmm",
-        params={"tokens": 4, "n": 8, "k": 16},
-        arms=["affine", "native"],
-        device="h100",
-        backend=backend,
-        repetitions=reps,
-        warmup=1,
-        lock=LockSettings(enabled=False),
-        options={"baseline": "affine"},
-    )
+    return tiny_job(["affine", "native"], reps, device="h100", backend=backend, options={"baseline": "affine"})
 
 
 def _workload() -> Workload:

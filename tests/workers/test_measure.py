@@ -10,25 +10,14 @@ import pytest
 
 from kernels import timing
 from kernels.registry import ArmPath, Workload
-from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
+from tests.workers.tiny_job import tiny_job
+from workers.contract import JobContext, JobSpec, RowBuilder
 from workers.host.fingerprint import host_fingerprint
 from workers.job.measure import abba_order, measure_workload, relative_error
 
 
 def _job(arms: list[str], reps: int = 4) -> JobSpec:
-    return JobSpec(
-        run_id="r",
-        sweep="t",
-        job_key="k",
-        case="qmm",
-        case_name="qmm",
-        params={"tokens": 4, "n": 8, "k": 16},
-        arms=arms,
-        device="cpu",
-        repetitions=reps,
-        warmup=1,
-        lock=LockSettings(enabled=False),
-    )
+    return tiny_job(arms, reps)
 
 
 def _workload(calls: list[str]) -> Workload:

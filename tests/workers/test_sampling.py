@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kernels.registry import ArmPath, Workload
-from workers.contract import JobContext, JobSpec, LockSettings, RowBuilder
+from tests.workers.tiny_job import tiny_job
+from workers.contract import JobContext, JobSpec, RowBuilder
 from workers.contract.precision import MIN_BLOCKS, StopReason, Target, block_log_ratios, median_interval, seed_for
 from workers.host.fingerprint import host_fingerprint
 from workers.job.measure import measure_workload
@@ -19,20 +20,7 @@ from workers.job.sampling import Rounds
 
 
 def _job(reps: int = 4, **options: object) -> JobSpec:
-    return JobSpec(
-        run_id="r",
-        sweep="t",
-        job_key="k",
-        case="qmm",
-        case_name="qmm",
-        params={"tokens": 4, "n": 8, "k": 16},
-        arms=["base", "twice"],
-        options=dict(options),
-        device="cpu",
-        repetitions=reps,
-        warmup=1,
-        lock=LockSettings(enabled=False),
-    )
+    return tiny_job(["base", "twice"], reps, options=dict(options))
 
 
 def _simulate(rounds: Rounds, rng: np.random.Generator, ratio: float, noise: float, pause: float = 0.0) -> None:
