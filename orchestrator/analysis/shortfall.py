@@ -86,9 +86,20 @@ def shortfalls(table: pa.Table) -> list[Shortfall]:
         if not (math.isfinite(width) and math.isfinite(target)) or width <= target:
             continue
         device, case_name, point = where[key]
-        rounds = int(_number(extra, "rounds")) if math.isfinite(_number(extra, "rounds")) else 0
+        rounds = _number(extra, "rounds")
         out.append(
-            Shortfall(device, case_name, point, key[2], key[0], key[1], extra["stop_reason"], width, target, rounds)
+            Shortfall(
+                device,
+                case_name,
+                point,
+                key[2],
+                key[0],
+                key[1],
+                extra["stop_reason"],
+                width,
+                target,
+                int(rounds) if math.isfinite(rounds) else 0,
+            )
         )
     return sorted(out, key=lambda s: (s.device, s.case_name, s.point, s.arm))
 

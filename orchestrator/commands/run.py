@@ -25,7 +25,7 @@ from orchestrator.report.console import console, warn
 from orchestrator.report.summary import render_run_end
 from orchestrator.run.account import run_account
 from orchestrator.run.plan import with_refs
-from orchestrator.run.sweep import JobOutcome, RunSummary, run_sweep
+from orchestrator.run.sweep import JobOutcome, RunSummary, job_label, run_sweep
 from orchestrator.specs.sweep import SweepSpec, load_inventory, load_sweep, resolve_sweep_path
 from orchestrator.store.compact import compact_after_run
 from orchestrator.store.fragments import ResultStore
@@ -37,11 +37,6 @@ DEFAULT_RESULTS = "results"
 def results_root(value: Path | None) -> Path:
     """`--results`, else $ORCHESTRATE_RESULTS, else ./results."""
     return value or Path(os.environ.get("ORCHESTRATE_RESULTS", DEFAULT_RESULTS))
-
-
-def job_label(job: JobSpec) -> str:
-    """`h200 qmm tokens=512 n=21504 ...`: a job as the progress lines name it."""
-    return f"{job.device} {job.case_name} " + " ".join(f"{k}={v}" for k, v in job.params.items())
 
 
 class ProgressView:

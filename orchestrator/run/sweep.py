@@ -109,6 +109,11 @@ class RunSummary:
 Progress = Callable[[str, JobSpec, JobOutcome | None], None]
 
 
+def job_label(job: JobSpec) -> str:
+    """`h200 qmm tokens=512 n=21504 ...`: a job as the progress lines and the run's summary name it."""
+    return f"{job.device} {job.case_name} " + " ".join(f"{k}={v}" for k, v in job.params.items())
+
+
 def _first_error(table: pa.Table) -> str | None:
     errors = [e for e in table.column("error").to_pylist() if e]
     return errors[0] if errors else None
@@ -252,10 +257,7 @@ def _top_up(
         todo = wanted(measured.values(), sweep)
         if not todo:
             return done
-        for job, _ in todo:
-            done.labels[job.job_key] = f"{job.device} {job.case_name} " + " ".join(
-                f"{k}={v}" for k, v in job.params.items()
-            )
+        done.labels.update({job.job_key: job_label(job) for job, _ in todo})
         jobs = _within(todo, deadline - time.perf_counter(), done)
         if not jobs:
             return done
