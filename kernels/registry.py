@@ -140,7 +140,7 @@ register(
         },
         required=("prompt_tokens",),
         defaults={
-            "decode_tokens": 32,
+            "decode_tokens": 128,  # a decode window (`workers.job.steady`)
             "architecture": "gemma",
             "hidden": 256,
             "intermediate": 1024,

@@ -158,13 +158,9 @@ def _heads(params: Params) -> tuple[int, int, int]:
     return heads, kv, head_dim
 
 
-STEADY_WINDOW_TOKENS = 128  # `workers.job.steady.WINDOW_TOKENS`: decode windows are at least this long
-
-
 def model_check(params: Params) -> None:
-    """`model`: prompt_tokens >= 1, decode_tokens >= 0; the decoder's shape unless a checkpoint is named."""
-    _at_least(params, ("prompt_tokens",))
-    _at_least(params, ("decode_tokens",), 0)
+    """`model`: prompt_tokens >= 1, decode_tokens >= 1; the decoder's shape unless a checkpoint is named."""
+    _at_least(params, ("prompt_tokens", "decode_tokens"))
     if not params.get("checkpoint"):
         decoder_check(params)
 
@@ -180,6 +176,6 @@ def model_bytes(params: Params, arms: Iterable[str]) -> int:
     heads, kv, head_dim = _heads(params)
     per_layer = 2 * h * heads * head_dim + 2 * h * kv * head_dim + 3 * h * i
     weights = layers * per_layer + vocab * h
-    tokens = params["prompt_tokens"] + max(params["decode_tokens"], STEADY_WINDOW_TOKENS)
+    tokens = params["prompt_tokens"] + params["decode_tokens"]
     kv_cache = layers * 2 * kv * head_dim * tokens * s
     return max(1, len(list(arms))) * (int(weights * NVFP4_BYTES_PER_WEIGHT) + 2 * kv_cache)

@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -83,6 +83,21 @@ class _StopOnSignal:
 def lost_job_table(job: JobSpec, error: str) -> pa.Table:
     """Failed rows for a job whose host or worker was lost (no host fingerprint is known)."""
     return failed_job_table(job, HostFingerprint.unknown(job.backend), error)
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 on /dev/null for the block (C++ threads write to it, not to sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class RayExecutor:
@@ -159,7 +174,7 @@ class RayExecutor:
         self._started = True
         self._signals.install()
 
-    def shutdown(self, *, wait: bool = True) -> None:
+    def shutdown(self, *, wait: bool = True, quiet: bool = False) -> None:
         """Stop what `start` started (an embedded instance, or our connection to the head).
 
         Ending the driver ends its tasks: Ray kills the worker processes running them, and with
@@ -171,10 +186,14 @@ class RayExecutor:
                 autoscaler monitor's exit takes a second or more) while the caller reports the
                 stored rows; `wait_stopped` joins it. Only once every job
                 has ended: the processes it stops run no job then.
+            quiet: the run stops on an error of its own: Ray's C++ core, which writes to the
+                process's stderr, is silenced while it stops. It reports the tasks it abandons,
+                which says nothing to the user, and the run's one-line error must stay one line.
         """
         self._signals.restore()  # in this thread: Python sets handlers in the main thread only
         if wait:
-            self._stop()
+            with _stderr_silenced() if quiet else contextlib.nullcontext():
+                self._stop()
             return
         self._stopping = threading.Thread(target=self._stop, name="ray-shutdown")  # not a daemon: exit waits
         self._stopping.start()

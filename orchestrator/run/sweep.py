@@ -233,7 +233,7 @@ def run_sweep(
         summary.interrupted = stop.signum  # what finished is stored; the caller says so and how to resume
         executor.shutdown()
     except BaseException:
-        executor.shutdown()
+        executor.shutdown(quiet=True)  # the caller's one-line error is what the user reads
         raise
     else:  # every job ended and its rows are stored
         executor.shutdown(wait=not stop_in_background)

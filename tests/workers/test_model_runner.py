@@ -89,7 +89,7 @@ def test_a_job_measures_load_prefill_decode_memory_and_digest(tmp_path: Path) ->
         assert [r["sample"] for r in decode] == [0, 1]
         for r in decode:
             extra = dict(r["extra"])
-            assert 1 < r["value"] < 1e6 and extra["window_tokens"] == "128"
+            assert 1 < r["value"] < 1e6 and extra["window_tokens"] == str(DECODE)
             assert 0 < float(extra["host_share"]) <= 1
             assert 0 < float(extra["build_ms_per_step"]) <= float(extra["host_ms_per_step"])
             # a window's tokens per second is its tokens over its wall time, which holds the host's part

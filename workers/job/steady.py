@@ -10,7 +10,8 @@ Then, after `warmup` untimed passes per arm, right before the rounds they warm:
 
 * prefill rounds (`prefill_tok_s`): the prompt through a fresh cache, in chunks of `PREFILL_STEP`
   as mlx-lm's generate does;
-* decode rounds: per arm, a window of at least `WINDOW_TOKENS` tokens generated as mlx-lm's
+* decode rounds: per arm, a window of the job's `decode_tokens` tokens (the built-in sweeps ask for
+  128, long enough that a window's start and end are a small share of it) generated as mlx-lm's
   `generate_step` generates them, the next step built and queued (`mx.async_eval`) before the
   current token is read (`decode_tok_s`; its extra has the host's share of the window, the time
   Python spent building and queueing steps over the window's wall time, and the milliseconds per
@@ -33,15 +34,11 @@ from typing import Any
 import numpy as np
 
 from kernels import mlx_lm_classes
-from kernels.shapes import STEADY_WINDOW_TOKENS
 from kernels.timing import abba_order
 from workers.contract import JobSpec
 from workers.job.sampling import Rounds
 
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
-# a decode window: long enough that its start and end are a small share of it (the memory estimate,
-# `kernels.shapes.model_bytes`, counts a window's cache)
-WINDOW_TOKENS = STEADY_WINDOW_TOKENS
 LATENCY_TOKENS = 16
 WARMUP_TOKENS = 8
 PHASES = 3  # the budget is shared by the cold loads, the prefill rounds and the decode rounds
@@ -238,7 +235,7 @@ def measure_steady(
             outcome.rel_error, outcome.tolerance = check.rel_error, check.tolerance
             outcome.checked = f"{check.layer} (worst of {check.layers})"
     mark = _phase(phases, "reference", mark)
-    window_tokens = max(WINDOW_TOKENS, int(params.get("decode_tokens", 0)))
+    window_tokens = int(params["decode_tokens"])  # the memory estimate, `kernels.shapes.model_bytes`, counts it
     for _ in range(job.warmup):
         for runner in runners.values():
             runner.timed_prefill()
