@@ -8,7 +8,9 @@ process (`workers.job.model_sample`):
   may read from disk, the later ones from memory; the round is in every row), arms in ABBA order,
   as many rounds as `workers.job.sampling.Rounds` asks (at least `repetitions`): `load_seconds`,
   its parts in the row's extra (`load_<part>_s`: reading, building, repacking, evaluating), and
-  `peak_memory_bytes` of the arm loaded and run once.
+  `peak_memory_bytes` of the arm loaded and run once. One round comes first (an arm that cannot
+  load is known before the steady process); the rest come after the steady process, with what it
+  left of the point's `max_seconds` (at least a third: `workers.job.steady.PHASES`).
 * Steady state, one process with every arm loaded (`workers.job.steady`): prefill rounds
   (`prefill_tok_s`), decode windows generated as mlx-lm generates (`decode_tok_s`, the host's
   share of the window in the extra) and a chat user's one-token-at-a-time latency
@@ -44,7 +46,7 @@ from workers.contract import JobContext, JobSpec, RowBuilder, Status
 from workers.job import phases
 from workers.job.model_sample import RESULT_MARK, LoadRequest, LoadSample, SteadyRequest
 from workers.job.sampling import Rounds
-from workers.job.steady import ArmOutcome, SteadyResult, Timed, budget_share
+from workers.job.steady import PHASES, ArmOutcome, SteadyResult, Timed
 from workers.job.task import DEFAULT_SPOOL
 from workers.proc import spawn as forkclient
 
@@ -245,30 +247,66 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status
             _outcome_rows(rows, arm, -1, path.message, status)
         return status
     loads = {arm: Loads([]) for arm in job.arms}
-    rounds = Rounds(budget_share(job), list(job.arms), metric="load_seconds")
-    for round_ in rounds:
-        for arm in abba_order(job.arms, round_):
-            if loads[arm].error is None:
-                t0 = time.monotonic()
-                req = LoadRequest(str(path), arm, int(params["prompt_tokens"]), job.seed)
-                outcome = _cold_load(job, req, timeout)
-                if isinstance(outcome, SampleError):
-                    loads[arm].error = outcome  # an arm that failed or is unsupported once is not retried
-                    rounds.exclude(arm)
-                    if arm == rounds.baseline:
-                        rounds.baseline = None  # nothing left to compare with: the minimum rounds
-                else:
-                    loads[arm].samples.append((round_, outcome, (t0, time.monotonic())))
-                    rounds.record(round_, arm, outcome.load_seconds)
-        if all(load.error for load in loads.values()):
-            break
+    first = int(job.options.get("first_round", 0))
+    for arm in job.arms:  # one cold load each first: an arm that cannot load stays out of the steady process
+        _load_into(job, path, params, timeout, loads[arm], arm, first)
     live = [arm for arm in job.arms if loads[arm].error is None]
     steady = _steady(job, path, live, params, timeout) if live else None
+    rounds = Rounds(_loads_after(job, loads, steady), list(job.arms), metric="load_seconds")
+    for arm in live:
+        rounds.record(first, arm, loads[arm].samples[0][1].load_seconds)
+    rounds.resume_after(first)
+    for arm in set(job.arms) - set(live):
+        _leave_out(rounds, arm)
+    for round_ in rounds if live else ():
+        for arm in abba_order(job.arms, round_):
+            if loads[arm].error is not None:
+                continue
+            if _load_into(job, path, params, timeout, loads[arm], arm, round_):
+                rounds.record(round_, arm, loads[arm].samples[-1][1].load_seconds)
+            else:
+                _leave_out(rounds, arm)
+        if all(load.error for load in loads.values()):
+            break
     load_extras = {arm: rounds.extras(arm) for arm in job.arms}
     statuses = [_arm_rows(rows, arm, loads[arm], load_extras[arm], steady, str(path)) for arm in job.arms]
     if Status.FAILED in statuses:
         return Status.FAILED
     return Status.OK if Status.OK in statuses else Status.UNSUPPORTED
+
+
+def _load_into(
+    job: JobSpec, path: Path, params: dict[str, Any], timeout: float, loads: Loads, arm: str, round_: int
+) -> bool:
+    """One cold load of `arm` in round `round_` into `loads`; False when it failed (an arm that failed
+    or is unsupported once is not retried)."""
+    t0 = time.monotonic()
+    outcome = _cold_load(job, LoadRequest(str(path), arm, int(params["prompt_tokens"]), job.seed), timeout)
+    if isinstance(outcome, SampleError):
+        loads.error = outcome
+        return False
+    loads.samples.append((round_, outcome, (t0, time.monotonic())))
+    return True
+
+
+def _leave_out(rounds: Rounds, arm: str) -> None:
+    """An arm whose load failed: out of the stop rule; when it is the baseline, nothing is left to
+    compare with, and the rule asks for the minimum rounds."""
+    rounds.exclude(arm)
+    if arm == rounds.baseline:
+        rounds.baseline = None
+
+
+def _loads_after(job: JobSpec, loads: dict[str, Loads], steady: SteadyResult | SampleError | None) -> JobSpec:
+    """The job as the cold loads after the steady process see it: with what the first loads and the
+    steady rounds left of the point's sampling budget, at least the loads' own share (`PHASES`)."""
+    seconds = job.options.get("max_seconds")
+    if seconds is None:
+        return job
+    spent = sum(w[1] - w[0] for load in loads.values() for _, _, w in load.samples)
+    spent += steady.phases.get("timed", 0.0) if isinstance(steady, SteadyResult) else 0.0
+    left = max(float(seconds) / PHASES, float(seconds) - spent)
+    return job.model_copy(update={"options": {**job.options, "max_seconds": left}})
 
 
 def _check_error(outcome: ArmOutcome) -> str | None:

@@ -76,6 +76,11 @@ class Rounds:
     def record(self, round_: int, arm: str, value: float) -> None:
         self.values.setdefault(arm, {})[round_] = value
 
+    def resume_after(self, round_: int) -> None:
+        """Go on from the round after `round_`, whose values were taken and recorded apart (the
+        rounds' time budget counts from the first round handed out here)."""
+        self.first = self.next_round = round_ + 1
+
     def drop(self, round_: int) -> None:
         """Leave a round out of the rule (taken under a throttle: its rows are not clean)."""
         for values in self.values.values():
