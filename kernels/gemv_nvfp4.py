@@ -291,11 +291,14 @@ def _launch(
 
 
 @functools.cache
-def launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callable[..., mx.array]:
+def launcher(
+    m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig, lead: tuple[int, ...] = ()
+) -> Callable[..., mx.array]:
     """The kernel call for one shape, `(x, w, scales, multiplier) -> y` (its support already checked),
     traced once by `mx.compile`: later calls replay the traced graph instead of re-assembling the
     kernel source in Python and C++ (tens of microseconds a call, more than the kernel itself takes
-    at decode sizes)."""
+    at decode sizes). `lead`: the leading dimensions of x and y, whose product is `m` (default
+    `(m,)`): the kernels read no shapes, so a decoder's `[1, 1, K]` needs no reshape around them."""
     template: list[tuple[str, int | bool]] = []
     if cfg.kernel == "stream":
         device = cuda_device()
@@ -320,7 +323,7 @@ def launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callab
             cubin,
             (grid, 1, 1),
             (threads, 1, 1),
-            (m, n),
+            (*(lead or (m,)), n),
             dtype,
             shared_memory=smem,
             scalars=[],
@@ -328,7 +331,13 @@ def launcher(m: int, n: int, k: int, dtype: mx.Dtype, cfg: GemvConfig) -> Callab
         )
     kernel = compiled_kernel(source, smem)
     return single_output_launch(
-        kernel, [("T", dtype), *template], (grid, 1, 1), (threads, 1, 1), (m, n), dtype, compiled=COMPILE_LAUNCH
+        kernel,
+        [("T", dtype), *template],
+        (grid, 1, 1),
+        (threads, 1, 1),
+        (*(lead or (m,)), n),
+        dtype,
+        compiled=COMPILE_LAUNCH,
     )
 
 

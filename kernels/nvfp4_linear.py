@@ -20,6 +20,7 @@ checks, no cache lookups keyed by launch configurations, no per-call multiplier 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,22 +74,37 @@ def nvfp4_matmul(
 BoundMatmul = Callable[[mx.array, mx.array, mx.array, mx.array], mx.array]
 
 
-def bound_matmul(m: int, n: int, k: int, dtype: mx.Dtype, global_scale: mx.array | None = None) -> BoundMatmul:
-    """`nvfp4_matmul` for one activation shape and dtype on this process's device, its kernel chosen
-    now (module docstring): the CUDA launch traced by `mx.compile`, or the twin compiled (one graph
-    node per call instead of a dozen ops built in Python). `global_scale` is the layer's, for the
-    one kernel that takes it as it is stored (the one-expert MoE kernel)."""
+def bound_matmul(
+    lead: tuple[int, ...], n: int, k: int, dtype: mx.Dtype, global_scale: mx.array | None = None
+) -> BoundMatmul:
+    """`nvfp4_matmul` for activations of shape `(*lead, k)` and one dtype on this process's device,
+    its kernel chosen now (module docstring): the CUDA launch traced by `mx.compile`, or the twin
+    compiled (one graph node per call instead of a dozen ops built in Python). The decode GEMV and
+    the twins take the leading dimensions as they come; the prefill kernels get the rows flattened.
+    `global_scale` is the layer's, for the one kernel that takes it as it is stored (the one-expert
+    MoE kernel)."""
+    m = math.prod(lead)
     name = gemv_nvfp4.dtype_name(dtype)
     if m <= gemv_nvfp4.MAX_ROWS:
         cfg = gemv_nvfp4.choose_config(m, n, k, name)
         if cuda_backend_available() and gemv_nvfp4.config_supports(cfg, m, n, k, name) is None:
-            return gemv_nvfp4.launcher(m, n, k, dtype, cfg)
+            return gemv_nvfp4.launcher(m, n, k, dtype, cfg, lead)
         return _compiled_twin(gemv_nvfp4.twin_scaled)
+    call: BoundMatmul
     if _uses_moe(m, n, k, name):
-        return lambda x, w, scales, gsv: nvfp4_matmul(x, w, scales, global_scale)
-    if cuda_backend_available() and gemm_nvfp4.kernel_supports(m, n, k, name) is None:
-        return gemm_nvfp4.launcher(m, n, k, dtype)
-    return _compiled_twin(gemm_nvfp4.twin_scaled)
+        call = lambda x, w, scales, gsv: nvfp4_matmul(x, w, scales, global_scale)  # noqa: E731
+    elif cuda_backend_available() and gemm_nvfp4.kernel_supports(m, n, k, name) is None:
+        call = gemm_nvfp4.launcher(m, n, k, dtype)
+    else:
+        return _compiled_twin(gemm_nvfp4.twin_scaled)
+    if len(lead) == 1:
+        return call
+    flat = call
+
+    def call_flattened(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
+        return flat(x.reshape(m, k), w, scales, gsv).reshape(*lead, n)
+
+    return call_flattened
 
 
 @functools.cache
@@ -144,25 +160,11 @@ class Nvfp4Linear(nn.Module):
         """(output dims, input dims)."""
         return self.weight.shape[0], self.weight.shape[1] * 8
 
-    def _bind(self, shape: tuple[int, ...], dtype: mx.Dtype) -> BoundMatmul:
-        out_dims, in_dims = self.shape
-        lead = shape[:-1]
-        rows = 1
-        for d in lead:
-            rows *= d
-        matmul = bound_matmul(rows, out_dims, in_dims, dtype, self._global_scale())
-        if lead == (rows,):
-            return matmul
-
-        def call(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
-            return matmul(x.reshape(rows, in_dims), w, scales, gsv).reshape(*lead, out_dims)
-
-        return call
-
     def __call__(self, x: mx.array) -> mx.array:
         key = (x.shape, x.dtype)
         call = self._calls.get(key)
         if call is None:
-            call = self._calls[key] = self._bind(*key)
+            out_dims, in_dims = self.shape
+            call = self._calls[key] = bound_matmul(x.shape[:-1], out_dims, in_dims, x.dtype, self._global_scale())
         y = call(x, self["weight"], self["scales"], self["_gsv"])
         return y + self["bias"] if self._has_bias else y
