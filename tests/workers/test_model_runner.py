@@ -279,6 +279,9 @@ def test_an_unreachable_target_samples_until_its_budget(tmp_path: Path) -> None:
     )
     abba = [("native", r) if i % 2 == (r % 2) else ("affine", r) for r in range(len(loads) // 2) for i in range(2)]
     assert [(arm, sample) for _, arm, sample in loads] == abba
+    # peak memory comes from the loads of the minimum rounds, which run the model after loading it
+    peaks = sorted((r["arm"], r["sample"]) for r in rows if r["metric"] == "peak_memory_bytes")
+    assert peaks == sorted((arm, s) for _, arm, s in loads if s < job.repetitions)
     for metric in ("load_seconds", "prefill_tok_s", "decode_tok_s", "token_latency_ms"):
         timed = [r for r in rows if r["metric"] == metric]
         reasons = {dict(r["extra"])["stop_reason"] for r in timed}

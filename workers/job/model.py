@@ -8,7 +8,8 @@ process (`workers.job.model_sample`):
   may read from disk, the later ones from memory; the round is in every row), arms in ABBA order,
   as many rounds as `workers.job.sampling.Rounds` asks (at least `repetitions`): `load_seconds`,
   its parts in the row's extra (`load_<part>_s`: reading, building, repacking, evaluating), and
-  `peak_memory_bytes` of the arm loaded and run once. One round comes first (an arm that cannot
+  `peak_memory_bytes` of the arm loaded and run once (in the first `repetitions` rounds; a later
+  load, taken to narrow the load time's interval, skips the run). One round comes first (an arm that cannot
   load is known before the steady process); the rest come after the steady process, with what it
   left of the point's `max_seconds` (at least a third: `workers.job.steady.PHASES`).
 * Steady state, one process with every arm loaded (`workers.job.steady`): prefill rounds
@@ -281,7 +282,10 @@ def _load_into(
     """One cold load of `arm` in round `round_` into `loads`; False when it failed (an arm that failed
     or is unsupported once is not retried)."""
     t0 = time.monotonic()
-    outcome = _cold_load(job, LoadRequest(str(path), arm, int(params["prompt_tokens"]), job.seed), timeout)
+    # the peak memory of a run after the load is measured in the minimum rounds; the later loads, taken
+    # to narrow the load time's interval, skip that run (it costs a cold process more than its load)
+    req = LoadRequest(str(path), arm, int(params["prompt_tokens"]), job.seed, run=round_ < job.repetitions)
+    outcome = _cold_load(job, req, timeout)
     if isinstance(outcome, SampleError):
         loads.error = outcome
         return False
@@ -349,6 +353,8 @@ def _arm_rows(
         extra |= {f"load_{part}_s": f"{seconds:.4g}" for part, seconds in sample.parts.items()}
         for metric, unit in LOAD_METRICS:
             value = getattr(sample, metric)
+            if value is None:
+                continue  # a load without the run after it: no peak memory
             rows.add(arm, metric, value, unit, sample=round_, status=status, error=error, route=sample.route,
                      extra=extra, window=window)  # fmt: skip
     if outcome is not None and outcome.rel_error is not None:

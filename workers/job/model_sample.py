@@ -42,6 +42,7 @@ class LoadRequest:
     arm: str
     prompt_tokens: int
     seed: int
+    run: bool = True  # run the loaded model once (a prefill and a few decode steps) for its peak memory
 
 
 @dataclass
@@ -50,7 +51,7 @@ class LoadSample:
 
     load_seconds: float
     parts: dict[str, float]  # seconds of each part of the load (`kernels.model.LOAD_PARTS`)
-    peak_memory_bytes: float  # since the process began: loaded, one prefill and a few decode steps
+    peak_memory_bytes: float | None  # since the process began: loaded, one prefill and a few decode steps
     route: str
     device: str
     started_at: float = 0.0  # wall-clock time the process began measuring (after its start-up)
@@ -73,17 +74,18 @@ def measure_load(req: LoadRequest) -> LoadSample:
     t0 = time.perf_counter()
     loaded = load_decoder(Path(req.checkpoint), req.arm)
     load_seconds = time.perf_counter() - t0  # load_decoder ends synchronised
-    ids = np.random.default_rng(req.seed).integers(0, loaded.vocab, req.prompt_tokens)
-    cache = make_prompt_cache(loaded.model)
-    token = mx.argmax(loaded.model(mx.array(ids, dtype=mx.int32)[None], cache=cache)[:, -1, :], axis=-1)
-    for _ in range(PEAK_DECODE_STEPS):
+    if req.run:
+        ids = np.random.default_rng(req.seed).integers(0, loaded.vocab, req.prompt_tokens)
+        cache = make_prompt_cache(loaded.model)
+        token = mx.argmax(loaded.model(mx.array(ids, dtype=mx.int32)[None], cache=cache)[:, -1, :], axis=-1)
+        for _ in range(PEAK_DECODE_STEPS):
+            mx.eval(token)
+            token = mx.argmax(loaded.model(token[None], cache=cache)[:, -1, :], axis=-1)
         mx.eval(token)
-        token = mx.argmax(loaded.model(token[None], cache=cache)[:, -1, :], axis=-1)
-    mx.eval(token)
     return LoadSample(
         load_seconds=load_seconds,
         parts=loaded.parts,
-        peak_memory_bytes=float(mx.get_peak_memory()),
+        peak_memory_bytes=float(mx.get_peak_memory()) if req.run else None,
         route=loaded.route,
         device=str(mx.default_device()),
         started_at=started_at,
