@@ -33,6 +33,7 @@ class Shortfall:
     case_name: str
     point: Point
     arm: str
+    metric: str  # the headline metric of those sampled together (`_headline`)
     run_id: str
     job_key: str
     stop_reason: str
@@ -41,9 +42,10 @@ class Shortfall:
     rounds: int
 
     def describe(self, shown: list[str] | None = None) -> str:
-        """`h100 qmm tokens=512 native: ±1.4 % after 400 rounds (target ±1 %): it reached the round limit`."""
+        """`h100 qmm tokens=512 native prefill_tok_s: ±1.4 % after 400 rounds (target ±1 %): it reached
+        the round limit`."""
         params = " ".join(f"{k}={v}" for k, v in self.point if shown is None or k in shown)
-        where = " ".join(p for p in (self.device, self.case_name, params, self.arm) if p)
+        where = " ".join(p for p in (self.device, self.case_name, params, self.arm, self.metric) if p)
         return (
             f"{where}: ±{self.half_width:.2%} after {self.rounds} rounds (target ±{self.precision:.2%}): "
             f"{WHY.get(self.stop_reason, self.stop_reason)}"
@@ -57,51 +59,62 @@ def _number(extra: dict[str, str], key: str) -> float:
         return math.nan
 
 
-def shortfalls(table: pa.Table) -> list[Shortfall]:
-    """Every (job, arm) of `table` whose sampling stopped short of its precision target.
+def _headline(metrics: set[str]) -> str:
+    """The metric that names a sampling several metrics share (a kernel's seconds, its tok/s and its
+    rates come from the same rounds): a rate in tok/s where there is one, else the first by name."""
+    return min(metrics, key=lambda m: (not m.endswith("_tok_s"), m))
 
-    Read from the timed rows' extras (one per job and arm: the newest sample's, which a top-up
-    rewrote). The baseline itself is never named: its rows repeat the widest of its point's arms.
+
+def shortfalls(table: pa.Table) -> list[Shortfall]:
+    """Every (job, arm, sampling) of `table` that stopped short of its precision target.
+
+    Read from the timed rows' extras (per job, arm and metric: the newest sample's, which a top-up
+    rewrote). A job may sample its metrics apart (the `model` case's cold loads, prefill and decode
+    rounds each go to the target on their own): each such sampling is named with its metric; the
+    metrics of one sampling (the same stop, rounds and width) are named once. The baseline itself is
+    never named: its rows repeat the widest of its point's arms.
     """
-    needed = {"extra", "sample", "status", "device", "case_name", "params", "arm", "run_id", "job_key"}
+    needed = {"extra", "sample", "status", "device", "case_name", "params", "arm", "run_id", "job_key", "metric"}
     if table.num_rows == 0 or not needed <= set(table.column_names):
         return []
     timed = table.filter(pc.and_(pc.greater_equal(table["sample"], 0), pc.equal(table["status"], "ok")))
-    names = ("extra", "sample", "device", "case_name", "params", "arm", "run_id", "job_key")
+    names = ("extra", "sample", "device", "case_name", "params", "arm", "run_id", "job_key", "metric")
     cols = {n: timed[n].to_pylist() for n in names}
-    newest: dict[tuple[str, str, str], tuple[int, dict[str, str]]] = {}
-    where: dict[tuple[str, str, str], tuple[str, str, Point]] = {}
+    newest: dict[tuple[str, str, str, str], tuple[int, dict[str, str]]] = {}
+    where: dict[tuple[str, str, str, str], tuple[str, str, Point]] = {}
     for i in range(timed.num_rows):
         extra = dict(cols["extra"][i] or [])
         if extra.get("stop_reason") not in SHORT_REASONS or extra.get("baseline") == cols["arm"][i]:
             continue  # the baseline's rows repeat the widest of its point's arms
-        key = (str(cols["run_id"][i]), str(cols["job_key"][i]), str(cols["arm"][i]))
+        key = (str(cols["run_id"][i]), str(cols["job_key"][i]), str(cols["arm"][i]), str(cols["metric"][i]))
         sample = int(cols["sample"][i])
         if key not in newest or sample > newest[key][0]:
             newest[key] = (sample, extra)
             where[key] = (str(cols["device"][i]), str(cols["case_name"][i]), point_of(cols["params"][i]))
-    out = []
-    for key, (_, extra) in newest.items():
+    samplings: dict[tuple[str, ...], set[str]] = {}  # (run, job, arm, how it stopped) -> its metrics
+    for (run_id, job_key, arm, metric), (_, extra) in newest.items():
         width, target = _number(extra, "half_width"), _number(extra, "precision")
         if not (math.isfinite(width) and math.isfinite(target)) or width <= target:
             continue
-        device, case_name, point = where[key]
-        rounds = _number(extra, "rounds")
-        out.append(
-            Shortfall(
-                device,
-                case_name,
-                point,
-                key[2],
-                key[0],
-                key[1],
-                extra["stop_reason"],
-                width,
-                target,
-                int(rounds) if math.isfinite(rounds) else 0,
-            )
+        how = (
+            run_id,
+            job_key,
+            arm,
+            extra["stop_reason"],
+            extra.get("rounds", ""),
+            extra["half_width"],
+            extra["precision"],
         )
-    return sorted(out, key=lambda s: (s.device, s.case_name, s.point, s.arm))
+        samplings.setdefault(how, set()).add(metric)
+    out = []
+    for (run_id, job_key, arm, reason, rounds, half_width, precision), metrics in samplings.items():
+        metric = _headline(metrics)
+        device, case_name, point = where[(run_id, job_key, arm, metric)]
+        count = _number({"rounds": rounds}, "rounds")
+        taken = int(count) if math.isfinite(count) else 0
+        width, target = float(half_width), float(precision)
+        out.append(Shortfall(device, case_name, point, arm, metric, run_id, job_key, reason, width, target, taken))
+    return sorted(out, key=lambda s: (s.device, s.case_name, s.point, s.arm, s.metric))
 
 
 def shortfall_lines(table: pa.Table, shown: dict[str, list[str]] | None = None) -> list[str]:
