@@ -1,0 +1,23 @@
+"""The decode host-cost benchmark on this machine's MLX, at its tiny size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import decode_host
+
+
+def test_it_times_every_kind_of_op_and_every_arms_windows(tmp_path: Path) -> None:
+    assert decode_host.main(["--out", str(tmp_path), "--tiny", "--windows", "2"]) == 0
+    got = json.loads((tmp_path / "decode_host.json").read_text())
+    assert got["device"] == "Device(cpu, 0)" and got["window_tokens"] == 128
+    assert set(got["launch"]) == {"multiply", "affine quantized_matmul", "native quantized_matmul", "custom GEMV"}
+    for cost in got["launch"].values():
+        # the whole chain's time holds its building and its hand-over to the device
+        assert cost["build_us"] > 0 and cost["build_us"] + cost["encode_us"] <= cost["total_us"] * 1.01
+    assert set(got["decode"]) == {"affine", "native", "custom"}
+    for arm in got["decode"].values():
+        step_ms = 1e3 / arm["tok_s"]
+        # a window's wall time holds the host's part of each step, and building is part of that
+        assert 0 < arm["build_ms"] <= arm["host_ms"] <= step_ms * 1.01
