@@ -267,6 +267,19 @@ def test_steady_rounds_are_abba_and_stop_at_the_precision_target(tmp_path: Path)
     assert all(t.value > 0 for t in result.timed)
 
 
+def test_a_sampling_phase_gets_a_third_of_the_budget_and_what_the_one_before_left(tmp_path: Path) -> None:
+    from workers.job.steady import budget_share
+
+    job = _job(tmp_path, arms=["native", "affine"])
+    job.options = {"precision": 0.01, "max_seconds": 90, "baseline": "affine"}
+    assert budget_share(job).options["max_seconds"] == 30
+    assert budget_share(job, 12.5).options["max_seconds"] == 42.5  # the prefill stopped 12.5 s early
+    assert budget_share(job, -2.0).options["max_seconds"] == 30  # it overran its share: nothing is taken back
+    assert budget_share(job).options["precision"] == 0.01 and job.options["max_seconds"] == 90
+    job.options = {}
+    assert budget_share(job, 5.0).options == {}  # no budget: the minimum rounds, or the target
+
+
 def test_an_unreachable_target_samples_until_its_budget(tmp_path: Path) -> None:
     """A target no run can reach: each sampling phase takes its share of the budget (the cold loads
     what the others left), then stops on a whole ABBA block; cold loads alternate ABBA too."""

@@ -20,7 +20,8 @@ Then, after `warmup` untimed passes per arm, right before the rounds they warm:
   (`token_latency_ms`, milliseconds per token).
 
 Both run through `workers.job.sampling.Rounds`: ABBA order, at least `repetitions` rounds, then
-until the job's precision target or its share of the budget (`budget_share`) is reached.
+until the job's precision target or its share of the budget (`budget_share`) is reached; the decode
+rounds also get what the prefill rounds left of theirs (a prefill reaches its target sooner).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ WARMUP_TOKENS = 8
 PHASES = 3  # the budget is shared by the cold loads, the prefill rounds and the decode rounds
 
 
-def budget_share(job: JobSpec) -> JobSpec:
-    """The job as one of its `PHASES` sampling phases sees it: a third of its time budget."""
+def budget_share(job: JobSpec, unused: float = 0.0) -> JobSpec:
+    """The job as one of its `PHASES` sampling phases sees it: a third of its time budget, and the
+    `unused` seconds an earlier phase left of its own third."""
     seconds = job.options.get("max_seconds")
     if seconds is None:
         return job
-    return job.model_copy(update={"options": {**job.options, "max_seconds": float(seconds) / PHASES}})
+    share = float(seconds) / PHASES + max(0.0, unused)
+    return job.model_copy(update={"options": {**job.options, "max_seconds": share}})
 
 
 @dataclass(frozen=True)
@@ -260,8 +263,9 @@ def measure_steady(
     for arm in live:  # the decode rounds' warm-up, right before them
         runners[arm].window(WARMUP_TOKENS)
     mark = _phase(phases, "warmup", mark)
-    decode_rounds = _rounds(job, live, "decode_tok_s", failing)
-    latency_rounds = _rounds(job, live, "token_latency_ms", failing)
+    left = budget_share(job).options.get("max_seconds", 0.0) - prefill_rounds.seconds
+    decode_rounds = _rounds(job, live, "decode_tok_s", failing, left)
+    latency_rounds = _rounds(job, live, "token_latency_ms", failing, left)
     for round_ in decode_rounds:
         for arm in abba_order(live, round_):
             runner = runners[arm]
@@ -293,8 +297,8 @@ def measure_steady(
     return SteadyResult(timed, outcomes, extras, phases, str(mx.default_device()))
 
 
-def _rounds(job: JobSpec, arms: list[str], metric: str, failing: list[str]) -> Rounds:
-    rounds = Rounds(budget_share(job), arms, metric=metric)
+def _rounds(job: JobSpec, arms: list[str], metric: str, failing: list[str], unused: float = 0.0) -> Rounds:
+    rounds = Rounds(budget_share(job, unused), arms, metric=metric)
     for arm in failing:
         rounds.exclude(arm)  # failed its check: no precision is owed on it
     return rounds
