@@ -31,6 +31,7 @@ import pytest
 from orchestrator.store.dataset import read_rows
 from orchestrator.store.fragments import ResultStore
 from tests.conftest import BIN, child_env
+from tests.e2e.test_cluster import inventory_toml
 from tests.engine_repo import CARGO, EngineRepo, Knobs, cargo_env, git, make_checkpoint
 from tests.sshd_hosts import SshLab, free_port, require_sshd, start_lab
 
@@ -61,38 +62,12 @@ arms = {{ native = {{}}, affine = {{ env = {{ MLXCEL_NVFP4_DENSE_REPACK = "1" }}
 """
 
 
-def inventory_toml(root: Path, lab: SshLab, port: int) -> str:
+def bisect_inventory(root: Path, lab: SshLab, port: int) -> str:
+    """The two-kind inventory; each host builds with cargo's toolchain and runs this checkout's workers."""
     cargo = cargo_env()
-    lines = [
-        "[head]",
-        'address = "127.0.0.1"',
-        f"ray_port = {port}",
-        f'workdir = "{root / "head"}"',
-        "dashboard = false",
-        "[defaults]",
-        f'user = "{lab.hosts[0].user}"',
-        f'identity_file = "{lab.client_key}"',
-        f'known_hosts = "{lab.known_hosts}"',
-        f'python = "{BIN / "python"}"',
-        "num_cpus = 1",
-        "connect_timeout = 5",
-        "cpu_busy_threshold = 1e9",  # the hosts share this machine with the test runner
-    ]
-    for (name, (_, kind)), sshd in zip(HOSTS.items(), lab.hosts, strict=True):
-        lines += [
-            "[[hosts]]",
-            f'name = "{name}"',
-            f'host = "{sshd.address}"',
-            f"port = {sshd.port}",
-            f'node_ip = "{sshd.address}"',
-            f'device = "{kind}"',
-            f'workdir = "{root / name}"',
-            f'lock = "{root / name / "gpu.lock"}"',
-            # each host its own HOME (its build cache), cargo's toolchain and this checkout's workers
-            f'env = {{ HOME = "{root / name}", RUSTUP_HOME = "{cargo["RUSTUP_HOME"]}", '
-            f'CARGO_HOME = "{cargo["CARGO_HOME"]}", PATH = "{cargo["PATH"]}", PYTHONPATH = "{ROOT}" }}',
-        ]
-    return "\n".join(lines) + "\n"
+    env = {key: cargo[key] for key in ("RUSTUP_HOME", "CARGO_HOME", "PATH")} | {"PYTHONPATH": str(ROOT)}
+    hosts = {name: {"sshd": i, "device": kind, "env": env} for i, (name, (_, kind)) in enumerate(HOSTS.items())}
+    return inventory_toml(root, lab, port, hosts)
 
 
 @dataclass
@@ -153,7 +128,7 @@ def lab() -> Iterator[Lab]:
     sweep = root / "decode-nightly.toml"
     sweep.write_text(SWEEP.format(repo=repo.path, checkpoint=checkpoint))
     inventory = root / "lab.toml"
-    inventory.write_text(inventory_toml(root, sshd, free_port("127.0.0.1")))
+    inventory.write_text(bisect_inventory(root, sshd, free_port("127.0.0.1")))
     home = root / "home"
     home.mkdir()
     env = child_env(HOME=str(home), RAY_AUTH_TOKEN_PATH=str(home / ".ray" / "auth_token"), **cargo_env())

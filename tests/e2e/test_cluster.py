@@ -38,7 +38,8 @@ ORCHESTRATE = str(BIN / "orchestrate")
 
 
 def inventory_toml(root: Path, lab: SshLab, port: int, hosts: dict[str, dict[str, object]]) -> str:
-    """An inventory for the lab's hosts; `hosts` maps a name to its overrides (`sshd` = lab index)."""
+    """An inventory for the lab's hosts; `hosts` maps a name to its overrides (`sshd` = lab index,
+    `env` = variables beside the host's own HOME)."""
     lines = [
         "[head]",
         'address = "127.0.0.1"',
@@ -58,6 +59,7 @@ def inventory_toml(root: Path, lab: SshLab, port: int, hosts: dict[str, dict[str
     ]
     for name, over in hosts.items():
         sshd = lab.hosts[int(over.pop("sshd"))]  # type: ignore[call-overload]
+        env = {"HOME": str(root / name), **over.pop("env", {})}  # type: ignore[dict-item]
         fields: dict[str, object] = {
             "name": name, "host": sshd.address, "port": sshd.port, "node_ip": sshd.address,
             "workdir": str(root / name), "lock": str(root / name / "gpu.lock"),
@@ -65,7 +67,8 @@ def inventory_toml(root: Path, lab: SshLab, port: int, hosts: dict[str, dict[str
         fields.update(over)
         lines.append("[[hosts]]")
         lines += [f"{k} = {_toml(v)}" for k, v in fields.items()]
-        lines.append(f'env = {{ HOME = "{root / name}" }}')  # the test hosts' HOME: never the real one
+        # the test hosts' HOME: never the real one
+        lines.append("env = { " + ", ".join(f"{k} = {_toml(v)}" for k, v in env.items()) + " }")
     return "\n".join(lines) + "\n"
 
 
