@@ -9,9 +9,9 @@ process (`workers.job.model_sample`):
   as many rounds as `workers.job.sampling.Rounds` asks (at least `repetitions`): `load_seconds`,
   its parts in the row's extra (`load_<part>_s`: reading, building, repacking, evaluating), and
   `peak_memory_bytes` of the arm loaded and run once (in the first `repetitions` rounds; a later
-  load, taken to narrow the load time's interval, skips the run). One round comes first (an arm that cannot
-  load is known before the steady process); the rest come after the steady process, with what it
-  left of the point's `max_seconds` (at least a third: `workers.job.steady.PHASES`).
+  load, taken to narrow the load time's interval, skips the run). One round comes first (an arm
+  that cannot load is known before the steady process); the rest come after the steady process,
+  with what it left of the point's `max_seconds` (at least a third: `workers.job.steady.PHASES`).
 * Steady state, one process with every arm loaded (`workers.job.steady`): prefill rounds
   (`prefill_tok_s`), decode windows generated as mlx-lm generates (`decode_tok_s`, the host's
   share of the window in the extra) and a chat user's one-token-at-a-time latency
