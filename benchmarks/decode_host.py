@@ -13,8 +13,8 @@ For the decoder of the nvfp4-prefill model point (4 Gemma-3-27B-wide layers, NVF
   total is the host's.
 * `decode`: every arm loaded in one process and decoding windows of 128 tokens from the same
   8-token prompt, ABBA, as the `model` case takes them (`workers.job.steady.ArmRunner`): median
-  tok/s, and the host's milliseconds per step (`host_ms`, building and queueing) and of building
-  alone (`build_ms`).
+  tok/s, milliseconds per step (`step_ms`), and of it the host's (`host_ms`, building and queueing)
+  and building alone (`build_ms`).
 * `--trace`: the device's busy time per step of each arm (the sum of its kernels' durations over
   a 32-token window, read by PyTorch's CUPTI profiler, which sees MLX's kernels too), and the
   kernels that fill it. Needs PyTorch with CUDA in the same environment.
@@ -92,19 +92,21 @@ def launch_costs(dim: int) -> dict[str, dict[str, float]]:
 
 
 def decode_windows(runners: dict[str, ArmRunner], windows: int) -> dict[str, dict[str, Any]]:
-    """Median tok/s and host/build milliseconds per step of `windows` ABBA windows per arm."""
+    """Median tok/s and step/host/build milliseconds per step of `windows` ABBA windows per arm."""
     for runner in runners.values():
         runner.window(8)
-    taken: dict[str, list[tuple[float, float, float]]] = {arm: [] for arm in runners}
+    taken: dict[str, list[tuple[float, float, float, float]]] = {arm: [] for arm in runners}
     names = list(runners)
     for i in range(windows):
         for arm in names if i % 2 == 0 else names[::-1]:
             _, wall, host, build = runners[arm].window(WINDOW)
-            taken[arm].append((WINDOW / wall, 1e3 * host / WINDOW, 1e3 * build / WINDOW))
+            taken[arm].append((WINDOW / wall, 1e3 * wall / WINDOW, 1e3 * host / WINDOW, 1e3 * build / WINDOW))
     out = {}
     for arm, rows in taken.items():
-        tok_s, host_ms, build_ms = (statistics.median(c) for c in zip(*rows, strict=True))
-        out[arm] = {"tok_s": round(tok_s, 1), "host_ms": round(host_ms, 3), "build_ms": round(build_ms, 3)}
+        tok_s, *per_step = (statistics.median(c) for c in zip(*rows, strict=True))
+        out[arm] = {"tok_s": round(tok_s, 1)} | {
+            name: round(ms, 4) for name, ms in zip(("step_ms", "host_ms", "build_ms"), per_step, strict=True)
+        }
     return out
 
 

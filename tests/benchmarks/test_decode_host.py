@@ -18,6 +18,7 @@ def test_it_times_every_kind_of_op_and_every_arms_windows(tmp_path: Path) -> Non
         assert cost["build_us"] > 0 and cost["build_us"] + cost["encode_us"] <= cost["total_us"] * 1.01
     assert set(got["decode"]) == {"affine", "native", "custom"}
     for arm in got["decode"].values():
-        step_ms = 1e3 / arm["tok_s"]
-        # a window's wall time holds the host's part of each step, and building is part of that
-        assert 0 < arm["build_ms"] <= arm["host_ms"] <= step_ms * 1.01
+        # in every window, building is part of the host's time, which is part of the wall time: so
+        # are their medians (to the rounding of the output)
+        assert 0 < arm["build_ms"] <= arm["host_ms"] <= arm["step_ms"] + 1e-4
+        assert 0.8 < arm["tok_s"] * arm["step_ms"] / 1e3 < 1.25  # a rate is tokens over time (medians of 2)
