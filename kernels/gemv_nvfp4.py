@@ -300,6 +300,7 @@ def launcher(
     at decode sizes). `lead`: the leading dimensions of x and y, whose product is `m` (default
     `(m,)`): the kernels read no shapes, so a decoder's `[1, 1, K]` needs no reshape around them."""
     template: list[tuple[str, int | bool]] = []
+    out_shape = (*(lead or (m,)), n)
     if cfg.kernel == "stream":
         device = cuda_device()
         assert device is not None  # stream_supports checked
@@ -323,7 +324,7 @@ def launcher(
             cubin,
             (grid, 1, 1),
             (threads, 1, 1),
-            (*(lead or (m,)), n),
+            out_shape,
             dtype,
             shared_memory=smem,
             scalars=[],
@@ -335,7 +336,7 @@ def launcher(
         [("T", dtype), *template],
         (grid, 1, 1),
         (threads, 1, 1),
-        (*(lead or (m,)), n),
+        out_shape,
         dtype,
         compiled=COMPILE_LAUNCH,
     )

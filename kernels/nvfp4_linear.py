@@ -99,10 +99,9 @@ def bound_matmul(
         return _compiled_twin(gemm_nvfp4.twin_scaled)
     if len(lead) == 1:
         return call
-    flat = call
 
     def call_flattened(x: mx.array, w: mx.array, scales: mx.array, gsv: mx.array) -> mx.array:
-        return flat(x.reshape(m, k), w, scales, gsv).reshape(*lead, n)
+        return call(x.reshape(m, k), w, scales, gsv).reshape(*lead, n)
 
     return call_flattened
 

@@ -91,28 +91,19 @@ def shortfalls(table: pa.Table) -> list[Shortfall]:
         if key not in newest or sample > newest[key][0]:
             newest[key] = (sample, extra)
             where[key] = (str(cols["device"][i]), str(cols["case_name"][i]), point_of(cols["params"][i]))
-    samplings: dict[tuple[str, ...], set[str]] = {}  # (run, job, arm, how it stopped) -> its metrics
+    # (run, job, arm, stop reason, rounds, width, target) -> the metrics sampled that way
+    samplings: dict[tuple[str, str, str, str, int, float, float], set[str]] = {}
     for (run_id, job_key, arm, metric), (_, extra) in newest.items():
         width, target = _number(extra, "half_width"), _number(extra, "precision")
         if not (math.isfinite(width) and math.isfinite(target)) or width <= target:
             continue
-        how = (
-            run_id,
-            job_key,
-            arm,
-            extra["stop_reason"],
-            extra.get("rounds", ""),
-            extra["half_width"],
-            extra["precision"],
-        )
+        rounds = _number(extra, "rounds")
+        how = (run_id, job_key, arm, extra["stop_reason"], int(rounds) if math.isfinite(rounds) else 0, width, target)
         samplings.setdefault(how, set()).add(metric)
     out = []
-    for (run_id, job_key, arm, reason, rounds, half_width, precision), metrics in samplings.items():
+    for (run_id, job_key, arm, reason, taken, width, target), metrics in samplings.items():
         metric = _headline(metrics)
         device, case_name, point = where[(run_id, job_key, arm, metric)]
-        count = _number({"rounds": rounds}, "rounds")
-        taken = int(count) if math.isfinite(count) else 0
-        width, target = float(half_width), float(precision)
         out.append(Shortfall(device, case_name, point, arm, metric, run_id, job_key, reason, width, target, taken))
     return sorted(out, key=lambda s: (s.device, s.case_name, s.point, s.arm, s.metric))
 

@@ -257,7 +257,7 @@ def run_model_job(job: JobSpec, rows: RowBuilder, context: JobContext) -> Status
     for arm in live:
         rounds.record(first, arm, loads[arm].samples[0][1].load_seconds)
     rounds.resume_after(first)
-    for arm in set(job.arms) - set(live):
+    for arm in (a for a in job.arms if a not in live):
         _leave_out(rounds, arm)
     for round_ in rounds if live else ():
         for arm in abba_order(job.arms, round_):

@@ -263,7 +263,7 @@ def measure_steady(
     for arm in live:  # the decode rounds' warm-up, right before them
         runners[arm].window(WARMUP_TOKENS)
     mark = _phase(phases, "warmup", mark)
-    left = budget_share(job).options.get("max_seconds", 0.0) - prefill_rounds.seconds
+    left = (prefill_rounds.target.max_seconds or 0.0) - prefill_rounds.seconds  # the prefill's unused share
     decode_rounds = _rounds(job, live, "decode_tok_s", failing, left)
     latency_rounds = _rounds(job, live, "token_latency_ms", failing, left)
     for round_ in decode_rounds:
