@@ -152,35 +152,26 @@ def launcher(m: int, n: int, k: int, dtype: mx.Dtype) -> Callable[..., mx.array]
 @functools.cache
 def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) -> Callable[..., mx.array]:
     """The kernel call for one shape (see kernels.gemv_nvfp4). M is read by the kernel from x's
-    shape, so every M shares one NVRTC build per (N, K, dtype, variant)."""
+    shape, so every M shares one NVRTC build per (N, K, dtype, variant). Our NVRTC build where
+    NVRTC is here (`build_image`, kept in the disk cache for the next process), else MLX's JIT,
+    which compiles again in every process."""
     cfg: GemmConfig = VARIANTS[name]
     grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
-    if cfg.wgmma:
-        fn, cubin = wgmma_cubin(n, k, dtype_name(dtype), name)
+    threads = (cfg.threads, 1, 1)
+    init = float("nan") if poison else None
+    arch = "sm_90a" if cfg.wgmma else nvrtc.device_arch()
+    if arch is not None:
+        fn, image = build_image(n, k, dtype_name(dtype), name, arch)
+        smem = cfg.smem_bytes()
+        compiled = gemv_nvfp4.COMPILE_LAUNCH
         return precompiled_launch(
-            fn,
-            cubin,
-            grid,
-            (cfg.threads, 1, 1),
-            (m, n),
-            dtype,
-            shared_memory=cfg.smem_bytes(),
-            scalars=[m],
-            compiled=gemv_nvfp4.COMPILE_LAUNCH,
-            init_value=float("nan") if poison else None,
+            fn, image, grid, threads, (m, n), dtype, shared_memory=smem, scalars=[m], compiled=compiled, init_value=init
         )
     kernel = compiled_kernel(GEMM_SOURCE, cfg.smem_bytes())
     template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype)]
     template += cfg.template(n, k, dtype == mx.float16).items()
     return single_output_launch(
-        kernel,
-        template,
-        grid,
-        (cfg.threads, 1, 1),
-        (m, n),
-        dtype,
-        compiled=gemv_nvfp4.COMPILE_LAUNCH,
-        init_value=float("nan") if poison else None,
+        kernel, template, grid, threads, (m, n), dtype, compiled=gemv_nvfp4.COMPILE_LAUNCH, init_value=init
     )
 
 
@@ -189,14 +180,12 @@ def source_of(cfg: GemmConfig) -> CudaKernelSource:
     return GEMM_RS_SOURCE if cfg.rs else GEMM_SOURCE
 
 
-def wgmma_cubin(n: int, k: int, dtype: str, name: str) -> tuple[str, bytes]:
-    """(kernel name, sm_90a cubin) of a wgmma variant for N, K and dtype, built by NVRTC once per
-    host (`nvrtc.build`: kept in the disk cache for the next process)."""
+def build_image(n: int, k: int, dtype: str, name: str, arch: str) -> tuple[str, bytes]:
+    """(kernel name, module image) of a variant for N, K and dtype on `arch` (sm_90a for the wgmma
+    variants), built by NVRTC once per host (`nvrtc.build`: kept in the disk cache)."""
     cfg = VARIANTS[name]
     template = (("T", dtype), *cfg.template(n, k, dtype == "float16").items())
-    return nvrtc.build(
-        source_of(cfg), (("x", dtype), *SIGNATURE), (("y", dtype),), template, "sm_90a", cfg.launch_bound
-    )
+    return nvrtc.build(source_of(cfg), (("x", dtype), *SIGNATURE), (("y", dtype),), template, arch, cfg.launch_bound)
 
 
 def gemm_nvfp4(
@@ -218,8 +207,8 @@ def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None =
     """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
     name = variant or library_variant(m)
     if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
-        build = "precompiled sm_90a" if VARIANTS[name].wgmma else "cuda_kernel"
-        return f"{build}(gemm_nvfp4:{name})"
+        arch = "sm_90a" if VARIANTS[name].wgmma else nvrtc.device_arch()
+        return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(gemm_nvfp4:{name})"
     return "mlx-twin(x @ dequantize_exact)"
 
 

@@ -28,7 +28,15 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import gemv_nvfp4
-from kernels.cuda import CudaKernelSource, compiled_kernel, cuda_backend_available, off_small_pool, single_output_launch
+from kernels.cuda import (
+    CudaKernelSource,
+    compiled_kernel,
+    cuda_backend_available,
+    nvrtc,
+    off_small_pool,
+    precompiled_launch,
+    single_output_launch,
+)
 from kernels.gemv_nvfp4 import TOLERANCE, activations_as_kernel_sees_them, dequantize_exact
 from kernels.nvfp4 import MLX_GLOBAL_SCALE_DIVISOR
 from kernels.registry import ArmPath, bound_path
@@ -38,6 +46,8 @@ MOE_SOURCE = CudaKernelSource(
     inputs=("x", "lhs", "rhs", "w", "scales", "gsv"),
     outputs=("y",),
 )
+# the inputs after x, with their dtypes, in call order
+SIGNATURE = (("lhs", "uint32"), ("rhs", "uint32"), ("w", "uint32"), ("scales", "uint8"), ("gsv", "float32"))
 __all__ = ["TOLERANCE", "MoeConfig", "kernel_supports", "moe_custom_path", "moe_gather_nvfp4", "moe_gather_nvfp4_twin"]
 
 
@@ -127,23 +137,23 @@ def moe_gather_nvfp4_cuda(
 
 @functools.cache
 def _launcher(experts: int, n: int, k: int, rows: int, dtype: mx.Dtype, cfg: MoeConfig) -> Callable[..., mx.array]:
-    """The kernel call for one shape, traced once by `mx.compile` (see kernels.gemv_nvfp4)."""
-    kernel = compiled_kernel(MOE_SOURCE)
+    """The kernel call for one shape, traced once by `mx.compile` (see kernels.gemv_nvfp4): our NVRTC
+    build where NVRTC is here (`nvrtc.build`, kept in the disk cache, so a fresh process such as a
+    cold model sample loads it instead of compiling it), else MLX's per-process JIT."""
     blocks = -(-(n // 16) // cfg.warps)
-    template: list[tuple[str, int | bool | mx.Dtype]] = [
-        ("T", dtype),
-        ("N", n),
-        ("K", k),
-        ("E", experts),
-        ("R", rows),
-        ("WARPS", cfg.warps),
-        ("UNROLL", cfg.unroll),
-        ("NT", cfg.n_tiles),
-        ("SPLIT", dtype != mx.bfloat16),
-    ]
-
+    consts: list[tuple[str, int | bool]] = [("N", n), ("K", k), ("E", experts), ("R", rows)]
+    consts += [("WARPS", cfg.warps), ("UNROLL", cfg.unroll), ("NT", cfg.n_tiles), ("SPLIT", dtype != mx.bfloat16)]
     grid = (blocks * 32 * cfg.warps, experts + 1, 1)
     threads = (32 * cfg.warps, 1, 1)
+    arch = nvrtc.device_arch()
+    if arch is not None:
+        name = gemv_nvfp4.dtype_name(dtype)
+        fn, image = nvrtc.build(MOE_SOURCE, (("x", name), *SIGNATURE), (("y", name),), (("T", name), *consts), arch)
+        return precompiled_launch(
+            fn, image, grid, threads, (rows, n), dtype, shared_memory=0, scalars=[], compiled=gemv_nvfp4.COMPILE_LAUNCH
+        )
+    template: list[tuple[str, int | bool | mx.Dtype]] = [("T", dtype), *consts]
+    kernel = compiled_kernel(MOE_SOURCE)
     return single_output_launch(kernel, template, grid, threads, (rows, n), dtype, compiled=gemv_nvfp4.COMPILE_LAUNCH)
 
 
@@ -165,7 +175,8 @@ def moe_gather_nvfp4(
 def route(n: int, k: int) -> str:
     """What `moe_gather_nvfp4` runs for these weights here (recorded in a row's `route`)."""
     if cuda_backend_available() and kernel_supports(n, k) is None:
-        return "cuda_kernel(moe_nvfp4_expert_batched)"
+        arch = nvrtc.device_arch()
+        return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(moe_nvfp4_expert_batched)"
     return "mlx-twin(expert-by-expert matmul on dequantize_exact)"
 
 

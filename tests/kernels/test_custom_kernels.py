@@ -444,7 +444,7 @@ def test_moe_kernel_matches_its_twin_on_cuda() -> None:
 
 
 def _our_build(kernel: str) -> str:
-    """A GEMV route on this host: our NVRTC build where a device and NVRTC are here (kept in the
+    """A kernel's route on this host: our NVRTC build where a device and NVRTC are here (kept in the
     disk cache), else MLX's JIT."""
     arch = nvrtc.device_arch()
     return f"{'precompiled ' + arch if arch else 'cuda_kernel'}({kernel})"
@@ -464,7 +464,7 @@ def test_qmm_custom_and_auto_arms_are_within_tolerance_and_say_what_ran(tokens: 
     if tokens <= 8:
         assert route in (_our_build("gemv_nvfp4_stream"), "mlx-twin(dequantize_exact @ x)")
     else:  # float32: the GEMM twin here; on CUDA the one-expert MoE kernel (the GEMM takes 16-bit x)
-        assert route in ("mlx-twin(x @ dequantize_exact)", "cuda_kernel(moe_nvfp4_expert_batched)[one expert]")
+        assert route in ("mlx-twin(x @ dequantize_exact)", _our_build("moe_nvfp4_expert_batched") + "[one expert]")
     auto = wl.arms["auto"].auto
     assert auto is not None and dispatch.resolve_standalone(auto).route.startswith("auto:")
     assert wl.arms["custom"].build_seconds > 0
