@@ -10,7 +10,8 @@ For the decoder of the nvfp4-prefill model point (4 Gemma-3-27B-wide layers, NVF
   (`kernels.nvfp4_linear.bound_matmul`), 200 chained calls at M = 1 on a square weight: `build_us`
   (Python building the graph), `encode_us` (`mx.async_eval` handing it to the device) and
   `total_us` per op, the best of 3. At a small width the device has almost nothing to do, so the
-  total is the host's.
+  total is the host's. `custom GEMV, plain cubin` is the same launch from the uncompressed cubin
+  (`kernels.cuda.fatbin`).
 * `decode`: every arm loaded in one process and decoding windows of 128 tokens from the same
   8-token prompt, ABBA, as the `model` case takes them (`workers.job.steady.ArmRunner`): median
   tok/s, milliseconds per step (`step_ms`), and of it the host's (`host_ms`, building and queueing)
@@ -33,12 +34,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
 
 from kernels import gemv_nvfp4
 from kernels.checkpoint import DecoderConfig, write_checkpoint
+from kernels.cuda import fatbin, nvrtc
 from kernels.model import load_decoder
 from kernels.nvfp4_linear import bound_matmul
 from workers.job.steady import ArmRunner
@@ -82,13 +85,28 @@ def launch_costs(dim: int) -> dict[str, dict[str, float]]:
     wn, sn = mx.quantize(w, group_size=16, bits=4, mode="nvfp4")[:2]
     gsv = gemv_nvfp4.kernel_multiplier(None)
     custom = bound_matmul((1,), dim, dim, mx.bfloat16)
+    plain = _from_plain_cubin(dim)
     ops: dict[str, Callable[[mx.array], mx.array]] = {
         "multiply": lambda y: y * 1.0001,
         "affine quantized_matmul": lambda y: mx.quantized_matmul(y, wa, sa, ba, group_size=64, bits=4),
         "native quantized_matmul": lambda y: mx.quantized_matmul(y, wn, sn, group_size=16, bits=4, mode="nvfp4"),
         "custom GEMV": lambda y: custom(y, wn, sn, gsv),
+        "custom GEMV, plain cubin": lambda y: plain(y, wn, sn, gsv),
     }
     return {name: _per_op(fn, x) for name, fn in ops.items()}
+
+
+def _from_plain_cubin(dim: int) -> Callable[..., mx.array]:
+    """The custom GEMV's launch from its uncompressed cubin (`kernels.cuda.fatbin` off): beside
+    the compressed one, what the compression buys per launch."""
+    caches = (nvrtc.build, gemv_nvfp4.launcher)
+    for cache in caches:
+        cache.cache_clear()
+    with mock.patch.object(fatbin, "compress", lambda cubin, arch: cubin):
+        call = bound_matmul((1,), dim, dim, mx.bfloat16)
+    for cache in caches:
+        cache.cache_clear()
+    return call
 
 
 def decode_windows(runners: dict[str, ArmRunner], windows: int) -> dict[str, dict[str, Any]]:

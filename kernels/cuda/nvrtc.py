@@ -10,16 +10,21 @@ this process and on disk (`kernels.cuda.build_cache`).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import glob
 import hashlib
 import os
-import sys
 from pathlib import Path
 
-from kernels.cuda import CudaKernelSource, TemplateValue, build_cache, cuda_device, precompiled_source
+from kernels.cuda import (
+    CudaKernelSource,
+    TemplateValue,
+    build_cache,
+    cuda_device,
+    fatbin,
+    libraries,
+    precompiled_source,
+)
 
 NVRTC_ENV = "ORCHESTRATE_NVRTC"  # an explicit libnvrtc.so path
 
@@ -36,49 +41,15 @@ typedef decltype(sizeof(0)) size_t;
 """
 
 
-def _candidates() -> list[str]:
-    """Where libnvrtc may be, best first: explicit, already loaded (by MLX), system, wheels."""
-    out = [os.environ.get(NVRTC_ENV, "")]
-    try:
-        maps = Path("/proc/self/maps").read_text()
-        loaded = {line.split()[-1] for line in maps.splitlines() if "libnvrtc.so" in line}
-        out += sorted(loaded)
-    except OSError:
-        pass
-    out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    out += sorted(glob.glob(f"{home}/lib64/libnvrtc.so*"))
-    for site in sys.path:
-        out += sorted(glob.glob(f"{site}/nvidia/*/lib/libnvrtc.so*"))
-    return [c for c in out if c and "builtins" not in c and not c.endswith(".alt")]
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The NVRTC library, or None where none loads."""
-    for path in _candidates():
-        # NVRTC dlopens its builtins library by name: from a wheel's folder (not on the loader's
-        # path) it only finds one already loaded
-        for builtins in sorted(glob.glob(f"{Path(path).parent}/libnvrtc-builtins.so*")) if "/" in path else []:
-            with contextlib.suppress(OSError):
-                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
-        try:
-            lib = ctypes.CDLL(path)
-            lib.nvrtcVersion  # noqa: B018 - the symbol must be there
-        except (OSError, AttributeError):
-            continue
-        return lib
-    return None
+    return libraries.load("nvrtc", NVRTC_ENV, "nvrtcVersion")
 
 
 def version() -> tuple[int, int] | None:
     """NVRTC's (major, minor), or None without it."""
-    lib = library()
-    if lib is None:
-        return None
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    return major.value, minor.value
+    return libraries.version(library(), "nvrtcVersion")
 
 
 def include_dirs() -> list[str]:
@@ -112,7 +83,9 @@ def build(
     arch: str,
     max_threads: int = 0,
 ) -> tuple[str, bytes]:
-    """(kernel name, cubin) of `source` at `template` for `arch`, for `precompiled_launch`.
+    """(kernel name, module image) of `source` at `template` for `arch`, for `precompiled_launch`:
+    the cubin, compressed into a fatbin where nvFatbin is here (`kernels.cuda.fatbin`: MLX hashes
+    the image at every launch).
 
     MLX's `mx.fast.cuda_kernel` compiles a kernel again in every process (its on-disk cache holds
     MLX's own kernels): seconds per shape, paid by every cold model sample's warm-up. This build
@@ -123,7 +96,8 @@ def build(
     args = (source, dict(inputs), dict(outputs), dict(template))
     placeholder = precompiled_source(*args, "KERNEL", prelude=PRELUDE, max_threads=max_threads)
     fn = kernel_name(Path(source.body_file).stem, placeholder, arch)
-    return fn, compile_cubin(precompiled_source(*args, fn, prelude=PRELUDE, max_threads=max_threads), arch)
+    cubin = compile_cubin(precompiled_source(*args, fn, prelude=PRELUDE, max_threads=max_threads), arch)
+    return fn, fatbin.compress(cubin, arch)
 
 
 def kernel_name(stem: str, source: str, arch: str) -> str:
@@ -144,7 +118,8 @@ def compile_cubin(source: str, arch: str) -> bytes:
     """
     lib = library()
     if lib is None:
-        raise RuntimeError(f"no NVRTC library found (tried {', '.join(_candidates()[:6])}; set {NVRTC_ENV})")
+        tried = ", ".join(libraries.candidates("nvrtc", NVRTC_ENV)[:6])
+        raise RuntimeError(f"no NVRTC library found (tried {tried}; set {NVRTC_ENV})")
     opts = [f"--gpu-architecture={arch}", "--std=c++17", *(f"--include-path={d}" for d in include_dirs())]
     key = "\0".join(["cubin", f"nvrtc {version()}", *opts, source])
     return build_cache.cached(key, lambda: _compile(lib, source, opts, arch))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kernels import dispatch, moe, nvfp4, qmm
-from kernels.cuda import cuda_backend_available, nvrtc, precompiled_source, read_source
+from kernels.cuda import cuda_backend_available, fatbin, nvrtc, precompiled_source, read_source
 from kernels.gemv_nvfp4 import (
     GEMV_SOURCE,
     KSPLIT_SOURCE,
@@ -377,6 +377,23 @@ def test_the_gemv_kernels_compile_as_our_nvrtc_builds_them(dtype: str, tmp_path:
         )  # fmt: skip
         assert res.returncode == 0, res.stderr[-3000:]
         assert "0 bytes spill stores" in res.stderr, res.stderr
+
+
+@pytest.mark.skipif(
+    nvrtc.library() is None or fatbin.library() is None,
+    reason=f"needs NVRTC and nvFatbin libraries (none found; {nvrtc.NVRTC_ENV} and {fatbin.FATBIN_ENV} name them)",
+)
+def test_a_built_kernel_is_a_compressed_fatbin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX hashes the module image at every launch: `nvrtc.build` hands it the compressed fatbin."""
+    monkeypatch.setenv("ORCHESTRATE_KERNEL_CACHE", str(tmp_path / "cache"))
+    consts, _ = stream_constants(1, 21504, 5376, STREAM_CONFIG, 132, False)
+    sig = ((("x", "bfloat16"), ("w", "uint32"), ("scales", "uint8"), ("gsv", "float32")), (("y", "bfloat16"),))
+    fn, image = nvrtc.build(GEMV_SOURCE, *sig, (("T", "bfloat16"), *consts.items()), "sm_90")
+    unit = precompiled_source(GEMV_SOURCE, *map(dict, sig), {"T": "bfloat16", **consts}, fn, nvrtc.PRELUDE)
+    cubin = nvrtc.compile_cubin(unit, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and image[:4] == bytes.fromhex("50ed55ba")  # ELF in, fatbin out
+    assert len(image) < len(cubin) / 2
+    assert fatbin.compress(cubin, "sm_90") == image  # from the disk cache: the same bytes
 
 
 @needs_cuda
