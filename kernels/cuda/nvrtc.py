@@ -4,8 +4,9 @@ MLX 0.32's `mx.fast.cuda_kernel` compiles with `--gpu-architecture=sm_<major><mi
 an H100/H200), which rejects Hopper's arch-specific instructions (wgmma, setmaxnreg need sm_90a).
 `compile_cubin` builds a whole translation unit for another target with the NVRTC library the
 machine already has (the one MLX's JIT loaded, else the CUDA toolkit's or a pip wheel's), and
-`mx.fast.precompiled_cuda_kernel` loads the cubin. Builds are cached per source and target in
-this process and on disk (`kernels.cuda.build_cache`).
+`mx.fast.precompiled_cuda_kernel` loads the cubin (compressed into a fatbin where nvFatbin is
+here: `kernels.cuda.fatbin`). Builds are cached per source and target in this process and on disk
+(`kernels.cuda.build_cache`).
 """
 
 from __future__ import annotations
