@@ -159,7 +159,7 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
     grid = (cfg.blocks(m, n) * cfg.threads, 1, 1)
     threads = (cfg.threads, 1, 1)
     init = float("nan") if poison else None
-    arch = "sm_90a" if cfg.wgmma else nvrtc.device_arch()
+    arch = build_arch(cfg)
     if arch is not None:
         fn, image = build_image(n, k, dtype_name(dtype), name, arch)
         smem = cfg.smem_bytes()
@@ -178,6 +178,11 @@ def _launcher(m: int, n: int, k: int, dtype: mx.Dtype, name: str, poison: bool) 
 def source_of(cfg: GemmConfig) -> CudaKernelSource:
     """The kernel body a variant runs: gemm_nvfp4.cu, or gemm_nvfp4_rs.cu for the register-sourced ones."""
     return GEMM_RS_SOURCE if cfg.rs else GEMM_SOURCE
+
+
+def build_arch(cfg: GemmConfig) -> str | None:
+    """The target our NVRTC builds a variant for (sm_90a for wgmma), or None: MLX's JIT builds it."""
+    return "sm_90a" if cfg.wgmma else nvrtc.device_arch()
 
 
 def build_image(n: int, k: int, dtype: str, name: str, arch: str) -> tuple[str, bytes]:
@@ -207,8 +212,7 @@ def route(m: int, n: int, k: int, dtype: str = "bfloat16", variant: str | None =
     """What `gemm_nvfp4(..., variant=variant)` runs for this shape here (a row's `route`)."""
     name = variant or library_variant(m)
     if cuda_backend_available() and kernel_supports(m, n, k, dtype, name) is None:
-        arch = "sm_90a" if VARIANTS[name].wgmma else nvrtc.device_arch()
-        return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(gemm_nvfp4:{name})"
+        return nvrtc.route(f"gemm_nvfp4:{name}", build_arch(VARIANTS[name]))
     return "mlx-twin(x @ dequantize_exact)"
 
 

@@ -372,8 +372,7 @@ def route(m: int, n: int, k: int, dtype: str = "bfloat16", kernel: str | None = 
     if cuda_backend_available():
         cfg = choose_config(m, n, k, dtype, kernel)
         if config_supports(cfg, m, n, k, dtype) is None:
-            arch = nvrtc.device_arch()
-            return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(gemv_nvfp4_{cfg.kernel})"
+            return nvrtc.route(f"gemv_nvfp4_{cfg.kernel}", nvrtc.device_arch())
     return "mlx-twin(dequantize_exact @ x)"
 
 

@@ -175,8 +175,7 @@ def moe_gather_nvfp4(
 def route(n: int, k: int) -> str:
     """What `moe_gather_nvfp4` runs for these weights here (recorded in a row's `route`)."""
     if cuda_backend_available() and kernel_supports(n, k) is None:
-        arch = nvrtc.device_arch()
-        return f"{'precompiled ' + arch if arch else 'cuda_kernel'}(moe_nvfp4_expert_batched)"
+        return nvrtc.route("moe_nvfp4_expert_batched", nvrtc.device_arch())
     return "mlx-twin(expert-by-expert matmul on dequantize_exact)"
 
 

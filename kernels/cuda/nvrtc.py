@@ -101,6 +101,12 @@ def build(
     return fn, fatbin.compress(cubin, arch)
 
 
+def route(kernel: str, arch: str | None) -> str:
+    """A CUDA kernel's `route` in the rows: `precompiled <arch>(kernel)`, our build for `arch`, or
+    `cuda_kernel(kernel)`, MLX's per-process JIT, where `arch` is None (no NVRTC library here)."""
+    return f"{'precompiled ' + arch if arch else 'cuda_kernel'}({kernel})"
+
+
 def kernel_name(stem: str, source: str, arch: str) -> str:
     """A name unique to the source and target (MLX caches loaded modules by kernel name)."""
     return f"{stem}_{hashlib.sha256((arch + source).encode()).hexdigest()[:12]}"
